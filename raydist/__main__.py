@@ -1,0 +1,5 @@
+import sys
+
+from raydist.cli import main
+
+sys.exit(main())

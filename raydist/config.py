@@ -1,0 +1,486 @@
+"""Run configuration: one dataclass per TOML section, `--set section.key=value` overrides, validation.
+
+A config is loaded from TOML (`Config.load(path, overrides)`), every value is type-checked against the
+field's annotation, unknown sections or keys are errors, and `validate()` checks the relations between
+fields. Every error is a `ConfigError` whose message names the offending value and the fix, so the CLI
+can print it as a single `error:` line before any worker starts.
+
+Each field carries a docstring (the string literal under it); `field_docs()` reads them back from this
+file's source so that the README's reference and error hints never drift from the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """Bad user input. The message is one line naming the value and the fix."""
+
+
+DEFAULT_WORKLOAD = "gpt_tiny.toml"
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 4
+    """Transformer blocks."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    num_heads: int = 4
+    """Attention (query) heads; d_model must be divisible by it."""
+    num_kv_heads: int = 2
+    """Key/value heads for grouped-query attention; num_heads must be divisible by it."""
+    ffn_hidden: int = 352
+    """Hidden width of the SwiGLU MLP (Llama uses about 8/3 * d_model, rounded)."""
+    vocab_size: int = 320
+    """Embedding rows; at least the tokenizer's vocabulary (byte-level: 257). Padding to a multiple of
+    64 keeps tensor-parallel splits even."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2*layers))."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Prepared shards (a directory or fsspec URI holding manifest.json). Empty: the default corpus,
+    prepared on first use under ~/.cache/raydist/data/<corpus-name>-<seq_len>."""
+    corpus: str = "stdlib"
+    """What `raydist data prepare` reads: `stdlib` (the Python standard library's source that ships with
+    the interpreter), a glob or fsspec URI of text files, or parquet files with a text column."""
+    text_column: str = "text"
+    """Column holding the documents when the corpus is parquet."""
+    tokenizer: str = "byte"
+    """`byte` (bytes 0-255 plus end-of-document 256) or the path of a `tokenizers` JSON file."""
+    seq_len: int = 128
+    """Tokens per training sample (each stored row holds seq_len + 1 tokens: inputs and shifted targets)."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation (chosen by a hash of the document's name)."""
+    shard_rows: int = 4096
+    """Samples per parquet shard."""
+    max_corpus_mb: float = 0.0
+    """Stop reading the corpus after this many megabytes (0: read all of it)."""
+    reader: str = "auto"
+    """How workers read shards: `ray` (Ray Data), `arrow` (pyarrow through fsspec), `auto` (Ray Data
+    inside a Ray worker, arrow elsewhere)."""
+    prefetch_shards: int = 2
+    """Shards read ahead of the one being consumed."""
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = -1
+    """Data-parallel replicas (DDP, or the replicate dim of HSDP). -1: fill from the world size."""
+    dp_shard: int = 1
+    """Fully-sharded (FSDP/ZeRO-3) degree; HSDP when dp_replicate > 1 too. -1: fill from the world size."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost mesh axis, kept inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel stages (outermost mesh axis)."""
+    cp: int = 1
+    """Context-parallel degree: the sequence is split across this many ranks."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism for norms and the residual stream (needs tp > 1)."""
+    cp_impl: str = "ring"
+    """Context-parallel attention: `ring` (K/V passed around a ring) or `ulysses` (all-to-all to heads)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved`."""
+    num_microbatches: int = 0
+    """Micro-batches per step in the pipeline (0: one per micro_batch of the per-rank batch)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B needs >= 2)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free the gathered parameters after forward (ZeRO-3) rather than keep them for backward."""
+    fsdp_forward_prefetch: bool = True
+    """FSDP: all-gather the next block's parameters while the current block computes."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps."""
+    global_batch: int = 16
+    """Samples per optimizer step across all data-parallel ranks (kept fixed when the dp size changes)."""
+    micro_batch: int = 8
+    """Samples per forward/backward on one rank; gradient accumulation = global_batch / (dp * micro_batch)."""
+    seed: int = 0
+    """Seed for the weights, the data order and dropout-free RNG state."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of lr."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    eval_every: int = 50
+    """Validation every this many steps, and before the first step (0: never)."""
+    eval_batches: int = 4
+    """Validation batches of global_batch samples each."""
+    log_every: int = 10
+    """Write a metrics.jsonl line every this many steps."""
+    run_name: str = ""
+    """Run directory name under checkpoint.storage; empty: generated. Re-running a name resumes it."""
+    activation_checkpoint: str = "none"
+    """Activation recomputation: `none`, `full`, `every_k`, `selective`."""
+    activation_checkpoint_k: int = 0
+    """For `every_k`: checkpoint every k-th block (0: round(sqrt(num_layers)), the sqrt(n) rule)."""
+    dtype: str = "auto"
+    """Compute precision: `auto` (bf16 autocast on CUDA, fp32 on CPU), `fp32`, `bf16`."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower on CUDA; CPU runs are deterministic already)."""
+
+
+@dataclass
+class CheckpointConfig:
+    storage: str = "./runs"
+    """Where run directories go: a local path or any fsspec URI (s3://bucket/prefix, gs://...)."""
+    every_steps: int = 100
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    keep: int = 3
+    """Committed checkpoints to keep (older ones are deleted after a newer one commits)."""
+    async_save: bool = True
+    """Write checkpoints in the background while training continues."""
+
+
+@dataclass
+class ElasticConfig:
+    min_workers: int = 0
+    """Smallest worker count an elastic run trains on (0 with max_workers 0: a fixed-size run)."""
+    max_workers: int = 0
+    """Largest worker count an elastic run grows to."""
+    resize_check_interval_s: float = 30.0
+    """How often Ray Train considers growing a healthy elastic run."""
+    max_failures: int = 3
+    """Restarts after worker or node failures before the run gives up (-1: unlimited)."""
+    collective_timeout_s: float = 300.0
+    """A collective that waits longer than this fails (so a dead peer ends in a restart, not a hang)."""
+
+
+@dataclass
+class RayConfig:
+    num_workers: int = 2
+    """Workers for a fixed-size run (one per device)."""
+    address: str = ""
+    """Cluster to join; empty: RAY_ADDRESS if set, else an embedded local Ray."""
+    cpus_per_worker: float = 1.0
+    """Logical CPUs each worker reserves (and torch threads it uses on CPU)."""
+    use_gpu: str = "auto"
+    """`auto` (GPUs when the cluster has them), `true`, `false`."""
+    max_pending_s: float = 60.0
+    """How long to wait for the cluster to offer the workers' resources before failing."""
+
+
+@dataclass
+class KernelsConfig:
+    attention: str = "auto"
+    """`auto` (Triton on CUDA, sdpa on CPU), `triton`, `sdpa`, `eager`."""
+    matmul: str = "auto"
+    """`auto` (Triton on CUDA, torch on CPU), `triton`, `torch`."""
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "data.reader": ("auto", "ray", "arrow"),
+    "parallel.cp_impl": ("ring", "ulysses"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved"),
+    "train.activation_checkpoint": ("none", "full", "every_k", "selective"),
+    "train.dtype": ("auto", "fp32", "bf16"),
+    "ray.use_gpu": ("auto", "true", "false"),
+    "kernels.attention": ("auto", "triton", "sdpa", "eager"),
+    "kernels.matmul": ("auto", "triton", "torch"),
+}
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "elastic": ElasticConfig,
+    "ray": RayConfig,
+    "kernels": KernelsConfig,
+}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> "Config":
+        raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+        for item in overrides:
+            section, key, value = parse_override(item)
+            raw.setdefault(section, {})[key] = value
+        sections = {}
+        for name, value in raw.items():
+            if name not in SECTIONS:
+                raise ConfigError(f"unknown section [{name}]; valid sections: {', '.join(SECTIONS)}")
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name} must be a table ([{name}] with keys), got {value!r}")
+            sections[name] = _build_section(name, value)
+        cfg = cls(**sections)
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
+        return cls.from_dict(read_toml(path) if path else {}, overrides)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_toml(self) -> str:
+        return dump_toml(self.to_dict())
+
+    # ---- validation of relations between fields ------------------------------------------------
+    def validate(self) -> None:
+        m, t, p, d = self.model, self.train, self.parallel, self.data
+        for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_hidden", "vocab_size"):
+            _positive(f"model.{key}", getattr(m, key))
+        for key in ("steps", "global_batch", "micro_batch"):
+            _positive(f"train.{key}", getattr(t, key))
+        _positive("data.seq_len", d.seq_len)
+        _positive("data.shard_rows", d.shard_rows)
+        _positive("checkpoint.keep", self.checkpoint.keep)
+        _positive("parallel.virtual_stages", p.virtual_stages)
+        for key in ("lr", "rope_theta"):
+            obj = t if key == "lr" else m
+            if not getattr(obj, key) > 0:
+                section = "train" if key == "lr" else "model"
+                raise ConfigError(f"{section}.{key}={getattr(obj, key)} must be > 0")
+        for key in ("eval_every", "eval_batches", "log_every", "warmup_steps", "activation_checkpoint_k"):
+            if getattr(t, key) < 0:
+                raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0")
+        if t.log_every == 0:
+            raise ConfigError("train.log_every=0 must be >= 1")
+        if self.checkpoint.every_steps < 0:
+            raise ConfigError(f"checkpoint.every_steps={self.checkpoint.every_steps} must be >= 0 (0: only at the end)")
+        if not 0.0 <= d.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+        if not 0.0 <= t.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+        if t.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+        if m.d_model % m.num_heads:
+            raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
+                              f"pick num_heads from {divisors(m.d_model)}")
+        if m.num_heads % m.num_kv_heads:
+            raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
+                              f"pick num_kv_heads from {divisors(m.num_heads)}")
+        if (m.d_model // m.num_heads) % 2:
+            raise ConfigError(f"head dim d_model/num_heads={m.d_model // m.num_heads} must be even for RoPE; "
+                              "change model.d_model or model.num_heads")
+        if t.global_batch % t.micro_batch:
+            raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch={t.micro_batch}")
+        degrees = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+        for key, value in degrees.items():
+            if value == 0 or value < -1:
+                raise ConfigError(f"parallel.{key}={value} must be a positive degree or -1 (fill from the world size)")
+        filled = [k for k, v in degrees.items() if v == -1]
+        if len(filled) > 1:
+            raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + k for k in filled)}; "
+                              "set all but one explicitly")
+        if p.sequence_parallel and p.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set tp or turn sequence_parallel off")
+        if p.pp_schedule == "interleaved" and p.pp > 1 and p.virtual_stages < 2:
+            raise ConfigError("parallel.pp_schedule='interleaved' needs parallel.virtual_stages >= 2")
+        if p.num_microbatches < 0:
+            raise ConfigError(f"parallel.num_microbatches={p.num_microbatches} must be >= 0 (0: automatic)")
+        e = self.elastic
+        if e.min_workers < 0 or e.max_workers < 0:
+            raise ConfigError("elastic.min_workers and elastic.max_workers must be >= 0")
+        if (e.min_workers == 0) != (e.max_workers == 0):
+            raise ConfigError(f"elastic.min_workers={e.min_workers} and elastic.max_workers={e.max_workers}: "
+                              "set both (an elastic run) or neither (a fixed-size run of ray.num_workers)")
+        if e.min_workers > e.max_workers:
+            raise ConfigError(f"elastic.min_workers={e.min_workers} exceeds elastic.max_workers={e.max_workers}")
+        _positive("ray.num_workers", self.ray.num_workers)
+        if not self.ray.cpus_per_worker > 0:
+            raise ConfigError(f"ray.cpus_per_worker={self.ray.cpus_per_worker} must be > 0")
+        if not e.collective_timeout_s > 0:
+            raise ConfigError(f"elastic.collective_timeout_s={e.collective_timeout_s} must be > 0")
+
+    @property
+    def elastic_enabled(self) -> bool:
+        return self.elastic.max_workers > 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.d_model // self.model.num_heads
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+
+
+def _positive(name: str, value: int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{name}={value} must be a positive integer")
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found; pass an existing TOML file "
+                          f"(e.g. workloads/{DEFAULT_WORKLOAD})")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """`section.key=value` -> (section, key, value); the value is parsed as a TOML value when it can be,
+    else kept as a bare string (so `--set checkpoint.storage=/tmp/x` needs no quotes)."""
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=100)")
+    dotted, text = item.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return section, key.strip(), value
+
+
+def _build_section(name: str, values: dict[str, Any]):
+    cls = SECTIONS[name]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            near = _closest(key, fields)
+            hint = f"; did you mean {name}.{near}?" if near else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown key {name}.{key}{hint}")
+        kwargs[key] = _coerce(f"{name}.{key}", value, fields[key].type)
+    return cls(**kwargs)
+
+
+def _coerce(dotted: str, value: Any, annotation: str) -> Any:
+    kind = {"int": int, "float": float, "bool": bool, "str": str}[annotation]
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    else:
+        if isinstance(value, bool) and dotted in CHOICES:  # use_gpu = true in TOML
+            value = str(value).lower()
+        if isinstance(value, str):
+            if dotted in CHOICES and value not in CHOICES[dotted]:
+                raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(CHOICES[dotted])}")
+            return value
+    example = {"int": "4", "float": "0.5", "bool": "true", "str": "'text'"}[annotation]
+    raise ConfigError(f"{dotted}={value!r} has the wrong type: expected {annotation} (e.g. {dotted}={example})")
+
+
+def _closest(key: str, options) -> str | None:
+    import difflib
+
+    match = difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def dump_toml(sections: dict[str, dict[str, Any]]) -> str:
+    """Writes the flat two-level tables this config uses (scalars only)."""
+    lines = []
+    for section, values in sections.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isinf(value) or math.isnan(value):
+            return {math.inf: "inf", -math.inf: "-inf"}.get(value, "nan")
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+@functools.lru_cache(maxsize=1)
+def field_docs() -> dict[str, str]:
+    """{'section.key': docstring} parsed from the attribute docstrings in this module."""
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    class_to_section = {cls.__name__: name for name, cls in SECTIONS.items()}
+    docs = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name in class_to_section:
+            body = node.body
+            for stmt, nxt in zip(body, body[1:]):
+                if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
+                        and isinstance(getattr(nxt, "value", None), ast.Constant)):
+                    doc = " ".join(str(nxt.value.value).split())
+                    docs[f"{class_to_section[node.name]}.{stmt.target.id}"] = doc
+    return docs
+
+
+def reference_markdown() -> str:
+    """The README's config reference: one table per section, from the dataclasses and docstrings."""
+    docs = field_docs()
+    out = []
+    for name, cls in SECTIONS.items():
+        out.append(f"### [{name}]\n\n| key | default | meaning |\n| --- | --- | --- |")
+        for f in dataclasses.fields(cls):
+            default = _toml_value(f.default)
+            choices = CHOICES.get(f"{name}.{f.name}")
+            doc = docs[f"{name}.{f.name}"]
+            out.append(f"| `{f.name}` | `{default}` | {doc}" + (f" One of {', '.join(choices)}." if choices and
+                                                                  "`" not in doc else "") + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

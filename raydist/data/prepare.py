@@ -1,0 +1,247 @@
+"""`raydist data prepare`: a text corpus -> token sequences packed to seq_len -> parquet shards + manifest.
+
+Layout of a prepared dataset (any fsspec URI):
+
+    <path>/train-00000.parquet ...   columns: sample_id int64, tokens list<uint16|int32> (seq_len + 1 each)
+    <path>/val-00000.parquet ...
+    <path>/manifest.json             written last: its presence means the dataset is complete
+
+Documents go to validation by a hash of their name, so the split does not depend on reading order.
+Each split's documents are tokenized, joined with an end-of-document token and cut into
+non-overlapping windows of seq_len + 1 tokens (inputs are the first seq_len, targets the last seq_len).
+`sample_id` numbers a split's windows 0..N-1 in shard order; the training order is a permutation of
+these ids (see position.py), so a sample id names one window forever.
+"""
+
+from __future__ import annotations
+
+import glob as globlib
+import hashlib
+import json
+import os
+import sysconfig
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raydist.config import ConfigError, DataConfig
+from raydist.data.tokenizer import get_tokenizer
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+class DataError(ValueError):
+    """Bad data on storage: the message names the file (and row) and what is wrong."""
+
+
+@dataclass
+class Document:
+    name: str
+    text: bytes
+
+
+def default_data_path(cfg: DataConfig) -> str:
+    """Where the default corpus is prepared when data.path is empty."""
+    root = os.environ.get("RAYDIST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raydist"))
+    tok = "byte" if cfg.tokenizer == "byte" else hashlib.sha1(cfg.tokenizer.encode()).hexdigest()[:8]
+    corpus = cfg.corpus if cfg.corpus == "stdlib" else hashlib.sha1(cfg.corpus.encode()).hexdigest()[:8]
+    mb = f"-{cfg.max_corpus_mb:g}mb" if cfg.max_corpus_mb else ""
+    return os.path.join(root, "data", f"{corpus}-{tok}-s{cfg.seq_len}{mb}")
+
+
+def iter_documents(cfg: DataConfig) -> Iterator[Document]:
+    """The corpus as (name, bytes), in a deterministic order, stopping after max_corpus_mb."""
+    budget = int(cfg.max_corpus_mb * 1e6) if cfg.max_corpus_mb else None
+    read = 0
+    for doc in _documents(cfg):
+        yield doc
+        read += len(doc.text)
+        if budget is not None and read >= budget:
+            return
+
+
+def _documents(cfg: DataConfig) -> Iterator[Document]:
+    if cfg.corpus == "stdlib":
+        root = sysconfig.get_paths()["stdlib"]
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "__pycache__", "dist-packages"))
+            for name in sorted(filenames):
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    with open(path, "rb") as f:
+                        yield Document(os.path.relpath(path, root), f.read())
+        return
+    files = _expand(cfg.corpus)
+    for uri in files:
+        if uri.endswith(".parquet"):
+            yield from _parquet_documents(uri, cfg.text_column)
+        else:
+            with fsspec.open(uri, "rb") as f:
+                yield Document(uri, f.read())
+
+
+def _expand(pattern: str) -> list[str]:
+    """A local path, directory or glob, or an fsspec URI/glob -> sorted file list (error if none)."""
+    if "://" not in pattern:
+        if os.path.isdir(pattern):
+            pattern = os.path.join(pattern, "**", "*")
+        files = sorted(p for p in globlib.glob(pattern, recursive=True) if os.path.isfile(p))
+    else:
+        fs, _, paths = fsspec.get_fs_token_paths(pattern)
+        protocol = pattern.split("://", 1)[0]
+        files = sorted(f"{protocol}://{p}" for p in paths if fs.isfile(p))
+    if not files:
+        raise ConfigError(f"data.corpus={pattern!r} matches no files; give a file, directory, glob or URI "
+                          "that exists, or 'stdlib'")
+    return files
+
+
+def _parquet_documents(uri: str, column: str) -> Iterator[Document]:
+    try:
+        with fsspec.open(uri, "rb") as f:
+            table = pq.read_table(f)
+    except Exception as exc:
+        raise DataError(f"{uri}: cannot read parquet: {exc}") from None
+    if column not in table.column_names:
+        raise DataError(f"{uri}: no column {column!r} (columns: {', '.join(table.column_names)}); "
+                        "set data.text_column")
+    for i, text in enumerate(table.column(column).to_pylist()):
+        if text is None:
+            continue
+        if not isinstance(text, (str, bytes)):
+            raise DataError(f"{uri}: row {i} of column {column!r} is {type(text).__name__}, not text")
+        yield Document(f"{uri}#{i}", text.encode("utf-8") if isinstance(text, str) else text)
+
+
+def is_validation(name: str, fraction: float) -> bool:
+    digest = hashlib.sha1(name.encode("utf-8", errors="replace")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+class _ShardWriter:
+    """Packs a token stream into rows of `window` tokens and writes shards of `rows_per_shard` rows."""
+
+    def __init__(self, fs, root: str, split: str, window: int, rows_per_shard: int, dtype):
+        self.fs, self.root, self.split = fs, root, split
+        self.window, self.rows_per_shard, self.dtype = window, rows_per_shard, dtype
+        self.pending: list[np.ndarray] = []
+        self.pending_tokens = 0
+        self.rows: list[np.ndarray] = []
+        self.shards: list[dict] = []
+        self.next_id = 0
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.pending.append(tokens)
+        self.pending_tokens += len(tokens)
+        if self.pending_tokens >= self.window * 1024:
+            self._cut()
+
+    def _cut(self) -> None:
+        stream = np.concatenate(self.pending) if self.pending else np.zeros(0, np.int32)
+        n = len(stream) // self.window
+        if n:
+            self.rows.extend(stream[: n * self.window].reshape(n, self.window))
+        rest = stream[n * self.window:]
+        self.pending, self.pending_tokens = [rest], len(rest)
+        while len(self.rows) >= self.rows_per_shard:
+            self._write(self.rows[: self.rows_per_shard])
+            self.rows = self.rows[self.rows_per_shard:]
+
+    def close(self) -> dict:
+        self._cut()
+        if self.rows:
+            self._write(self.rows)
+            self.rows = []
+        return {"shards": self.shards, "rows": sum(s["rows"] for s in self.shards),
+                "tokens": sum(s["rows"] for s in self.shards) * self.window}
+
+    def _write(self, rows: list[np.ndarray]) -> None:
+        block = np.stack(rows).astype(self.dtype)
+        ids = np.arange(self.next_id, self.next_id + len(block), dtype=np.int64)
+        tokens = pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), self.window)
+        table = pa.table({"sample_id": ids, "tokens": tokens.cast(pa.list_(tokens.type.value_type))})
+        name = f"{self.split}-{len(self.shards):05d}.parquet"
+        with self.fs.open(_join(self.root, name), "wb") as f:
+            pq.write_table(table, f, row_group_size=1024)
+        self.shards.append({"path": name, "rows": len(block), "first_sample_id": self.next_id})
+        self.next_id += len(block)
+
+
+def _join(root: str, name: str) -> str:
+    return root.rstrip("/") + "/" + name
+
+
+def prepare(cfg: DataConfig, out: str, *, log=print) -> dict:
+    """Prepare `cfg.corpus` into shards at `out`; returns the manifest. Overwrites an incomplete
+    dataset; refuses to overwrite a complete one with different settings."""
+    tokenizer = get_tokenizer(cfg.tokenizer)
+    if cfg.corpus != "stdlib":
+        _expand(cfg.corpus)  # a missing corpus fails before anything is written
+    fs, root = fsspec.core.url_to_fs(out)
+    existing = read_manifest(out, missing_ok=True)
+    if existing is not None:
+        raise ConfigError(f"{out} already holds a prepared dataset (manifest.json); "
+                          "choose another path or delete it first")
+    fs.makedirs(root, exist_ok=True)
+    start = time.time()
+    window = cfg.seq_len + 1
+    dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
+    writers = {split: _ShardWriter(fs, root, split, window, cfg.shard_rows, dtype) for split in ("train", "val")}
+    docs = {"train": 0, "val": 0}
+    source_bytes = 0
+    for doc in iter_documents(cfg):
+        split = "val" if is_validation(doc.name, cfg.val_fraction) else "train"
+        tokens = tokenizer.encode(doc.text)
+        writers[split].add(np.concatenate([tokens, np.array([tokenizer.eos_id], np.int32)]))
+        docs[split] += 1
+        source_bytes += len(doc.text)
+    splits = {name: w.close() for name, w in writers.items()}
+    for name, split in splits.items():
+        split["documents"] = docs[name]
+    if splits["train"]["rows"] == 0:
+        raise DataError(f"data.corpus={cfg.corpus!r} gave no training sequence of {window} tokens "
+                        f"({source_bytes} bytes read); use a larger corpus or a smaller data.seq_len")
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "corpus": cfg.corpus,
+        "tokenizer": tokenizer.describe(),
+        "seq_len": cfg.seq_len,
+        "window": window,
+        "source_bytes": source_bytes,
+        "splits": splits,
+        "created_unix": time.time(),
+    }
+    with fs.open(_join(root, MANIFEST), "w") as f:  # last: its presence marks the dataset complete
+        json.dump(manifest, f, indent=1)
+    log(f"prepared {out}: {splits['train']['rows']} train / {splits['val']['rows']} val sequences of "
+        f"{window} tokens from {docs['train'] + docs['val']} documents ({source_bytes / 1e6:.1f} MB) "
+        f"in {time.time() - start:.1f}s")
+    return manifest
+
+
+def read_manifest(path: str, *, missing_ok: bool = False) -> dict | None:
+    fs, root = fsspec.core.url_to_fs(path)
+    name = _join(root, MANIFEST)
+    if not fs.exists(name):
+        if missing_ok:
+            return None
+        raise DataError(f"{path}: no {MANIFEST}; run `raydist data prepare --out {path}` or fix data.path")
+    try:
+        with fs.open(name, "r") as f:
+            manifest = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{_join(path, MANIFEST)}: not valid JSON ({exc}); prepare the data again") from None
+    for key in ("version", "seq_len", "window", "splits", "tokenizer"):
+        if key not in manifest:
+            raise DataError(f"{_join(path, MANIFEST)}: missing field {key!r}; prepare the data again")
+    return manifest
+
+
+def shard_uri(path: str, shard: dict) -> str:
+    return _join(path, shard["path"])

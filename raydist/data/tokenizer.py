@@ -1,0 +1,59 @@
+"""Tokenizers: byte-level by default, or a Hugging Face `tokenizers` JSON file."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from raydist.config import ConfigError
+
+
+class ByteTokenizer:
+    """Bytes 0-255 are their own ids; 256 marks the end of a document."""
+
+    name = "byte"
+    vocab_size = 257
+    eos_id = 256
+
+    def encode(self, text: bytes | str) -> np.ndarray:
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+
+class JsonTokenizer:
+    """A `tokenizers` library JSON file (BPE, WordPiece, ...); the end-of-document id is the first of
+    a few common special tokens the file defines, else one past the vocabulary."""
+
+    def __init__(self, path: str):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # pragma: no cover - depends on the environment
+            raise ConfigError(f"data.tokenizer={path!r} needs the `tokenizers` package: pip install tokenizers") from None
+        import fsspec
+
+        try:
+            with fsspec.open(path, "r") as f:
+                self._tok = Tokenizer.from_str(f.read())
+        except FileNotFoundError:
+            raise ConfigError(f"data.tokenizer={path!r} not found; give a tokenizers JSON file or 'byte'") from None
+        except Exception as exc:  # tokenizers raises its own exception type for bad files
+            raise ConfigError(f"data.tokenizer={path!r} is not a tokenizers JSON file: {exc}") from None
+        self.name = path
+        vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = next((self._tok.token_to_id(t) for t in ("</s>", "<|endoftext|>", "<eos>", "[SEP]")
+                    if self._tok.token_to_id(t) is not None), None)
+        self.eos_id = vocab if eos is None else eos
+        self.vocab_size = max(vocab, self.eos_id + 1)
+
+    def encode(self, text: bytes | str) -> np.ndarray:
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
+
+
+def get_tokenizer(spec: str):
+    return ByteTokenizer() if spec == "byte" else JsonTokenizer(spec)

@@ -1,0 +1,270 @@
+"""The driver: validate -> prepare data -> join or start Ray -> Ray Train V2 TorchTrainer -> progress.
+
+Everything that can be checked without workers is checked here first (config relations, the data's
+manifest and shards, the mesh against the worker count, whether the cluster can ever hold the workers),
+so bad input ends in one `error:` line before any worker starts.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from raydist.config import Config, ConfigError
+from raydist.data.prepare import default_data_path, prepare, read_manifest
+from raydist.data.stream import Split
+from raydist.mesh import MeshSpec
+from raydist.metrics.logger import join, read_json, read_metrics, write_text
+from raydist.train_loop import check_batch_layout
+
+
+@dataclass
+class LaunchPlan:
+    cfg: Config
+    run_name: str
+    run_dir: str
+    num_workers: int | tuple[int, int]
+
+
+def resolve_storage(uri: str) -> str:
+    return uri if "://" in uri else os.path.abspath(os.path.expanduser(uri))
+
+
+def new_run_name() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
+
+
+def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> dict:
+    """Prepares the default corpus on first use; checks the manifest and every shard's footer."""
+    if not cfg.data.path:
+        cfg.data.path = default_data_path(cfg.data)
+        if read_manifest(cfg.data.path, missing_ok=True) is None:
+            log(f"preparing {cfg.data.corpus} corpus at {cfg.data.path} (first use)")
+            prepare(cfg.data, cfg.data.path, log=log)
+    manifest = read_manifest(cfg.data.path)
+    if manifest["seq_len"] != cfg.data.seq_len:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} but {cfg.data.path} was prepared with seq_len="
+                          f"{manifest['seq_len']}; set data.seq_len={manifest['seq_len']} or prepare again")
+    vocab = manifest["tokenizer"]["vocab_size"]
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({vocab}); set model.vocab_size >= {vocab}")
+    for split in ("train", "val") if cfg.train.eval_every else ("train",):
+        Split.open(cfg.data.path, split, manifest).check_files()
+    return manifest
+
+
+def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
+    """All driver-side checks; returns where the run goes and how many workers it asks for."""
+    ensure_data(cfg, log)
+    if cfg.elastic_enabled:
+        num_workers: int | tuple[int, int] = (cfg.elastic.min_workers, cfg.elastic.max_workers)
+        sizes = range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1)
+    else:
+        num_workers = cfg.ray.num_workers
+        sizes = [cfg.ray.num_workers]
+    errors = []
+    for size in sizes:  # at least the smallest size must give a valid layout
+        try:
+            check_batch_layout(cfg, MeshSpec.from_config(cfg.parallel).resolve(size))
+            break
+        except ConfigError as exc:
+            errors.append(exc)
+    else:
+        raise errors[0]
+    cfg.checkpoint.storage = resolve_storage(cfg.checkpoint.storage)
+    run_name = cfg.train.run_name or new_run_name()
+    cfg.train.run_name = run_name
+    return LaunchPlan(cfg, run_name, join(cfg.checkpoint.storage, run_name), num_workers)
+
+
+# ---- Ray -------------------------------------------------------------------------------------------
+
+
+def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
+    """Joins the cluster at `address` (or RAY_ADDRESS); else starts an embedded one. Returns True if
+    embedded. Token authentication stays as Ray sets it (on by default since Ray 2.60)."""
+    import logging
+
+    import ray
+
+    address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+    if ray.is_initialized():
+        return False
+    kwargs = dict(logging_level=logging.WARNING, log_to_driver=True)
+    if address:
+        ray.init(address=address, **kwargs)
+        return False
+    # Logical CPUs: at least one per worker plus headroom for Ray Data read tasks and the controller.
+    num_cpus = max(os.cpu_count() or 1, int(min_cpus + 2))
+    ray.init(num_cpus=num_cpus, include_dashboard=True, **kwargs)
+    return True
+
+
+def worker_resources(cfg: Config, use_gpu: bool) -> dict[str, float]:
+    resources = {"CPU": cfg.ray.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = 1
+    return resources
+
+
+def workers_that_fit(per_worker: dict[str, float]) -> int:
+    """How many workers the live nodes can hold at once (per node, not summed across nodes)."""
+    import ray
+
+    total = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        total += min(int(have.get(k, 0) // v) for k, v in per_worker.items() if v > 0)
+    return total
+
+
+def wait_for_capacity(needed: int, per_worker: dict[str, float], max_pending_s: float, can_grow: bool,
+                      log: Callable[[str], None] = print) -> int:
+    """Waits (bounded) until the cluster can hold `needed` workers; a ConfigError otherwise."""
+    deadline = time.monotonic() + max_pending_s
+    announced = False
+    while True:
+        fit = workers_that_fit(per_worker)
+        if fit >= needed:
+            return fit
+        if not can_grow or time.monotonic() >= deadline:
+            need = ", ".join(f"{v:g} {k}" for k, v in per_worker.items())
+            raise ConfigError(f"ray.num_workers={needed} needs {needed} workers of {need} each but the cluster can "
+                              f"hold {fit}" + ("" if not can_grow else f" after waiting {max_pending_s:g}s") +
+                              "; lower ray.num_workers (or elastic.min_workers) or add nodes")
+        if not announced:
+            log(f"waiting up to {max_pending_s:g}s for the cluster to hold {needed} workers (now {fit})")
+            announced = True
+        time.sleep(2.0)
+
+
+def resolve_use_gpu(cfg: Config) -> bool:
+    import ray
+
+    if cfg.ray.use_gpu == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return cfg.ray.use_gpu == "true"
+
+
+def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float):
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raydist.train_loop import ray_worker_entry
+
+    cfg = lp.cfg
+    scaling = ScalingConfig(num_workers=lp.num_workers, use_gpu=use_gpu,
+                            resources_per_worker=worker_resources(cfg, use_gpu), placement_strategy="PACK")
+    if cfg.elastic_enabled:
+        scaling.elastic_resize_monitor_interval_s = cfg.elastic.resize_check_interval_s
+    payload = {"config": cfg.to_dict(), "run_dir": lp.run_dir, "use_gpu": use_gpu, "start_time": start_time}
+    return TorchTrainer(
+        ray_worker_entry,
+        train_loop_config=payload,
+        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s)),
+        scaling_config=scaling,
+        run_config=RunConfig(name=lp.run_name, storage_path=cfg.checkpoint.storage,
+                             failure_config=FailureConfig(max_failures=cfg.elastic.max_failures)),
+    )
+
+
+# ---- progress --------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Follows metrics.jsonl on the driver: a live bar on a terminal, a line per record in job logs."""
+
+    def __init__(self, run_dir: str, total_steps: int, stream=sys.stderr, interval_s: float = 1.0):
+        self.run_dir, self.total, self.stream, self.interval_s = run_dir, total_steps, stream, interval_s
+        self.tty = stream.isatty()
+        self.seen = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="raydist-progress")
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+        if self.tty:
+            self.stream.write("\n")
+        self.stream.flush()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._poll()
+            except Exception:  # a half-written line or a slow object store: try again next tick
+                pass
+
+    def _poll(self) -> None:
+        records = read_metrics(self.run_dir)
+        for rec in records[self.seen:]:
+            self.stream.write(("\r" if self.tty else "") + self.format(rec) + ("" if self.tty else "\n"))
+        self.seen = len(records)
+        self.stream.flush()
+
+    def format(self, rec: dict[str, Any]) -> str:
+        step = rec.get("step", 0)
+        width = 24
+        done = int(width * step / max(self.total, 1))
+        parts = [f"[{'#' * done}{'.' * (width - done)}] step {step}/{self.total}"]
+        if rec.get("loss") is not None:
+            parts.append(f"loss {rec['loss']:.4f}")
+        if rec.get("val_loss") is not None:
+            parts.append(f"val {rec['val_loss']:.4f}")
+        tps = rec.get("tokens_per_s") or 0
+        if tps:
+            parts.append(f"{tps / 1e3:.1f}k tok/s")
+            step_time = rec.get("step_time_s") or 0
+            parts.append(f"ETA {format_duration(step_time * (self.total - step))}")
+        if rec.get("mfu") is not None:
+            parts.append(f"mfu {100 * rec['mfu']:.1f}%")
+        parts.append(f"workers {rec.get('world_size')}")
+        return " | ".join(parts)
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+# ---- entry -----------------------------------------------------------------------------------------
+
+
+def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs a training job to completion; returns summary.json's content."""
+    start_time = time.time()
+    lp = plan(cfg, log)
+    write_text(join(lp.run_dir, "config.toml"), cfg.to_toml())
+    import ray
+
+    needed = cfg.elastic.min_workers if cfg.elastic_enabled else cfg.ray.num_workers
+    embedded = connect_ray(cfg, address, needed * cfg.ray.cpus_per_worker)
+    try:
+        use_gpu = resolve_use_gpu(cfg)
+        wait_for_capacity(needed, worker_resources(cfg, use_gpu), cfg.ray.max_pending_s, can_grow=not embedded,
+                          log=log)
+        log(f"run {lp.run_name}: {lp.num_workers} worker(s), {'GPU/nccl' if use_gpu else 'CPU/gloo'}, "
+            f"run directory {lp.run_dir}")
+        trainer = build_trainer(lp, use_gpu, start_time)
+        with Progress(lp.run_dir, cfg.train.steps):
+            trainer.fit()
+    finally:
+        if embedded:
+            ray.shutdown()
+    summary = read_json(join(lp.run_dir, "summary.json")) or {}
+    log(f"done: {summary.get('steps')} steps, val loss {summary.get('first_val_loss')} -> "
+        f"{summary.get('final_val_loss')}, {summary.get('tokens_per_s')} tok/s; {lp.run_dir}")
+    return summary

@@ -1,0 +1,149 @@
+"""The N-D device mesh: degrees (pp, dp_replicate, dp_shard, cp, tp), validated, built without globals.
+
+Rank r sits at coordinates (pp, dp_replicate, dp_shard, cp, tp) of `arange(world).view(degrees)`: tp is
+innermost, so tensor-parallel peers are consecutive ranks and share a node when workers are numbered
+node by node (Ray Train does); pp is outermost, so pipeline stages cross nodes (seed 003: order
+[TP, CP, PP, DP] from inside out, with FSDP outside pipeline; we keep pp outermost as TorchTitan does,
+so that the dp groups of one stage are contiguous).
+
+A resize builds a new `Mesh` from a new `MeshSpec`: nothing here is cached across worlds.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, replace
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from raydist.config import ConfigError, ParallelConfig
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig) -> "MeshSpec":
+        return cls(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp)
+
+    def degrees(self) -> dict[str, int]:
+        return asdict(self)
+
+    def resolve(self, world_size: int) -> "MeshSpec":
+        """Fill the one -1 degree from the world size and check the product equals it."""
+        degrees = self.degrees()
+        for name, value in degrees.items():
+            if value == 0 or value < -1:
+                raise ConfigError(f"parallel.{name}={value} must be a positive degree or -1")
+        unknown = [name for name, value in degrees.items() if value == -1]
+        if len(unknown) > 1:
+            raise ConfigError(f"only one parallel degree may be -1, got {', '.join('parallel.' + n for n in unknown)}")
+        known = math.prod(v for v in degrees.values() if v != -1)
+        if unknown:
+            if world_size % known:
+                raise ConfigError(f"world size {world_size} is not divisible by the fixed degrees "
+                                  f"{self._fixed_text()} (product {known}); change them or the worker count")
+            degrees[unknown[0]] = world_size // known
+        elif known != world_size:
+            raise ConfigError(f"parallel degrees {self._fixed_text()} multiply to {known}, not the world size "
+                              f"{world_size}; make their product {world_size} or set one of them to -1")
+        return MeshSpec(**degrees)
+
+    def _fixed_text(self) -> str:
+        return " x ".join(f"{k}={v}" for k, v in self.degrees().items() if v != -1)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees().values())
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel width: how many different batches are computed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        coords = {}
+        for name in reversed(DIMS):
+            rank, coords[name] = divmod(rank, getattr(self, name))
+        return {name: coords[name] for name in DIMS}
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+
+    def build(self, device_type: str) -> "Mesh":
+        return Mesh(self, device_type)
+
+    def describe(self) -> str:
+        return " x ".join(f"{k}{v}" for k, v in self.degrees().items() if v > 1) or "single"
+
+    def with_dp(self, dp_replicate: int, dp_shard: int) -> "MeshSpec":
+        return replace(self, dp_replicate=dp_replicate, dp_shard=dp_shard)
+
+
+class Mesh:
+    """A built mesh: the 5-D `DeviceMesh` plus the flattened views the parallel plans use.
+
+    - `dp`: dp_replicate x dp_shard, the ranks that see different data (loss averaging, data slices);
+    - `fsdp`: what FSDP shards over, dp_shard x cp (context-parallel ranks hold the same parameters,
+      so they shard them too); for HSDP the 2-D (dp_replicate, dp_shard_cp) mesh;
+    - `dp_cp`: dp x cp, the ranks whose gradients are averaged;
+    - `batch_peers`: pp x cp x tp, the ranks that share one data-parallel index and so one batch.
+    """
+
+    def __init__(self, spec: MeshSpec, device_type: str):
+        if spec.world_size != dist.get_world_size():
+            raise ConfigError(f"mesh {spec.describe()} needs {spec.world_size} ranks, the world has "
+                              f"{dist.get_world_size()}")
+        self.spec = spec
+        self.device_type = device_type
+        self.rank = dist.get_rank()
+        self.coords = spec.coordinates(self.rank)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(spec.degrees().values()),
+                                                            mesh_dim_names=DIMS)
+            m = self.device_mesh
+            self.dp: DeviceMesh = m["dp_replicate", "dp_shard"]._flatten("dp")
+            self.dp_shard_cp: DeviceMesh = m["dp_shard", "cp"]._flatten("dp_shard_cp")
+            self.dp_cp: DeviceMesh = m["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            self.batch_peers: DeviceMesh = m["pp", "cp", "tp"]._flatten("batch_peers")
+            if spec.dp_replicate > 1:
+                self.fsdp: DeviceMesh = DeviceMesh._concatenate([m["dp_replicate"], self.dp_shard_cp])
+            else:
+                self.fsdp = self.dp_shard_cp
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.device_mesh[name]
+
+    def size(self, name: str) -> int:
+        return getattr(self.spec, name)
+
+    def local_rank(self, name: str) -> int:
+        return self.coords[name]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.spec.dp_rank(self.rank)
+
+    @property
+    def is_batch_leader(self) -> bool:
+        """The rank that reads data for its batch peers."""
+        return self.coords["pp"] == 0 and self.coords["cp"] == 0 and self.coords["tp"] == 0
+
+    @property
+    def batch_leader_rank(self) -> int:
+        """Global rank of this rank's batch leader."""
+        return int(self.batch_peers.mesh.flatten()[0])
+
+    def describe(self) -> dict[str, int]:
+        return self.spec.degrees()

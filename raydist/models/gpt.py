@@ -1,0 +1,226 @@
+"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, tied or untied embeddings.
+
+Shapes use B batch, T sequence, D d_model, H query heads, K kv heads, E head dim, F ffn_hidden, V vocab.
+
+The layout is chosen for the parallel plans that act on it by module name:
+- `layers` is a ModuleDict keyed "0".."L-1" so a pipeline stage can drop blocks and the remaining ones
+  keep their names (checkpoints stay keyed by the unsharded model's names);
+- `tok_embeddings`, `norm` and `output` may be None on middle pipeline stages;
+- attention reshapes with -1 heads, so a tensor-parallel rank that holds H/tp heads runs unchanged;
+- the attention kernel is a pluggable function (`attention_fn`) so context parallelism and the Triton
+  kernels replace it without touching this file; `positions` lets sharded sequences keep their RoPE angles.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raydist.config import ModelConfig
+
+# attention_fn(q, k, v) -> out, with q (B, H, T, E), k/v (B, K, T, E) and out (B, H, T, E); causal.
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention through torch's fused kernel; K/V heads are repeated for grouped-query heads."""
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The textbook formula: softmax(q k^T / sqrt(E) + causal mask) v, materialising (B, H, T, T)."""
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    t = q.shape[2]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """(B, K, T, E) -> (B, H, T, E): each kv head serves H/K consecutive query heads."""
+    reps = num_heads // x.shape[1]
+    return x if reps == 1 else x.repeat_interleave(reps, dim=1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape (max_len, E/2): angle(pos, i) = pos * theta^(-2i/E)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[2i], x[2i+1]) of x (B, T, N, E) by the angles cos/sin (T, E/2)."""
+    xf = x.float().unflatten(-1, (-1, 2))  # (B, T, N, E/2, 2)
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.num_heads
+        self.wq = nn.Linear(cfg.d_model, cfg.num_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.num_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.d_model, bias=False)
+        self.attention_fn: AttentionFn = sdpa_attention
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape  # x: (B, T, D); under sequence parallelism T is already gathered here
+        q = self.wq(x).view(b, t, -1, self.head_dim)  # (B, T, H, E), H local under tensor parallelism
+        k = self.wk(x).view(b, t, -1, self.head_dim)  # (B, T, K, E)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, E)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, D)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # up
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, F) -> (B, T, D)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.num_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.d_model // cfg.num_heads, max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        # run_layers(blocks, h, cos, sin) -> h replaces the plain loop (activation checkpointing policies)
+        self.run_layers: Callable | None = None
+        self.reset_parameters()
+
+    @property
+    def tied(self) -> bool:
+        return self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None
+
+    def reset_parameters(self) -> None:
+        """Normal(0, std) weights; residual output projections scaled by 1/sqrt(2 * num_layers)."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                last = name.rsplit(".", 1)[-1]
+                nn.init.normal_(module.weight, 0.0, out_std if last in ("wo", "w2") else std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        if self.tied:
+            self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, V); on a middle pipeline stage (B, T, D) -> (B, T, D).
+
+        positions (T,) gives each token's place in the full sequence (context parallelism shards T);
+        by default 0..T-1.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, D)
+        t = h.shape[1]
+        if positions is None:
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if self.run_layers is not None:
+            h = self.run_layers(list(self.layers.values()), h, cos, sin)
+        else:
+            for layer in self.layers.values():
+                h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h  # (B, T, V)
+
+    def set_attention(self, fn: AttentionFn) -> None:
+        for layer in self.layers.values():
+            layer.attention.attention_fn = fn
+
+
+def build_model(cfg: ModelConfig, max_seq_len: int, seed: int, device: torch.device | str = "cpu") -> GPT:
+    """The same seed gives the same weights on every rank and in every layout."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT(cfg, max_seq_len)
+    return model.to(device)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss in fp32: logits (B, T, V), targets (B, T)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+# ---- parameter and FLOP counts (for MFU and the memory model) ----------------------------------------
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts of the unsharded model by kind."""
+    e = cfg.d_model // cfg.num_heads
+    attention = cfg.d_model * cfg.num_heads * e * 2 + cfg.d_model * cfg.num_kv_heads * e * 2
+    mlp = 3 * cfg.d_model * cfg.ffn_hidden
+    norms = 2 * cfg.d_model
+    per_block = attention + mlp + norms
+    embedding = cfg.vocab_size * cfg.d_model
+    head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    total = cfg.num_layers * per_block + embedding + head + cfg.d_model
+    return {"per_block": per_block, "block_matmul": attention + mlp, "embedding": embedding,
+            "head": head, "total": total}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * N_matmul + 12 * L * H * E * T.
+
+    N_matmul counts every weight used in a matrix multiply (blocks and the output head, tied or not; the
+    embedding lookup is not a matmul). The attention term is the QK^T and AV products, forward (4 T H E)
+    plus backward (twice that), counted over the full T x T square as PaLM and Megatron report MFU.
+    """
+    counts = param_counts(cfg)
+    n_matmul = cfg.num_layers * counts["block_matmul"] + cfg.vocab_size * cfg.d_model
+    attention = 12 * cfg.num_layers * cfg.d_model * seq_len
+    return 6.0 * n_matmul + attention

@@ -1,0 +1,75 @@
+"""`parallelize(model, mesh, cfg)`: apply the parallel dimensions to a model in a fixed order.
+
+    tensor parallel (+ sequence parallel)  ->  activation checkpointing  ->  FSDP / HSDP, or DDP
+
+TP comes first because FSDP shards the TP-local DTensors (a 2-D dp_shard x tp layout); checkpointing
+comes before FSDP so that recompute re-runs FSDP's unshard hooks inside the region.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from raydist.config import Config
+from raydist.mesh import Mesh
+from raydist.parallel.checkpointing import apply_activation_checkpointing
+
+
+@dataclass
+class ParallelModel:
+    """The model as training sees it: `module` is what forward is called on (a DDP wrapper, or the
+    FSDP-managed model itself); `model` is the underlying decoder (its state dict has the unsharded
+    names); `kind` says which data-parallel wrapper is in use."""
+
+    module: torch.nn.Module
+    model: torch.nn.Module
+    kind: str  # "none" | "ddp" | "fsdp" | "hsdp"
+    compute_dtype: torch.dtype
+
+    def gradient_sync(self, enabled: bool):
+        """Context for one micro-batch: gradient communication only when `enabled` (the last one)."""
+        if self.kind == "ddp" and not enabled:
+            return self.module.no_sync()
+        if self.kind in ("fsdp", "hsdp"):
+            self.module.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+
+    @property
+    def autocast_needed(self) -> bool:
+        """FSDP's mixed-precision policy casts parameters itself; other layouts use autocast."""
+        return self.compute_dtype != torch.float32 and self.kind not in ("fsdp", "hsdp")
+
+
+def data_parallel_kind(mesh: Mesh) -> str:
+    s = mesh.spec
+    if s.dp_shard * s.cp > 1 or (s.tp > 1 and s.dp_replicate > 1):
+        return "hsdp" if s.dp_replicate > 1 else "fsdp"
+    if s.dp_replicate > 1:
+        return "ddp"
+    return "none"
+
+
+def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
+                compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
+    if mesh.spec.tp > 1:
+        from raydist.parallel.tensor import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh, cfg)
+    apply_activation_checkpointing(model, cfg.train.activation_checkpoint, cfg.train.activation_checkpoint_k)
+    kind = data_parallel_kind(mesh)
+    if kind in ("fsdp", "hsdp"):
+        from raydist.parallel.fsdp import apply_fsdp
+
+        apply_fsdp(model, mesh.fsdp, compute_dtype,
+                   reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
+                   forward_prefetch=cfg.parallel.fsdp_forward_prefetch)
+        return ParallelModel(model, model, kind, compute_dtype)
+    model.to(device)
+    if kind == "ddp":
+        from raydist.parallel.ddp import apply_ddp
+
+        return ParallelModel(apply_ddp(model, mesh.dp_cp, device), model, kind, compute_dtype)
+    return ParallelModel(model, model, kind, compute_dtype)

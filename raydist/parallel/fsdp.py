@@ -1,0 +1,41 @@
+"""FSDP2 (ZeRO-3) and HSDP: `fully_shard` per transformer block, then at the root.
+
+Each block is one FSDP unit (seed 003: the unit is the granularity of all-gather in forward and of
+reduce-scatter in backward); the root unit holds the embedding, final norm and output head (tied or not,
+they share one unit). With a 2-D mesh (dp_replicate, dp_shard_cp) this is HSDP: parameters are sharded
+inside a replica group and gradients are all-reduced across groups.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def mixed_precision_policy(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
+    """bf16 compute with fp32 gradient reduction; fp32 parameters stay the master copy in the shards."""
+    if compute_dtype == torch.float32:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model, mesh: DeviceMesh, compute_dtype: torch.dtype, *, reshard_after_forward: bool = True,
+               forward_prefetch: bool = True) -> None:
+    mp = mixed_precision_policy(compute_dtype)
+    blocks = list(model.layers.values())
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root's parameters are used last in forward and first in backward: keeping them gathered after
+    # forward avoids an all-gather right before backward needs them again.
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    if forward_prefetch and len(blocks) > 1:
+        for current, following in zip(blocks, blocks[1:]):
+            current.set_modules_to_forward_prefetch([following])
+        for current, previous in zip(blocks[1:], blocks):
+            current.set_modules_to_backward_prefetch([previous])
+
+
+def set_gradient_sync(model, enabled: bool) -> None:
+    """Skip reduce-scatter on all but the last micro-batch of an accumulation."""
+    model.set_requires_gradient_sync(enabled)

@@ -1,0 +1,375 @@
+"""The per-worker training loop: mesh -> model -> parallelize -> data -> steps -> metrics.
+
+`Trainer` holds one rank's state and runs under any initialised process group: a Ray Train worker
+(`ray_worker_entry`) or a `torch.multiprocessing` test (`raydist.runtime.spawn`). One optimizer step:
+
+    positions [P, P + G) of the sample order  ->  this dp rank's slice (G / dp samples)
+    -> micro-batches of train.micro_batch  ->  forward/backward each (gradient sync on the last only)
+    -> clip by the global norm  ->  AdamW  ->  LR schedule  ->  P += G
+
+Losses are means over every target token of the global batch, so any layout computes the same number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from raydist.config import Config, ConfigError
+from raydist.data.position import SampleOrder, rank_slice
+from raydist.data.prepare import read_manifest
+from raydist.data.stream import SampleStream, Split, make_reader
+from raydist.mesh import Mesh, MeshSpec
+from raydist.metrics.flops import peak_flops
+from raydist.metrics.logger import MetricsWriter, join, write_json
+from raydist.models.gpt import build_model, cross_entropy, flops_per_token
+from raydist.parallel import ParallelModel, parallelize
+
+
+def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
+    if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def check_batch_layout(cfg: Config, spec: MeshSpec) -> int:
+    """Gradient-accumulation steps for this layout, or a ConfigError naming the fix."""
+    t = cfg.train
+    per_rank = t.global_batch // spec.dp if t.global_batch % spec.dp == 0 else None
+    if per_rank is None or per_rank % t.micro_batch:
+        raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by dp ({spec.dp}) x "
+                          f"train.micro_batch ({t.micro_batch}); change global_batch, micro_batch or the layout")
+    return per_rank // t.micro_batch
+
+
+def lr_lambda(cfg: Config) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
+    t = cfg.train
+
+    def factor(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        span = max(1, t.steps - t.warmup_steps)
+        progress = min(1.0, (step - t.warmup_steps) / span)
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8,
+                             foreach=True)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip by the norm of the whole (unsharded) gradient: sharded DTensor gradients reduce their local
+    squares across shards, so every rank gets the same total as one process would."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """{name: unsharded gradient} on every rank (a collective for sharded parameters)."""
+    out = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        grad = param.grad
+        out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu().clone()
+    return out
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    data_wait_s: float
+    sample_ids: np.ndarray | None = None
+
+
+@dataclass
+class TrainerOptions:
+    record_samples: bool = False  # keep every sample id this rank's batch leader consumed (tests)
+    capture_grads: bool = False  # keep each step's full (unsharded) gradients by parameter name (tests)
+    start_time: float = field(default_factory=time.time)  # the run's wall-clock origin for elapsed_s
+
+
+class Trainer:
+    def __init__(self, cfg: Config, device: torch.device, spec: MeshSpec | None = None,
+                 options: TrainerOptions | None = None):
+        self.cfg = cfg
+        self.device = device
+        self.options = options or TrainerOptions()
+        self.spec = (spec or MeshSpec.from_config(cfg.parallel)).resolve(dist.get_world_size())
+        self.accum_steps = check_batch_layout(cfg, self.spec)
+        self.mesh: Mesh = self.spec.build(device.type)
+        self.compute_dtype = compute_dtype_for(cfg, device)
+        model = build_model(cfg.model, cfg.data.seq_len, cfg.train.seed)
+        self.pm: ParallelModel = parallelize(model, self.mesh, cfg, device, self.compute_dtype)
+        self.params = [p for p in self.pm.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.pm.model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        self.step = 0  # optimizer steps done
+        self.position = 0  # training samples consumed (global sample index of the next one)
+        self.sample_log: list[np.ndarray] = []
+        self._open_data()
+
+    # ---- data --------------------------------------------------------------------------------------
+    def _open_data(self) -> None:
+        manifest = read_manifest(self.cfg.data.path)
+        if manifest["seq_len"] != self.cfg.data.seq_len:
+            raise ConfigError(f"data.seq_len={self.cfg.data.seq_len} but {self.cfg.data.path} was prepared "
+                              f"with seq_len={manifest['seq_len']}; set data.seq_len={manifest['seq_len']}")
+        self.train_split = Split.open(self.cfg.data.path, "train", manifest)
+        self.val_split = Split.open(self.cfg.data.path, "val", manifest) if self.cfg.train.eval_every else None
+        self.train_order = SampleOrder(self.train_split.shard_rows, self.cfg.train.seed)
+        self._stream: SampleStream | None = None
+        self._val_batches: dict[int, np.ndarray] = {}
+
+    def _reader(self):
+        return make_reader(self.cfg.data.reader, self.cfg.data.prefetch_shards)
+
+    def _share(self, rows: np.ndarray | None, count: int) -> torch.Tensor:
+        """The batch leader's rows (count, window) on every batch peer, as an int64 tensor."""
+        window = self.train_split.window
+        if self.mesh.is_batch_leader:
+            tokens = torch.from_numpy(rows).to(self.device)
+        else:
+            tokens = torch.empty(count, window, dtype=torch.int64, device=self.device)
+        if self.spec.pp * self.spec.cp * self.spec.tp > 1:
+            dist.broadcast(tokens, src=self.mesh.batch_leader_rank, group=self.mesh.batch_peers.get_group())
+        return tokens
+
+    def next_batch(self) -> tuple[torch.Tensor, np.ndarray | None]:
+        """This dp rank's rows of the next global batch, and (on the batch leader) their sample ids."""
+        start, stop = rank_slice(self.position, self.cfg.train.global_batch, self.mesh.dp_rank, self.spec.dp)
+        ids = rows = None
+        if self.mesh.is_batch_leader:
+            if self._stream is None:
+                self._stream = SampleStream(self.train_split, self.train_order, self._reader(), start)
+            ids, rows = self._stream.take(start, stop)
+        return self._share(rows, stop - start), ids
+
+    def val_batch(self, index: int) -> torch.Tensor:
+        """Validation batch `index`: the val split in file order, sliced by dp rank like training."""
+        g = self.cfg.train.global_batch
+        start, stop = rank_slice(index * g, g, self.mesh.dp_rank, self.spec.dp)
+        rows = None
+        if self.mesh.is_batch_leader:
+            if index not in self._val_batches:
+                order = SampleOrder(self.val_split.shard_rows, seed=0, shuffle=False)
+                stream = SampleStream(self.val_split, order, make_reader("arrow", 1), start)
+                try:
+                    self._val_batches[index] = stream.take(start, stop)[1]
+                finally:
+                    stream.close()
+            rows = self._val_batches[index]
+        return self._share(rows, stop - start)
+
+    # ---- compute -----------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.pm.autocast_needed:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def _dp_mean(self, value: torch.Tensor) -> float:
+        if self.spec.dp > 1:
+            value = value.clone()
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.dp.get_group())
+            value /= self.spec.dp
+        return float(value)
+
+    def _micro_batches(self, tokens: torch.Tensor):
+        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(self.cfg.train.micro_batch)]
+
+    def loss_on(self, tokens: torch.Tensor) -> float:
+        """Mean loss over the global batch whose local rows are `tokens`, without touching gradients."""
+        total = torch.zeros((), device=self.device)
+        micro = self._micro_batches(tokens)
+        with torch.no_grad(), self._autocast():
+            for inputs, targets in micro:
+                total += cross_entropy(self.pm.module(inputs), targets).float() / len(micro)
+        return self._dp_mean(total)
+
+    def train_step(self, batch: tuple[torch.Tensor, np.ndarray | None] | None = None) -> StepStats:
+        start = time.perf_counter()
+        tokens, ids = batch if batch is not None else self.next_batch()
+        data_wait = time.perf_counter() - start
+        micro = self._micro_batches(tokens)
+        total = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(micro):
+            with self.pm.gradient_sync(i == len(micro) - 1):
+                with self._autocast():
+                    loss = cross_entropy(self.pm.module(inputs), targets) / len(micro)
+                loss.backward()
+            total += loss.detach().float()
+        grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip)
+        if self.options.capture_grads:
+            self.last_grads = full_gradients(self.pm.model)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        self.position += self.cfg.train.global_batch
+        if self.options.record_samples and ids is not None:
+            self.sample_log.append(ids)
+        loss_value = self._dp_mean(total)
+        return StepStats(loss_value, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
+
+    def evaluate(self) -> float:
+        batches = self.cfg.train.eval_batches
+        return sum(self.loss_on(self.val_batch(b)) for b in range(batches)) / batches
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+
+# ---- the loop with logging ------------------------------------------------------------------------
+
+
+class RunLogger:
+    """Rank 0 writes metrics.jsonl; every rank keeps the interval's timings."""
+
+    def __init__(self, trainer: Trainer, run_dir: str | None):
+        self.trainer = trainer
+        self.run_dir = run_dir
+        self.writer = MetricsWriter(run_dir) if run_dir and dist.get_rank() == 0 else None
+        cfg = trainer.cfg
+        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_flops, self.peak_source = peak_flops(trainer.device)
+        self.interval_time = 0.0
+        self.interval_wait = 0.0
+        self.interval_steps = 0
+        self.last: dict[str, Any] = {}
+
+    def base(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"step": t.step, "world_size": dist.get_world_size(), "mesh": t.spec.degrees(),
+                "elapsed_s": round(time.time() - t.options.start_time, 3)}
+
+    def add_step(self, stats: StepStats) -> None:
+        self.interval_time += stats.step_time_s
+        self.interval_wait += stats.data_wait_s
+        self.interval_steps += 1
+
+    def record(self, stats: StepStats | None, val_loss: float | None = None, loss: float | None = None) -> dict:
+        rec = self.base()
+        if stats is not None:
+            tokens_per_s = self.tokens_per_step * self.interval_steps / max(self.interval_time, 1e-9)
+            step_time = self.interval_time / max(self.interval_steps, 1)
+            achieved = tokens_per_s * self.flops_per_token / dist.get_world_size()
+            rec.update(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm, tokens_per_s=round(tokens_per_s, 2),
+                       step_time_s=round(step_time, 5),
+                       data_wait_s=round(self.interval_wait / max(self.interval_steps, 1), 5),
+                       mfu=round(achieved / self.peak_flops, 5) if self.peak_flops else None,
+                       mfu_peak_source=self.peak_source,
+                       tokens=self.trainer.step * self.tokens_per_step,
+                       mem_peak_mb=round(peak_memory_mb(self.trainer.device), 1))
+            self.interval_time = self.interval_wait = 0.0
+            self.interval_steps = 0
+        else:
+            rec.update(loss=loss, tokens_per_s=0.0, tokens=0)
+        if val_loss is not None:
+            rec["val_loss"] = val_loss
+        if self.writer is not None:
+            self.writer.write(rec)
+        self.last = rec
+        return rec
+
+
+def fit(trainer: Trainer, run_dir: str | None) -> dict[str, Any]:
+    """Train to cfg.train.steps, logging and evaluating; returns the summary (written by rank 0)."""
+    cfg = trainer.cfg
+    log = RunLogger(trainer, run_dir)
+    t = cfg.train
+    first_val = None
+    pending = None
+    if trainer.step == 0:
+        # Step 0: the untrained model's validation loss and its loss on the first training batch.
+        pending = trainer.next_batch()
+        first_val = trainer.evaluate() if t.eval_every else None
+        log.record(None, val_loss=first_val, loss=trainer.loss_on(pending[0]))
+    wall_start = time.perf_counter()
+    start_step = trainer.step
+    last_val = first_val
+    while trainer.step < t.steps:
+        stats = trainer.train_step(pending)
+        pending = None
+        log.add_step(stats)
+        done = trainer.step == t.steps
+        val = None
+        if t.eval_every and (trainer.step % t.eval_every == 0 or done):
+            val = last_val = trainer.evaluate()
+        if trainer.step % t.log_every == 0 or done or val is not None:
+            log.record(stats, val_loss=val)
+    wall = time.perf_counter() - wall_start
+    trainer.close()
+    summary = {
+        "status": "completed",
+        "steps": trainer.step,
+        "final_loss": log.last.get("loss"),
+        "first_val_loss": first_val,
+        "final_val_loss": last_val,
+        "tokens": trainer.step * log.tokens_per_step,
+        "train_wall_s": round(wall, 3),
+        "tokens_per_s": round((trainer.step - start_step) * log.tokens_per_step / max(wall, 1e-9), 2),
+        "mfu": log.last.get("mfu"),
+        "mfu_peak_source": log.peak_source,
+        "world_size": dist.get_world_size(),
+        "mesh": trainer.spec.degrees(),
+        "elapsed_s": round(time.time() - trainer.options.start_time, 3),
+    }
+    if run_dir and dist.get_rank() == 0:
+        write_json(join(run_dir, "summary.json"), summary)
+    return summary
+
+
+# ---- Ray Train entry point -------------------------------------------------------------------------
+
+
+def ray_worker_entry(payload: dict[str, Any]) -> None:
+    """What each Ray Train worker runs; the process group is already initialised by TorchTrainer."""
+    import ray.train
+
+    cfg = Config.from_dict(payload["config"])
+    ctx = ray.train.get_context()
+    torch.set_num_threads(max(1, int(cfg.ray.cpus_per_worker)))
+    device = torch.device("cuda", ctx.get_local_rank()) if payload["use_gpu"] else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.ray.cpus_per_worker))))
+    trainer = Trainer(cfg, device, options=TrainerOptions(start_time=payload["start_time"]))
+    summary = fit(trainer, payload["run_dir"])
+    ray.train.report({k: v for k, v in summary.items() if isinstance(v, (int, float))})

@@ -1,0 +1,21 @@
+"""Shared fixtures: a small prepared corpus (real text: a slice of the Python standard library)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> str:
+    """~0.6 MB of stdlib source, byte-level, seq_len 32, small shards (several per epoch)."""
+    from raydist.config import DataConfig
+    from raydist.data.prepare import prepare
+
+    out = str(tmp_path_factory.mktemp("data") / "stdlib-s32")
+    prepare(DataConfig(corpus="stdlib", seq_len=32, max_corpus_mb=0.6, shard_rows=1024, val_fraction=0.15),
+            out, log=lambda *_: None)
+    return out

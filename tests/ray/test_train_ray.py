@@ -1,0 +1,45 @@
+"""`raydist train` through Ray Train V2 on a local Ray: the run directory contract and driver checks."""
+
+import json
+import time
+
+import pytest
+
+from raydist.config import Config, ConfigError
+from raydist.launcher import launch
+
+pytestmark = pytest.mark.ray
+
+REQUIRED = {"step", "loss", "tokens_per_s", "world_size", "mesh", "elapsed_s"}
+
+
+def small(tiny_data, tmp_path, *extra):
+    return Config.load(None, [
+        f"data.path={tiny_data}", "data.seq_len=32", "model.num_layers=2", "model.d_model=64",
+        "model.ffn_hidden=128", "train.global_batch=8", "train.micro_batch=2", "train.steps=12",
+        "train.eval_every=6", "train.log_every=3", "train.eval_batches=2", f"checkpoint.storage={tmp_path}/runs",
+        "train.run_name=r1", *extra])
+
+
+def test_train_two_workers_writes_the_run_directory(local_ray, tiny_data, tmp_path):
+    summary = launch(small(tiny_data, tmp_path), log=lambda *_: None)
+    run = tmp_path / "runs" / "r1"
+    assert Config.load(run / "config.toml").data.path == tiny_data
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 3, 6, 9, 12]
+    for r in records:
+        assert REQUIRED <= r.keys(), r.keys()
+        assert r["world_size"] == 2 and r["mesh"]["dp_replicate"] == 2
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 6, 12]
+    assert records[-1]["mfu"] > 0 and records[-1]["mfu_peak_source"] == "measured:cpu_fp32_matmul"
+    assert summary == json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 12
+    assert summary["final_val_loss"] < summary["first_val_loss"]
+
+
+def test_more_workers_than_the_cluster_can_hold_fails_in_bounded_time(local_ray, tiny_data, tmp_path):
+    cfg = small(tiny_data, tmp_path, "ray.num_workers=8", "ray.max_pending_s=3", "train.global_batch=16")
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match="ray.num_workers=8 needs 8 workers of 1 CPU each but the cluster can hold 4"):
+        launch(cfg, log=lambda *_: None)
+    assert time.monotonic() - start < 60
