@@ -20,7 +20,7 @@ from raydist.data.prepare import default_data_path, prepare, read_manifest
 from raydist.data.stream import Split
 from raydist.mesh import MeshSpec
 from raydist.metrics.logger import join, read_json, read_metrics, write_text
-from raydist.train_loop import check_batch_layout
+from raydist.parallel.validate import check_layout
 
 
 @dataclass
@@ -71,7 +71,7 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     errors = []
     for size in sizes:  # at least the smallest size must give a valid layout
         try:
-            check_batch_layout(cfg, MeshSpec.from_config(cfg.parallel).resolve(size))
+            check_layout(cfg, MeshSpec.from_config(cfg.parallel).resolve(size))
             break
         except ConfigError as exc:
             errors.append(exc)

@@ -33,22 +33,13 @@ from raydist.metrics.flops import peak_flops
 from raydist.metrics.logger import MetricsWriter, join, write_json
 from raydist.models.gpt import build_model, cross_entropy, flops_per_token
 from raydist.parallel import ParallelModel, parallelize
+from raydist.parallel.validate import check_layout
 
 
 def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
     if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda"):
         return torch.bfloat16
     return torch.float32
-
-
-def check_batch_layout(cfg: Config, spec: MeshSpec) -> int:
-    """Gradient-accumulation steps for this layout, or a ConfigError naming the fix."""
-    t = cfg.train
-    per_rank = t.global_batch // spec.dp if t.global_batch % spec.dp == 0 else None
-    if per_rank is None or per_rank % t.micro_batch:
-        raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by dp ({spec.dp}) x "
-                          f"train.micro_batch ({t.micro_batch}); change global_batch, micro_batch or the layout")
-    return per_rank // t.micro_batch
 
 
 def lr_lambda(cfg: Config) -> Callable[[int], float]:
@@ -129,7 +120,7 @@ class Trainer:
         self.device = device
         self.options = options or TrainerOptions()
         self.spec = (spec or MeshSpec.from_config(cfg.parallel)).resolve(dist.get_world_size())
-        self.accum_steps = check_batch_layout(cfg, self.spec)
+        self.accum_steps = check_layout(cfg, self.spec)
         self.mesh: Mesh = self.spec.build(device.type)
         self.compute_dtype = compute_dtype_for(cfg, device)
         model = build_model(cfg.model, cfg.data.seq_len, cfg.train.seed)

@@ -1,0 +1,41 @@
+"""Bytes sent per step, counted at the collectives, against the ring-algorithm figures (2 gloo ranks)."""
+
+import torch
+
+from raydist.config import Config
+from raydist.metrics.comm import CommCounter
+from raydist.models.gpt import param_counts
+from raydist.runtime import spawn
+from raydist.testing import tiny_config
+
+
+def _count(raw):
+    from raydist.train_loop import Trainer
+
+    trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
+    counter = CommCounter()
+    if trainer.pm.kind == "ddp":
+        trainer.pm.module.register_comm_hook(None, counter.ddp_hook())
+    trainer.train_step()
+    batch = trainer.next_batch()
+    with counter.patch():
+        trainer.train_step(batch)
+    trainer.close()
+    return dict(counter.bytes)
+
+
+def test_ddp_and_fsdp_volumes(tiny_data):
+    raw = tiny_config(tiny_data, train={"micro_batch": 4})  # one micro-batch per rank and step
+    cfg = Config.from_dict(raw)
+    counts = param_counts(cfg.model)
+    total = 4 * counts["total"]
+    root = 4 * (counts["embedding"] + cfg.model.d_model)  # embedding (tied head) and final norm
+    raw["parallel"] = {"dp_replicate": 2, "dp_shard": 1}
+    ddp = spawn(_count, 2, raw)[0]
+    # gradients all-reduced once: 2 (p-1)/p x parameter bytes; plus the 4-byte loss average
+    assert abs(ddp["all_reduce"] - (total + 4)) < 1e-6 * total
+    raw["parallel"] = {"dp_replicate": 1, "dp_shard": 2}
+    fsdp = spawn(_count, 2, raw)[0]
+    # all-gather every unit in forward, the blocks again in backward (the root stays gathered)
+    assert fsdp["all_gather"] == 0.5 * (2 * total - root)
+    assert fsdp["reduce_scatter"] == 0.5 * total
