@@ -20,7 +20,7 @@ WORLD = 4
 
 
 def _count_on_rank(raw: dict) -> dict:
-    from raydist.train_loop import Trainer
+    from raydist.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
     trainer.train_step()  # warm-up: lazy initialisation is not part of a step

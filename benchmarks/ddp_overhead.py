@@ -67,7 +67,7 @@ def baseline(cfg_raw: dict, steps: int) -> list[float]:
 
 def raydist_trainer(cfg_raw: dict, steps: int) -> tuple[list[float], float]:
     from raydist.metrics.flops import measure_cpu_matmul_peak
-    from raydist.train_loop import Trainer
+    from raydist.trainer import Trainer
 
     cfg = Config.from_dict(cfg_raw)
     trainer = Trainer(cfg, torch.device("cpu"))

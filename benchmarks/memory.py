@@ -28,7 +28,7 @@ LAYOUTS = {"DDP 4": (4, 1), "FSDP 4": (1, 4), "HSDP 2x2": (2, 2)}
 
 
 def _state_on_rank(raw: dict) -> dict:
-    from raydist.train_loop import Trainer
+    from raydist.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
     trainer.train_step()  # creates the optimizer state

@@ -15,6 +15,7 @@ import math
 import warnings
 from dataclasses import asdict, dataclass, replace
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -101,17 +102,24 @@ class Mesh:
     """
 
     def __init__(self, spec: MeshSpec, device_type: str):
-        if spec.world_size != dist.get_world_size():
+        # The mesh covers ranks 0 .. spec.world_size - 1; an elastic run may leave the rest idle.
+        if spec.world_size > dist.get_world_size():
             raise ConfigError(f"mesh {spec.describe()} needs {spec.world_size} ranks, the world has "
                               f"{dist.get_world_size()}")
         self.spec = spec
         self.device_type = device_type
         self.rank = dist.get_rank()
+        if self.rank >= spec.world_size:
+            raise ValueError(f"rank {self.rank} is idle in mesh {spec.describe()}; it builds no mesh")
         self.coords = spec.coordinates(self.rank)
+        shape = tuple(spec.degrees().values())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            self.device_mesh: DeviceMesh = init_device_mesh(device_type, tuple(spec.degrees().values()),
-                                                            mesh_dim_names=DIMS)
+            if spec.world_size == dist.get_world_size():
+                self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
+            else:
+                self.device_mesh = DeviceMesh(device_type, torch.arange(spec.world_size).view(shape),
+                                              mesh_dim_names=DIMS)
             m = self.device_mesh
             self.dp: DeviceMesh = m["dp_replicate", "dp_shard"]._flatten("dp")
             self.dp_shard_cp: DeviceMesh = m["dp_shard", "cp"]._flatten("dp_shard_cp")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import queue
+import time
 import socket
 import traceback
 from typing import Any, Callable
@@ -69,19 +71,21 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, t
         p.start()
     outputs: dict[int, Any] = {}
     errors = []
-    import queue
-
-    for _ in range(world_size):
+    deadline = time.monotonic() + timeout_s + 30
+    while len(outputs) < world_size and not errors:
         try:
-            rank, ok, value = results.get(timeout=timeout_s + 30)
+            rank, ok, value = results.get(timeout=0.5)
         except queue.Empty:
-            errors.append(f"no result from {world_size - len(outputs)} rank(s) within {timeout_s + 30:.0f}s (hang?)")
-            break
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+            if dead:
+                errors.append("; ".join(f"rank {r} exited with status {code} without a result" for r, code in dead))
+            elif time.monotonic() > deadline:
+                errors.append(f"no result from {world_size - len(outputs)} rank(s) within {timeout_s + 30:.0f}s (hang?)")
+            continue
         if ok:
             outputs[rank] = pickle.loads(value)  # from our own child process
         else:
             errors.append(f"rank {rank} failed:\n{value}")
-            break
     if errors:
         for p in procs:
             if p.is_alive():

@@ -43,7 +43,7 @@ class LayoutResult:
 
 def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> LayoutResult:
     from raydist.runtime import pick_device
-    from raydist.train_loop import Trainer, TrainerOptions
+    from raydist.trainer import Trainer, TrainerOptions
 
     cfg = Config.from_dict(raw)
     trainer = Trainer(cfg, pick_device(), options=TrainerOptions(record_samples=record_samples,
@@ -80,3 +80,55 @@ def assert_equivalent(reference: LayoutResult, candidate: LayoutResult, rtol: fl
         assert name in reference.grads, f"{name} not in the reference model"
         torch.testing.assert_close(grad, reference.grads[name], rtol=grad_rtol, atol=grad_atol,
                                    msg=lambda m, n=name: f"gradient of {n}: {m}")
+
+
+# ---- whole runs with checkpoints, crashes and resumes --------------------------------------------
+
+
+@dataclass
+class FitResult:
+    summary: dict | None
+    sample_ids: list[np.ndarray]  # per step run in this process (batch leaders)
+    losses: list[float]
+
+
+def _fit(raw: dict, run_dir: str, crash_after_step: int | None, before_commit_exit_step: int | None) -> FitResult:
+    import os
+
+    from raydist.checkpoint import CheckpointManager
+    from raydist.runtime import pick_device
+    from raydist.train_loop import fit
+    from raydist.trainer import Trainer, TrainerOptions
+
+    trainer = Trainer(Config.from_dict(raw), pick_device(), options=TrainerOptions(record_samples=True))
+    losses: list[float] = []
+    step_fn = trainer.train_step
+
+    def train_step(batch=None):
+        stats = step_fn(batch)
+        losses.append(stats.loss)
+        if crash_after_step is not None and trainer.step == crash_after_step:
+            os._exit(17)  # a killed worker: no cleanup, no final checkpoint
+        return stats
+
+    trainer.train_step = train_step
+    if before_commit_exit_step is not None:
+        def die(step):
+            if step == before_commit_exit_step:
+                os._exit(18)  # dies with the shards written and no commit marker
+        CheckpointManager.before_commit = staticmethod(die)
+    summary = fit(trainer, run_dir, log=lambda *_: None)
+    return FitResult(summary, trainer.sample_log, losses)
+
+
+def run_fit(raw: dict, world_size: int, run_dir: str, *, crash_after_step: int | None = None,
+            crash_before_commit_of: int | None = None) -> list[FitResult] | None:
+    """`fit` on `world_size` processes with run directory `run_dir` (resuming from it if it holds
+    checkpoints). `crash_after_step=s` kills every rank right after step s; `crash_before_commit_of=s`
+    kills them while checkpoint s is written but not committed. Returns None after a crash."""
+    try:
+        return spawn(_fit, world_size, raw, run_dir, crash_after_step, crash_before_commit_of)
+    except RuntimeError as exc:
+        if (crash_after_step is not None or crash_before_commit_of is not None) and "exited with status" in str(exc):
+            return None
+        raise

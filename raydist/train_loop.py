@@ -1,274 +1,60 @@
-"""The per-worker training loop: mesh -> model -> parallelize -> data -> steps -> metrics.
+"""The per-worker loop around `Trainer`: resume, train, evaluate, log, checkpoint, report.
 
-`Trainer` holds one rank's state and runs under any initialised process group: a Ray Train worker
-(`ray_worker_entry`) or a `torch.multiprocessing` test (`raydist.runtime.spawn`). One optimizer step:
+    resume from the newest valid checkpoint in RUN_DIR/checkpoints (if any)
+    step 0: untrained validation loss and first-batch loss
+    steps: train; evaluate every eval_every; log every log_every; checkpoint every checkpoint.every_steps
+    end: final checkpoint, summary.json (with goodput across restarts)
 
-    positions [P, P + G) of the sample order  ->  this dp rank's slice (G / dp samples)
-    -> micro-batches of train.micro_batch  ->  forward/backward each (gradient sync on the last only)
-    -> clip by the global norm  ->  AdamW  ->  LR schedule  ->  P += G
-
-Losses are means over every target token of the global batch, so any layout computes the same number.
+`ray_worker_entry` is what each Ray Train worker runs; tests call `fit` under `raydist.runtime.spawn`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-import resource
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from raydist.config import Config, ConfigError
-from raydist.data.position import SampleOrder, rank_slice
-from raydist.data.prepare import read_manifest
-from raydist.data.stream import SampleStream, Split, make_reader
-from raydist.mesh import Mesh, MeshSpec
+from raydist.checkpoint import CheckpointManager
+from raydist.config import Config
+from raydist.elastic.control import ControlChannel, Watchdog
+from raydist.elastic.policy import plan_layout
 from raydist.metrics.flops import peak_flops
+from raydist.metrics.goodput import EventLog, Goodput
 from raydist.metrics.logger import MetricsWriter, join, write_json
-from raydist.models.gpt import build_model, cross_entropy, flops_per_token
-from raydist.parallel import ParallelModel, parallelize
-from raydist.parallel.validate import check_layout
+from raydist.models.gpt import flops_per_token
+from raydist.trainer import StepStats, Trainer, TrainerOptions, peak_memory_mb
+
+# report(metrics, checkpoint_uri or None): called at the same points on every active rank.
+Reporter = Callable[[dict, "str | None"], None]
 
 
-def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
-    if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
-
-
-def lr_lambda(cfg: Config) -> Callable[[int], float]:
-    """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
-    t = cfg.train
-
-    def factor(step: int) -> float:
-        if t.warmup_steps and step < t.warmup_steps:
-            return (step + 1) / t.warmup_steps
-        span = max(1, t.steps - t.warmup_steps)
-        progress = min(1.0, (step - t.warmup_steps) / span)
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return factor
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8,
-                             foreach=True)
-
-
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clip by the norm of the whole (unsharded) gradient: sharded DTensor gradients reduce their local
-    squares across shards, so every rank gets the same total as one process would."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
-
-
-def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """{name: unsharded gradient} on every rank (a collective for sharded parameters)."""
-    out = {}
-    for name, param in model.named_parameters():
-        if param.grad is None:
-            continue
-        grad = param.grad
-        out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu().clone()
-    return out
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
-
-@dataclass
-class StepStats:
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    data_wait_s: float
-    sample_ids: np.ndarray | None = None
-
-
-@dataclass
-class TrainerOptions:
-    record_samples: bool = False  # keep every sample id this rank's batch leader consumed (tests)
-    capture_grads: bool = False  # keep each step's full (unsharded) gradients by parameter name (tests)
-    start_time: float = field(default_factory=time.time)  # the run's wall-clock origin for elapsed_s
-
-
-class Trainer:
-    def __init__(self, cfg: Config, device: torch.device, spec: MeshSpec | None = None,
-                 options: TrainerOptions | None = None):
-        self.cfg = cfg
-        self.device = device
-        self.options = options or TrainerOptions()
-        self.spec = (spec or MeshSpec.from_config(cfg.parallel)).resolve(dist.get_world_size())
-        self.accum_steps = check_layout(cfg, self.spec)
-        self.mesh: Mesh = self.spec.build(device.type)
-        self.compute_dtype = compute_dtype_for(cfg, device)
-        model = build_model(cfg.model, cfg.data.seq_len, cfg.train.seed)
-        self.pm: ParallelModel = parallelize(model, self.mesh, cfg, device, self.compute_dtype)
-        self.params = [p for p in self.pm.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.pm.model, cfg)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
-        self.step = 0  # optimizer steps done
-        self.position = 0  # training samples consumed (global sample index of the next one)
-        self.sample_log: list[np.ndarray] = []
-        self._open_data()
-
-    # ---- data --------------------------------------------------------------------------------------
-    def _open_data(self) -> None:
-        manifest = read_manifest(self.cfg.data.path)
-        if manifest["seq_len"] != self.cfg.data.seq_len:
-            raise ConfigError(f"data.seq_len={self.cfg.data.seq_len} but {self.cfg.data.path} was prepared "
-                              f"with seq_len={manifest['seq_len']}; set data.seq_len={manifest['seq_len']}")
-        self.train_split = Split.open(self.cfg.data.path, "train", manifest)
-        self.val_split = Split.open(self.cfg.data.path, "val", manifest) if self.cfg.train.eval_every else None
-        self.train_order = SampleOrder(self.train_split.shard_rows, self.cfg.train.seed)
-        self._stream: SampleStream | None = None
-        self._val_batches: dict[int, np.ndarray] = {}
-
-    def _reader(self):
-        return make_reader(self.cfg.data.reader, self.cfg.data.prefetch_shards)
-
-    def _share(self, rows: np.ndarray | None, count: int) -> torch.Tensor:
-        """The batch leader's rows (count, window) on every batch peer, as an int64 tensor."""
-        window = self.train_split.window
-        if self.mesh.is_batch_leader:
-            tokens = torch.from_numpy(rows).to(self.device)
-        else:
-            tokens = torch.empty(count, window, dtype=torch.int64, device=self.device)
-        if self.spec.pp * self.spec.cp * self.spec.tp > 1:
-            dist.broadcast(tokens, src=self.mesh.batch_leader_rank, group=self.mesh.batch_peers.get_group())
-        return tokens
-
-    def next_batch(self) -> tuple[torch.Tensor, np.ndarray | None]:
-        """This dp rank's rows of the next global batch, and (on the batch leader) their sample ids."""
-        start, stop = rank_slice(self.position, self.cfg.train.global_batch, self.mesh.dp_rank, self.spec.dp)
-        ids = rows = None
-        if self.mesh.is_batch_leader:
-            if self._stream is None:
-                self._stream = SampleStream(self.train_split, self.train_order, self._reader(), start)
-            ids, rows = self._stream.take(start, stop)
-        return self._share(rows, stop - start), ids
-
-    def val_batch(self, index: int) -> torch.Tensor:
-        """Validation batch `index`: the val split in file order, sliced by dp rank like training."""
-        g = self.cfg.train.global_batch
-        start, stop = rank_slice(index * g, g, self.mesh.dp_rank, self.spec.dp)
-        rows = None
-        if self.mesh.is_batch_leader:
-            if index not in self._val_batches:
-                order = SampleOrder(self.val_split.shard_rows, seed=0, shuffle=False)
-                stream = SampleStream(self.val_split, order, make_reader("arrow", 1), start)
-                try:
-                    self._val_batches[index] = stream.take(start, stop)[1]
-                finally:
-                    stream.close()
-            rows = self._val_batches[index]
-        return self._share(rows, stop - start)
-
-    # ---- compute -----------------------------------------------------------------------------------
-    def _autocast(self):
-        if self.pm.autocast_needed:
-            return torch.autocast(self.device.type, dtype=self.compute_dtype)
-        return contextlib.nullcontext()
-
-    def _dp_mean(self, value: torch.Tensor) -> float:
-        if self.spec.dp > 1:
-            value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.dp.get_group())
-            value /= self.spec.dp
-        return float(value)
-
-    def _micro_batches(self, tokens: torch.Tensor):
-        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(self.cfg.train.micro_batch)]
-
-    def loss_on(self, tokens: torch.Tensor) -> float:
-        """Mean loss over the global batch whose local rows are `tokens`, without touching gradients."""
-        total = torch.zeros((), device=self.device)
-        micro = self._micro_batches(tokens)
-        with torch.no_grad(), self._autocast():
-            for inputs, targets in micro:
-                total += cross_entropy(self.pm.module(inputs), targets).float() / len(micro)
-        return self._dp_mean(total)
-
-    def train_step(self, batch: tuple[torch.Tensor, np.ndarray | None] | None = None) -> StepStats:
-        start = time.perf_counter()
-        tokens, ids = batch if batch is not None else self.next_batch()
-        data_wait = time.perf_counter() - start
-        micro = self._micro_batches(tokens)
-        total = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(micro):
-            with self.pm.gradient_sync(i == len(micro) - 1):
-                with self._autocast():
-                    loss = cross_entropy(self.pm.module(inputs), targets) / len(micro)
-                loss.backward()
-            total += loss.detach().float()
-        grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip)
-        if self.options.capture_grads:
-            self.last_grads = full_gradients(self.pm.model)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.step += 1
-        self.position += self.cfg.train.global_batch
-        if self.options.record_samples and ids is not None:
-            self.sample_log.append(ids)
-        loss_value = self._dp_mean(total)
-        return StepStats(loss_value, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
-
-    def evaluate(self) -> float:
-        batches = self.cfg.train.eval_batches
-        return sum(self.loss_on(self.val_batch(b)) for b in range(batches)) / batches
-
-    def close(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
-
-
-# ---- the loop with logging ------------------------------------------------------------------------
+# ---- logging ------------------------------------------------------------------------------------
 
 
 class RunLogger:
     """Rank 0 writes metrics.jsonl; every rank keeps the interval's timings."""
 
-    def __init__(self, trainer: Trainer, run_dir: str | None):
+    def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int):
         self.trainer = trainer
-        self.run_dir = run_dir
-        self.writer = MetricsWriter(run_dir) if run_dir and dist.get_rank() == 0 else None
+        self.rank0 = dist.get_rank() == 0
+        self.writer = MetricsWriter(run_dir) if run_dir and self.rank0 else None
         cfg = trainer.cfg
+        self.run_start = run_start
+        self.attempt = attempt
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         self.peak_flops, self.peak_source = peak_flops(trainer.device)
-        self.interval_time = 0.0
-        self.interval_wait = 0.0
+        self.interval_time = self.interval_wait = 0.0
         self.interval_steps = 0
         self.last: dict[str, Any] = {}
 
     def base(self) -> dict[str, Any]:
         t = self.trainer
-        return {"step": t.step, "world_size": dist.get_world_size(), "mesh": t.spec.degrees(),
-                "elapsed_s": round(time.time() - t.options.start_time, 3)}
+        return {"step": t.step, "world_size": t.world_size, "mesh": t.spec.degrees(),
+                "elapsed_s": round(time.time() - self.run_start, 3), "attempt": self.attempt}
 
     def add_step(self, stats: StepStats) -> None:
         self.interval_time += stats.step_time_s
@@ -278,12 +64,12 @@ class RunLogger:
     def record(self, stats: StepStats | None, val_loss: float | None = None, loss: float | None = None) -> dict:
         rec = self.base()
         if stats is not None:
+            steps = max(self.interval_steps, 1)
             tokens_per_s = self.tokens_per_step * self.interval_steps / max(self.interval_time, 1e-9)
-            step_time = self.interval_time / max(self.interval_steps, 1)
-            achieved = tokens_per_s * self.flops_per_token / dist.get_world_size()
+            achieved = tokens_per_s * self.flops_per_token / self.trainer.world_size
             rec.update(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm, tokens_per_s=round(tokens_per_s, 2),
-                       step_time_s=round(step_time, 5),
-                       data_wait_s=round(self.interval_wait / max(self.interval_steps, 1), 5),
+                       step_time_s=round(self.interval_time / steps, 5),
+                       data_wait_s=round(self.interval_wait / steps, 5),
                        mfu=round(achieved / self.peak_flops, 5) if self.peak_flops else None,
                        mfu_peak_source=self.peak_source,
                        tokens=self.trainer.step * self.tokens_per_step,
@@ -291,7 +77,7 @@ class RunLogger:
             self.interval_time = self.interval_wait = 0.0
             self.interval_steps = 0
         else:
-            rec.update(loss=loss, tokens_per_s=0.0, tokens=0)
+            rec.update(loss=loss, tokens_per_s=0.0, tokens=self.trainer.step * self.tokens_per_step)
         if val_loss is not None:
             rec["val_loss"] = val_loss
         if self.writer is not None:
@@ -300,51 +86,132 @@ class RunLogger:
         return rec
 
 
-def fit(trainer: Trainer, run_dir: str | None) -> dict[str, Any]:
-    """Train to cfg.train.steps, logging and evaluating; returns the summary (written by rank 0)."""
-    cfg = trainer.cfg
-    log = RunLogger(trainer, run_dir)
-    t = cfg.train
-    first_val = None
+# ---- the loop -------------------------------------------------------------------------------------
+
+
+class _Checkpoints:
+    """Saving on schedule, agreeing on what is committed, and reporting it (Ray Train, events)."""
+
+    def __init__(self, trainer: Trainer, run_dir: str, events: EventLog | None, goodput: Goodput | None,
+                 report: Reporter | None, log: Callable[[str], None]):
+        self.trainer, self.events, self.goodput, self.report = trainer, events, goodput, report
+        self.manager = CheckpointManager(run_dir, trainer.cfg.checkpoint.keep, trainer.checkpoint_group, log=log)
+        self.reported = -1
+
+    def resume(self) -> dict | None:
+        found = self.manager.latest()
+        if found is None:
+            return None
+        for message in found.skipped:
+            if self.events:
+                self.events.event("checkpoint_skipped", found.step, reason=message)
+        tensors, _ = self.trainer.checkpoint_state()
+        extra = self.manager.load(found, tensors)
+        self.trainer.load_checkpoint_state(tensors, extra)
+        self.reported = found.step
+        return extra
+
+    def save(self, blocking: bool) -> None:
+        stall = self.manager.save(self.trainer.step, *self.trainer.checkpoint_state(), blocking=blocking)
+        if self.goodput:
+            self.goodput.add_checkpoint_stall(stall)
+
+    def sync(self, metrics: dict) -> None:
+        """At a step every rank reaches: agree on the newest committed step; report it if new."""
+        local = self.manager.poll()
+        local = -1 if local is None else local
+        agreed = torch.tensor([local], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.trainer.group)  # not the writer thread's group
+        step = int(agreed)
+        if step > self.reported:
+            uri = join(self.manager.root, f"step_{step:08d}")
+            if self.events:
+                self.events.event("checkpoint", step, path=uri, write_s=round(self.manager.last_write_s, 3))
+            if self.report:
+                self.report(metrics, uri)
+            self.reported = step
+
+
+def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
+        on_progress: Callable[[int], None] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Resume, train to cfg.train.steps, evaluate, log, checkpoint; returns the summary (rank 0 writes it).
+    `report` is called whenever a new checkpoint is committed and at the end; `on_progress(step)` at every
+    logged step."""
+    cfg, t = trainer.cfg, trainer.cfg.train
+    rank0 = dist.get_rank() == 0
+    goodput = Goodput(run_dir, trainer.options.start_time) if run_dir and rank0 else None
+    run_start = goodput.run_start if goodput else trainer.options.start_time
+    events = EventLog(run_dir, run_start) if run_dir and rank0 else None
+    ckpt = _Checkpoints(trainer, run_dir, events, goodput, report, log) if run_dir else None
+    extra = ckpt.resume() if ckpt else None  # restores trainer.step, position, notes
+    attempt = goodput.on_start(trainer.step) if goodput else {"attempt": 1}
+    if events:
+        kind = "start" if attempt["attempt"] == 1 else "restart"
+        events.event(kind, trainer.step, world_size=trainer.world_size, mesh=trainer.spec.degrees(),
+                     idle_workers=trainer.decision.idle_workers, layout=trainer.decision.reason, **attempt)
+        if extra is not None and extra["world_size"] != trainer.world_size:
+            events.event("resize", trainer.step, from_world_size=extra["world_size"], world_size=trainer.world_size,
+                         mesh=trainer.spec.degrees())
+    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"])
+    first_val = last_val = None
     pending = None
     if trainer.step == 0:
         # Step 0: the untrained model's validation loss and its loss on the first training batch.
         pending = trainer.next_batch()
-        first_val = trainer.evaluate() if t.eval_every else None
-        log.record(None, val_loss=first_val, loss=trainer.loss_on(pending[0]))
-    wall_start = time.perf_counter()
-    start_step = trainer.step
-    last_val = first_val
+        first_val = last_val = trainer.evaluate() if t.eval_every else None
+        trainer.notes["first_val_loss"] = first_val
+        logger.record(None, val_loss=first_val, loss=trainer.loss_on(pending[0]))
+    wall_start, start_step = time.perf_counter(), trainer.step
+    watchdog = Watchdog(cfg.elastic.collective_timeout_s * 2).start() if report else None
+    every = cfg.checkpoint.every_steps
     while trainer.step < t.steps:
         stats = trainer.train_step(pending)
         pending = None
-        log.add_step(stats)
+        if watchdog:
+            watchdog.beat()
+        logger.add_step(stats)
         done = trainer.step == t.steps
+        logged = trainer.step % t.log_every == 0 or done
         val = None
         if t.eval_every and (trainer.step % t.eval_every == 0 or done):
             val = last_val = trainer.evaluate()
-        if trainer.step % t.log_every == 0 or done or val is not None:
-            log.record(stats, val_loss=val)
+        if ckpt and every and trainer.step % every == 0 and not done:
+            ckpt.save(blocking=not cfg.checkpoint.async_save)
+        if goodput:
+            goodput.on_progress(trainer.step, logged)
+        if logged or val is not None:
+            record = logger.record(stats, val_loss=val)
+            if on_progress:
+                on_progress(trainer.step)
+            if ckpt and not done:
+                ckpt.sync(_numbers(record))
+    if watchdog:
+        watchdog.stop()
     wall = time.perf_counter() - wall_start
     trainer.close()
     summary = {
-        "status": "completed",
-        "steps": trainer.step,
-        "final_loss": log.last.get("loss"),
-        "first_val_loss": first_val,
-        "final_val_loss": last_val,
-        "tokens": trainer.step * log.tokens_per_step,
+        "status": "completed", "steps": trainer.step, "final_loss": logger.last.get("loss"),
+        "first_val_loss": trainer.notes.get("first_val_loss"),
+        "final_val_loss": last_val, "tokens": trainer.step * logger.tokens_per_step,
         "train_wall_s": round(wall, 3),
-        "tokens_per_s": round((trainer.step - start_step) * log.tokens_per_step / max(wall, 1e-9), 2),
-        "mfu": log.last.get("mfu"),
-        "mfu_peak_source": log.peak_source,
-        "world_size": dist.get_world_size(),
-        "mesh": trainer.spec.degrees(),
-        "elapsed_s": round(time.time() - trainer.options.start_time, 3),
+        "tokens_per_s": round((trainer.step - start_step) * logger.tokens_per_step / max(wall, 1e-9), 2),
+        "mfu": logger.last.get("mfu"), "mfu_peak_source": logger.peak_source, "world_size": trainer.world_size,
+        "mesh": trainer.spec.degrees(), "elapsed_s": round(time.time() - run_start, 3),
     }
-    if run_dir and dist.get_rank() == 0:
+    if ckpt:
+        ckpt.save(blocking=True)
+    if goodput:
+        summary.update(goodput.summary(trainer.step, logger.tokens_per_step))
+    if ckpt:
+        ckpt.sync(_numbers(summary))
+    if run_dir and rank0:
         write_json(join(run_dir, "summary.json"), summary)
+        events.event("end", trainer.step, status="completed")
     return summary
+
+
+def _numbers(record: dict) -> dict:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 # ---- Ray Train entry point -------------------------------------------------------------------------
@@ -353,14 +220,29 @@ def fit(trainer: Trainer, run_dir: str | None) -> dict[str, Any]:
 def ray_worker_entry(payload: dict[str, Any]) -> None:
     """What each Ray Train worker runs; the process group is already initialised by TorchTrainer."""
     import ray.train
+    from ray.train import Checkpoint
+    from ray.train.v2.api.report_config import CheckpointUploadMode
 
     cfg = Config.from_dict(payload["config"])
     ctx = ray.train.get_context()
-    torch.set_num_threads(max(1, int(cfg.ray.cpus_per_worker)))
+    threads = max(1, int(cfg.ray.cpus_per_worker))
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     device = torch.device("cuda", ctx.get_local_rank()) if payload["use_gpu"] else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, int(cfg.ray.cpus_per_worker))))
-    trainer = Trainer(cfg, device, options=TrainerOptions(start_time=payload["start_time"]))
-    summary = fit(trainer, payload["run_dir"])
-    ray.train.report({k: v for k, v in summary.items() if isinstance(v, (int, float))})
+    decision = plan_layout(cfg, dist.get_world_size())
+    channel = ControlChannel(dist.distributed_c10d._get_default_store(), dist.get_rank())
+
+    def report(metrics: dict, uri: str | None) -> None:
+        channel.publish({"kind": "report", "metrics": metrics, "checkpoint": uri})
+        checkpoint = Checkpoint(uri) if uri and dist.get_rank() == 0 else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
+    if dist.get_rank() >= decision.active_workers:  # fits no layout: follow the active workers' reports
+        print(f"worker {dist.get_rank()} is idle: {decision.reason}", flush=True)
+        channel.follow(lambda m: ray.train.report(m["metrics"], checkpoint=None), cfg.elastic.collective_timeout_s)
+        return
+    trainer = Trainer(cfg, device, decision, TrainerOptions(start_time=payload["start_time"]))
+    fit(trainer, payload["run_dir"], report=report, on_progress=channel.heartbeat)
+    channel.publish({"kind": "done"})

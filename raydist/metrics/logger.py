@@ -27,8 +27,10 @@ def _clean(value: Any) -> Any:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str):
-        self.path = join(run_dir, "metrics.jsonl")
+    """Appends JSON lines to RUN_DIR/<name>."""
+
+    def __init__(self, run_dir: str, name: str = "metrics.jsonl"):
+        self.path = join(run_dir, name)
         self.fs, self.fs_path = fsspec.core.url_to_fs(self.path)
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         self.lines: list[str] = []

@@ -10,7 +10,7 @@ from raydist.testing import tiny_config
 
 
 def _count(raw):
-    from raydist.train_loop import Trainer
+    from raydist.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
     counter = CommCounter()

@@ -1,0 +1,104 @@
+"""Coordination of a worker group that has idle workers, and a watchdog for hangs.
+
+Ray Train's `report` is a barrier over all workers, so a worker that fits no layout (idle) must report
+exactly when the active ones do. Rank 0 publishes each report in the process group's key-value store
+(`raydist/ctl/<n>`) and a heartbeat (`raydist/ctl/heartbeat`); idle workers follow the messages and
+give up, with an error, if the heartbeat stops for longer than the collective timeout (so a dead rank 0
+ends in a restart, not a hang).
+
+`Watchdog` ends this process if no training step completes within its timeout: a hang that no
+collective notices (a stuck read, a deadlocked thread) becomes a worker failure that Ray Train restarts.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+PREFIX = "raydist/ctl/"
+
+
+class ControlChannel:
+    def __init__(self, store: dist.Store, rank: int):
+        self.store = store
+        self.rank = rank
+        self.sent = 0
+
+    def publish(self, message: dict[str, Any]) -> None:
+        """Rank 0: the next control message ({"kind": "report"|"done", ...})."""
+        if self.rank == 0:
+            self.store.set(f"{PREFIX}{self.sent}", json.dumps(message))
+        self.sent += 1
+
+    def heartbeat(self, step: int) -> None:
+        if self.rank == 0:
+            self.store.set(f"{PREFIX}heartbeat", f"{step}:{time.time()}")
+
+    def follow(self, on_report: Callable[[dict], None], timeout_s: float, poll_s: float = 5.0) -> None:
+        """Idle workers: handle messages until "done"; error if rank 0 goes silent for `timeout_s`."""
+        index = 0
+        last_beat, last_change = None, time.monotonic()
+        while True:
+            key = f"{PREFIX}{index}"
+            try:
+                self.store.wait([key], datetime.timedelta(seconds=poll_s))
+            except Exception:  # a timeout: check that rank 0 is still alive
+                beat = self._get(f"{PREFIX}heartbeat")
+                if beat != last_beat:
+                    last_beat, last_change = beat, time.monotonic()
+                elif time.monotonic() - last_change > timeout_s:
+                    raise RuntimeError(f"idle worker: no heartbeat from rank 0 for {timeout_s:.0f}s") from None
+                continue
+            message = json.loads(self.store.get(key))
+            index += 1
+            if message["kind"] == "done":
+                return
+            on_report(message)
+
+    def _get(self, key: str) -> str | None:
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=0.1))
+            return self.store.get(key).decode()
+        except Exception:
+            return None
+
+
+class Watchdog:
+    """Calls `on_hang` (default: exit the process with status 86) when `beat()` stops for `timeout_s`."""
+
+    EXIT_CODE = 86
+
+    def __init__(self, timeout_s: float, on_hang: Callable[[], None] | None = None):
+        self.timeout_s = timeout_s
+        self.on_hang = on_hang or self._exit
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="raydist-watchdog")
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(5.0, self.timeout_s / 4)):
+            if time.monotonic() - self._last > self.timeout_s:
+                self.on_hang()
+                return
+
+    def _exit(self) -> None:
+        print(f"error: no training step completed for {self.timeout_s:.0f}s; ending this worker so the run restarts",
+              file=sys.stderr, flush=True)
+        os._exit(self.EXIT_CODE)

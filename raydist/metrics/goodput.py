@@ -1,0 +1,95 @@
+"""Goodput across restarts: what failures and checkpoints cost, kept in the run directory.
+
+RUN_DIR/progress.json (rank 0 rewrites it after every step on local storage, at logged steps on object
+stores, where each write is a request) remembers the run's first start, the
+newest step reached and the time it was reached. A new attempt (a Ray Train restart after a worker or
+node loss, a resize, or a rerun of the same run name) that resumes at step r < max_step redoes
+max_step - r steps (completed steps; the one in flight when the failure hit is not counted); the time from the failed attempt's last progress until the new attempt is back at
+max_step is time lost to the restart (detection, restart, checkpoint load and the redone steps).
+Checkpoint stalls are the seconds training waited for staging or for a previous save.
+
+RUN_DIR/events.jsonl gets one line per event: start, restart, resize, checkpoint, checkpoint_skipped, end.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from raydist.metrics.logger import MetricsWriter, join, read_json, write_json
+
+
+class EventLog(MetricsWriter):
+    """events.jsonl: {"kind", "time", "elapsed_s", "step", ...}."""
+
+    def __init__(self, run_dir: str, run_start: float):
+        super().__init__(run_dir, name="events.jsonl")
+        self.run_start = run_start
+
+    def event(self, kind: str, step: int, **fields: Any) -> dict:
+        now = time.time()
+        record = {"kind": kind, "step": step, "time": round(now, 3), "elapsed_s": round(now - self.run_start, 3),
+                  **fields}
+        self.write(record)
+        return record
+
+
+class Goodput:
+    def __init__(self, run_dir: str, driver_start: float):
+        self.path = join(run_dir, "progress.json")
+        self.local = "://" not in run_dir or run_dir.startswith("file://")
+        state = read_json(self.path) or {}
+        self.state: dict[str, Any] = {
+            "run_start_time": driver_start, "attempts": 0, "restarts": 0, "max_step": 0, "last_time": None,
+            "steps_redone": 0, "time_lost_restart_s": 0.0, "time_lost_checkpoint_s": 0.0, "recovering": None,
+            **state,
+        }
+
+    @property
+    def run_start(self) -> float:
+        return self.state["run_start_time"]
+
+    def on_start(self, resumed_step: int) -> dict[str, Any]:
+        """Called once per attempt after the checkpoint is loaded; returns what the event should say."""
+        s = self.state
+        s["attempts"] += 1
+        info: dict[str, Any] = {"attempt": s["attempts"]}
+        if s["attempts"] > 1:
+            s["restarts"] += 1
+            redone = max(0, s["max_step"] - resumed_step)
+            s["steps_redone"] += redone
+            info.update(previous_step=s["max_step"], resumed_step=resumed_step, steps_to_redo=redone)
+            if s["last_time"] is not None:
+                s["recovering"] = {"since": s["last_time"], "until_step": max(s["max_step"], resumed_step)}
+        self.save()
+        return info
+
+    def on_progress(self, step: int, logged: bool) -> None:
+        """After each step; persisted every step on local storage, else only on logged steps."""
+        s = self.state
+        now = time.time()
+        if s["recovering"] is not None and step >= s["recovering"]["until_step"]:
+            s["time_lost_restart_s"] += now - s["recovering"]["since"]
+            s["recovering"] = None
+        s["max_step"] = max(s["max_step"], step)
+        s["last_time"] = now
+        if self.local or logged:
+            self.save()
+
+    def add_checkpoint_stall(self, seconds: float) -> None:
+        self.state["time_lost_checkpoint_s"] += seconds
+
+    def save(self) -> None:
+        write_json(self.path, self.state)
+
+    def summary(self, final_step: int, tokens_per_step: int) -> dict[str, Any]:
+        s = self.state
+        wall = time.time() - s["run_start_time"]
+        return {
+            "restarts": s["restarts"],
+            "steps_redone": s["steps_redone"],
+            "time_lost_restart_s": round(s["time_lost_restart_s"], 3),
+            "time_lost_checkpoint_s": round(s["time_lost_checkpoint_s"], 3),
+            "run_wall_s": round(wall, 3),
+            "useful_tokens_per_s": round(final_step * tokens_per_step / max(wall, 1e-9), 2),
+        }
