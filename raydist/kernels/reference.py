@@ -35,8 +35,8 @@ def check_attention_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ca
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
     if kh == 0 or h % kh:
         raise ValueError(f"query heads H={h} must be a multiple of key/value heads K={kh} (grouped-query)")
-    if t == 0 or s == 0:
-        raise ValueError(f"empty sequence: q has T={t}, k has S={s}")
+    if t == 0 or s == 0 or b == 0 or h == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}; every dimension must be >= 1")
     if causal and t != s:
         raise ValueError(f"causal attention needs equal query and key lengths, got T={t}, S={s}; "
                          "pass causal=False for a block of keys wholly before the queries")

@@ -28,8 +28,7 @@ import triton.language as tl
 from triton import knobs
 
 INTERPRETED = bool(knobs.runtime.interpret)
-LOG2E = 1.4426950408889634  # log2(e)
-LN2 = 0.6931471805599453  # ln(2)
+# Inside the kernels log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 appear as literals.
 
 
 def _configs(shapes):
@@ -59,10 +58,23 @@ PRUNE = {"early_config_prune": _prune_fp32}
 KEY = ["T_Q", "T_K", "HEAD_DIM", "CAUSAL"]
 
 
+# Only Triton *builtins* below, plus our own @triton.jit helpers: Triton's standard-library functions
+# (tl.max, tl.sum, tl.zeros, tl.sigmoid, tl.cdiv) are @jit functions fixed to the interpreted-or-compiled
+# mode of the process's first `import triton`, which would tie these kernels to it (see runtime.py).
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _sum_combine(a, b):
+    return a + b
+
+
 @triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
-    # acc + a @ b in fp32 (acc None: just a @ b). UPCAST: Triton 3.9's interpreter multiplies bf16 *bit patterns* in tl.dot (numpy
-    # holds bf16 as uint16), so under the interpreter bf16 operands are widened first. Never set on GPU.
+    # acc + a @ b in fp32 (acc None: just a @ b). UPCAST: Triton 3.9's interpreter multiplies bf16 *bit
+    # patterns* in tl.dot (numpy holds bf16 as uint16), so there bf16 operands are widened first. Never on GPU.
     if UPCAST:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
@@ -90,10 +102,10 @@ def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_ke, stride_vt
             if CAUSAL:
                 keep = keep & (cols[None, :] <= rows[:, None])
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], UPCAST, PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -124,8 +136,8 @@ def _attn_fwd(Q, K, V, O, LSE,
     v_base = V + b * stride_vb + kv_h * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
     if CAUSAL:  # tiles left of row0 are fully visible; the diagonal band needs the mask
         n_full = (row0 // BLOCK_N) * BLOCK_N
         hi = tl.minimum(T_K, row0 + BLOCK_M)
@@ -170,8 +182,8 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                 mask=col_ok, other=0.0)  # (BLOCK_N, E)
     v = tl.load(V + b * stride_vb + kv_h * stride_vh + cols[:, None] * stride_vt + offs_e[None, :] * stride_ve,
                 mask=col_ok, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
+    dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
     lo = 0
     if CAUSAL:  # query tiles wholly above this key tile cannot see it
         lo = (col0 // BLOCK_M) * BLOCK_M
@@ -233,7 +245,7 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
     delta = tl.load(DELTA + pid_bh * T_Q + rows, mask=row_ok, other=0.0)
     k_base = K + b * stride_kb + kv_h * stride_kh
     v_base = V + b * stride_vb + kv_h * stride_vh
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
     hi = T_K
     if CAUSAL:
         hi = tl.minimum(T_K, row0 + BLOCK_M)

@@ -45,6 +45,13 @@ def _prune(configs, named_args, **kwargs):
 MATMUL_CONFIGS = _configs()
 
 
+# Only Triton builtins inside the kernel (no tl.zeros, tl.sigmoid, tl.cdiv: standard-library @jit functions
+# fixed to the mode of the first `import triton`; see triton_attention.py and runtime.py).
+@triton.jit
+def _sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
 @triton.jit
 def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     # acc + a @ b. UPCAST: Triton 3.9's interpreter multiplies bf16 bit patterns in tl.dot; widen first
@@ -63,8 +70,8 @@ def _matmul(A, B, B2, BIAS, C, H1, H2, M, N, D,
             UPCAST: tl.constexpr, PRECISION: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles_m = (M + BLOCK_M - 1) // BLOCK_M
+    tiles_n = (N + BLOCK_N - 1) // BLOCK_N
     per_group = GROUP_M * tiles_n  # programs that cover GROUP_M tile-rows across all tile-columns
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(tiles_m - first_m, GROUP_M)  # the last group may be shorter
@@ -78,8 +85,8 @@ def _matmul(A, B, B2, BIAS, C, H1, H2, M, N, D,
     a_ptrs = A + (rows % M)[:, None] * stride_am + offs_k[None, :] * stride_ad
     b_ptrs = B + offs_k[:, None] * stride_bd + (cols % N)[None, :] * stride_bn
     b2_ptrs = B2 + offs_k[:, None] * stride_b2d + (cols % N)[None, :] * stride_b2n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
+    acc2 = tl.full([BLOCK_M, BLOCK_N], 0.0, dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         k_ok = offs_k < D - k0  # the D tail
         a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
@@ -101,11 +108,11 @@ def _matmul(A, B, B2, BIAS, C, H1, H2, M, N, D,
         if SWIGLU:
             tl.store(H2 + c_off, acc2.to(H2.dtype.element_ty), mask=c_mask)
     if SWIGLU:
-        out = acc * tl.sigmoid(acc) * acc2
+        out = acc * _sigmoid(acc) * acc2
     elif ACTIVATION == 1:
         out = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
     elif ACTIVATION == 2:
-        out = acc * tl.sigmoid(acc)
+        out = acc * _sigmoid(acc)
     else:
         out = acc
     tl.store(C + c_off, out.to(C.dtype.element_ty), mask=c_mask)
