@@ -43,16 +43,19 @@ def _check(name_tensors: list[tuple[str, torch.Tensor]], activation: str = "none
 
 def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none",
             b2: torch.Tensor | None = None, save_pre: bool = False):
-    """C = epilogue(a @ b) (M, N) contiguous, plus the pre-activations (h1, h2) when save_pre."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
+    """C = epilogue(a @ b) for a (..., D), b (D, N): C (..., N) contiguous, written in place by the kernel
+    (not a reshaped view, which FSDP2 warns about on a module's output); plus the pre-activations (h1, h2)
+    of the same shape when save_pre."""
+    if a.dim() < 2 or b.dim() != 2 or a.shape[-1] != b.shape[0]:
         raise ValueError(f"matmul needs a (M, D) and b (D, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
     if b2 is not None and b2.shape != b.shape:
         raise ValueError(f"the SwiGLU up weight {tuple(b2.shape)} must match the gate weight {tuple(b.shape)}")
     if bias is not None and bias.shape != (b.shape[1],):
         raise ValueError(f"bias has shape {tuple(bias.shape)}; expected ({b.shape[1]},) for N={b.shape[1]}")
     kernels = runtime.load_kernel_module("triton_matmul")
-    (m, d), n = a.shape, b.shape[1]
-    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    a2 = a.reshape(-1, a.shape[-1])  # (M, D): a view when the leading dims are contiguous
+    (m, d), n = a2.shape, b.shape[1]
+    c = torch.empty((*a.shape[:-1], n), dtype=a.dtype, device=a.device)  # row-major: C[m, n] at m * N + n
     h1 = torch.empty_like(c) if save_pre else c  # unused pointers alias C (never written when not saving)
     h2 = torch.empty_like(c) if save_pre and b2 is not None else c
     b2_ = b if b2 is None else b2
@@ -60,8 +63,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, 
     def grid(meta):
         return ((m + meta["BLOCK_M"] - 1) // meta["BLOCK_M"] * ((n + meta["BLOCK_N"] - 1) // meta["BLOCK_N"]),)
 
-    kernels._matmul[grid](a, b, b2_, bias if bias is not None else c, c, h1, h2, m, n, d,
-                          *a.stride(), *b.stride(), *b2_.stride(), *c.stride(),
+    kernels._matmul[grid](a2, b, b2_, bias if bias is not None else c, c, h1, h2, m, n, d,
+                          *a2.stride(), *b.stride(), *b2_.stride(), n, 1,
                           HAS_BIAS=bias is not None, ACTIVATION=kernels.ACTIVATION_CODES[activation],
                           SWIGLU=b2 is not None, SAVE_PRE=save_pre,
                           UPCAST=kernels.INTERPRETED and a.dtype == torch.bfloat16,
@@ -82,7 +85,13 @@ def _activation_grad(grad: torch.Tensor, pre: torch.Tensor, activation: str) -> 
     return g.to(grad.dtype)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])  # (..., K) -> (M, K)
+
+
 class MatmulFunction(torch.autograd.Function):
+    """act(a @ b + bias) for a (..., D), b (D, N) -> (..., N)."""
+
     @staticmethod
     def forward(ctx, a, b, bias, activation: str):
         save_pre = activation != "none" and any(ctx.needs_input_grad[:3])  # z, for act'(z) in backward
@@ -95,16 +104,19 @@ class MatmulFunction(torch.autograd.Function):
     def backward(ctx, grad):
         a, b, pre = ctx.saved_tensors
         grad = grad if pre is None else _activation_grad(grad, pre, ctx.activation)
-        grad_a = _launch(grad, b.t())[0] if ctx.needs_input_grad[0] else None  # (M, N) @ (N, D)
-        grad_b = _launch(a.t(), grad)[0] if ctx.needs_input_grad[1] else None  # (D, M) @ (M, N)
-        grad_bias = grad.float().sum(0).to(grad.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_a = _launch(grad, b.t())[0] if ctx.needs_input_grad[0] else None  # (..., N) @ (N, D)
+        grad2 = _rows(grad)  # (M, N)
+        grad_b = _launch(_rows(a).t(), grad2)[0] if ctx.needs_input_grad[1] else None  # (D, M) @ (M, N)
+        grad_bias = grad2.float().sum(0).to(grad.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_a, grad_b, grad_bias, None
 
 
 class SwiGLUFunction(torch.autograd.Function):
+    """silu(x @ w_gate_t) * (x @ w_up_t) for x (..., D), w_*_t (D, F) -> (..., F)."""
+
     @staticmethod
     def forward(ctx, x, w_gate_t, w_up_t):
-        out, h1, h2 = _launch(x, w_gate_t, b2=w_up_t, save_pre=True)  # (M, F) each
+        out, h1, h2 = _launch(x, w_gate_t, b2=w_up_t, save_pre=True)  # (..., F) each
         ctx.save_for_backward(x, w_gate_t, w_up_t, h1, h2)
         return out
 
@@ -115,8 +127,9 @@ class SwiGLUFunction(torch.autograd.Function):
         s = torch.sigmoid(z1)
         grad_up = (g * z1 * s).to(grad.dtype)  # d/dz2 [silu(z1) z2] = silu(z1)
         grad_gate = (g * z2 * s * (1.0 + z1 * (1.0 - s))).to(grad.dtype)  # z2 silu'(z1)
-        grad_x = _launch(grad_gate, w_gate_t.t())[0] + _launch(grad_up, w_up_t.t())[0]  # (M, D)
-        return grad_x, _launch(x.t(), grad_gate)[0], _launch(x.t(), grad_up)[0]
+        grad_x = _launch(grad_gate, w_gate_t.t())[0] + _launch(grad_up, w_up_t.t())[0]  # (..., D)
+        x_t = _rows(x).t()  # (D, M)
+        return grad_x, _launch(x_t, _rows(grad_gate))[0], _launch(x_t, _rows(grad_up))[0]
 
 
 def _autocast(*tensors):
@@ -129,6 +142,8 @@ def _autocast(*tensors):
 def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
            activation: str = "none") -> torch.Tensor:
     """act(a @ b + bias) with a (M, D), b (D, N), bias (N,) or None; differentiable."""
+    if a.dim() != 2:
+        raise ValueError(f"matmul needs a (M, D) and b (D, N); got a {tuple(a.shape)}, b {tuple(b.shape)}")
     a, b, bias = _autocast(a, b, bias)
     _check([("a", a), ("b", b)] + ([("bias", bias)] if bias is not None else []), activation)
     runtime.count_call("matmul.triton")
@@ -141,8 +156,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} (needs "
                          f"x[..., {weight.shape[-1]}])")
-    out = matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias, activation)
-    return out.reshape(*x.shape[:-1], weight.shape[0])
+    x, weight, bias = _autocast(x, weight, bias)
+    _check([("x", x), ("weight", weight)] + ([("bias", bias)] if bias is not None else []), activation)
+    runtime.count_call("matmul.triton")
+    return MatmulFunction.apply(x, weight.t(), bias, activation)
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -153,8 +170,7 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.T
                          "must be (..., D), (F, D), (F, D)")
     _check([("x", x), ("w_gate", w_gate), ("w_up", w_up)])
     runtime.count_call("swiglu.triton")
-    out = SwiGLUFunction.apply(x.reshape(-1, x.shape[-1]), w_gate.t(), w_up.t())
-    return out.reshape(*x.shape[:-1], w_gate.shape[0])
+    return SwiGLUFunction.apply(x, w_gate.t(), w_up.t())
 
 
 def torch_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

@@ -139,3 +139,26 @@ def test_dtensor_weights_fall_back_to_torch(monkeypatch):
         assert torch.allclose(out.full_tensor(), expected)
     finally:
         dist.destroy_process_group()
+
+
+@needs_triton
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_triton_kernels_under_activation_checkpointing(monkeypatch, policy):
+    """Recomputation re-runs the Triton forward inside backward: the gradients are the torch path's."""
+    from raydist.parallel.checkpointing import make_run_layers
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(4))
+
+    def grads(kernels, run_layers):
+        model = build_model(TINY, 16, seed=0)
+        apply_kernels(model, kernels, "cpu")
+        model.run_layers = run_layers
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    ref = grads(KernelsConfig("sdpa", "torch"), None)
+    got = grads(KernelsConfig("triton", "triton"), make_run_layers(policy, TINY.num_layers))
+    assert ref.keys() == got.keys()
+    for name in ref:
+        assert torch.allclose(got[name], ref[name], rtol=1e-4, atol=1e-6), name
