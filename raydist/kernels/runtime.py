@@ -35,7 +35,12 @@ def triton_import_error() -> str | None:
 
 
 def interpreter_requested() -> bool:
-    """True when TRITON_INTERPRET asks for the CPU interpreter (read the way Triton's knobs read it)."""
+    """True when TRITON_INTERPRET asks for the CPU interpreter, read by Triton's own knob where Triton is
+    installed (the knob re-reads the variable on every access)."""
+    if triton_import_error() is None:
+        from triton import knobs
+
+        return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
 
 
