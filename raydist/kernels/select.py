@@ -1,0 +1,106 @@
+"""Pick the kernels from `[kernels]` and install them into a built model (before it is parallelized).
+
+    chosen = apply_kernels(model, cfg.kernels, device)   # {"attention": "triton", "matmul": "triton"}
+
+attention: `auto` -> triton on CUDA (sdpa where Triton is missing or the head dim unsupported), sdpa on CPU
+           even when Triton is importable; `triton` | `sdpa` | `eager` as asked, or a ConfigError with the fix.
+matmul:    `auto` -> triton on CUDA, torch on CPU; `triton` | `torch`.
+
+The Triton matmul is installed by changing the class of each plain `nn.Linear` to `TritonLinear` and of each
+`FeedForward` to `TritonFeedForward` (same instance, same parameters, same names: checkpoints and
+tensor-parallel plans that key on `feed_forward.w1` etc. are unaffected, and isinstance(m, nn.Linear)
+still holds). Where a parallel plan has turned a weight or input into a DTensor, those modules fall back to
+the torch path (counted as `matmul.torch_fallback` in `runtime.kernel_calls()`), since the kernel works on
+local tensors only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raydist.config import ConfigError, KernelsConfig
+from raydist.kernels import runtime
+from raydist.kernels.attention import SUPPORTED_HEAD_DIMS, triton_causal_attention
+from raydist.kernels.matmul import linear, swiglu
+from raydist.models.gpt import FeedForward, eager_attention, sdpa_attention
+
+ATTENTION_FNS = {"triton": triton_causal_attention, "sdpa": sdpa_attention, "eager": eager_attention}
+
+
+def _is_dtensor(*tensors) -> bool:
+    return any(t is not None and type(t).__name__ == "DTensor" for t in tensors)
+
+
+class TritonLinear(nn.Linear):
+    """nn.Linear whose forward runs the Triton matmul (bias fused in the epilogue)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _is_dtensor(x, self.weight, self.bias):
+            runtime.count_call("matmul.torch_fallback")
+            return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+class TritonFeedForward(FeedForward):
+    """SwiGLU with silu(w1 x) * (w3 x) in one Triton kernel (both products share each x tile), then w2."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w1, w3 = self.w1, self.w3
+        if w1.bias is not None or w3.bias is not None or _is_dtensor(x, w1.weight, w3.weight):
+            runtime.count_call("matmul.torch_fallback")
+            return super().forward(x)
+        return self.w2(swiglu(x, w1.weight, w3.weight))  # (B, T, F) -> (B, T, D)
+
+
+def resolve_kernels(cfg: KernelsConfig, device: torch.device | str, head_dim: int) -> dict[str, str]:
+    """{"attention": ..., "matmul": ...}: what will run, or a ConfigError naming the setting and the fix."""
+    device = torch.device(device)
+    triton_ok = runtime.triton_unusable_reason(device) is None
+    attention = cfg.attention
+    if attention == "auto":
+        use = device.type == "cuda" and triton_ok and head_dim in SUPPORTED_HEAD_DIMS
+        attention = "triton" if use else "sdpa"
+    elif attention == "triton":
+        runtime.require_triton(device, "kernels.attention=triton")
+        if head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ConfigError(f"kernels.attention=triton supports head dims {SUPPORTED_HEAD_DIMS}, but "
+                              f"d_model/num_heads={head_dim}; change the model shape or use kernels.attention=sdpa")
+    elif attention not in ATTENTION_FNS:
+        raise ConfigError(f"kernels.attention={attention!r} is not one of auto, triton, sdpa, eager")
+    matmul = cfg.matmul
+    if matmul == "auto":
+        matmul = "triton" if device.type == "cuda" and triton_ok else "torch"
+    elif matmul == "triton":
+        runtime.require_triton(device, "kernels.matmul=triton")
+    elif matmul != "torch":
+        raise ConfigError(f"kernels.matmul={matmul!r} is not one of auto, triton, torch")
+    return {"attention": attention, "matmul": matmul}
+
+
+def install_triton_matmul(model: nn.Module) -> int:
+    """Switch every plain nn.Linear and FeedForward in `model` to the Triton versions; returns how many."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = TritonLinear
+            changed += 1
+        elif type(module) is FeedForward:
+            module.__class__ = TritonFeedForward
+            changed += 1
+    return changed
+
+
+def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device | str) -> dict[str, str]:
+    """Install the selected kernels into a GPT built by models.gpt.build_model; returns the selection.
+
+    Call after building the model and before parallelizing it (the DTensor fallbacks above are a safety
+    net, not the intended layout).
+    """
+    model_cfg = model.cfg
+    chosen = resolve_kernels(cfg, device, model_cfg.d_model // model_cfg.num_heads)
+    model.set_attention(ATTENTION_FNS[chosen["attention"]])
+    if chosen["matmul"] == "triton":
+        install_triton_matmul(model)
+    return chosen
