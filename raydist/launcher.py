@@ -254,6 +254,9 @@ def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] =
     embedded = connect_ray(cfg, address, needed * cfg.ray.cpus_per_worker)
     try:
         use_gpu = resolve_use_gpu(cfg)
+        from raydist.kernels import resolve_kernels
+
+        resolve_kernels(cfg.kernels, "cuda" if use_gpu else "cpu", cfg.head_dim)  # a bad choice fails here
         wait_for_capacity(needed, worker_resources(cfg, use_gpu), cfg.ray.max_pending_s, can_grow=not embedded,
                           log=log)
         log(f"run {lp.run_name}: {lp.num_workers} worker(s), {'GPU/nccl' if use_gpu else 'CPU/gloo'}, "

@@ -54,7 +54,7 @@ class RunLogger:
     def base(self) -> dict[str, Any]:
         t = self.trainer
         return {"step": t.step, "world_size": t.world_size, "mesh": t.spec.degrees(),
-                "elapsed_s": round(time.time() - self.run_start, 3), "attempt": self.attempt}
+                "elapsed_s": round(time.time() - self.run_start, 3), "attempt": self.attempt, "kernels": t.kernels}
 
     def add_step(self, stats: StepStats) -> None:
         self.interval_time += stats.step_time_s
@@ -196,7 +196,7 @@ def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
         "train_wall_s": round(wall, 3),
         "tokens_per_s": round((trainer.step - start_step) * logger.tokens_per_step / max(wall, 1e-9), 2),
         "mfu": logger.last.get("mfu"), "mfu_peak_source": logger.peak_source, "world_size": trainer.world_size,
-        "mesh": trainer.spec.degrees(), "elapsed_s": round(time.time() - run_start, 3),
+        "mesh": trainer.spec.degrees(), "elapsed_s": round(time.time() - run_start, 3), "kernels": trainer.kernels,
     }
     if ckpt:
         ckpt.save(blocking=True)

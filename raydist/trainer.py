@@ -29,6 +29,7 @@ from raydist.config import Config, ConfigError
 from raydist.data.position import SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.stream import SampleStream, Split, make_reader
+from raydist.kernels import apply_kernels
 from raydist.elastic.policy import LayoutDecision, apply_decision, plan_layout
 from raydist.mesh import Mesh
 from raydist.models.gpt import build_model, cross_entropy
@@ -133,6 +134,7 @@ class Trainer:
         self.mesh: Mesh = self.spec.build(device.type)
         self.compute_dtype = compute_dtype_for(cfg, device)
         model = build_model(cfg.model, cfg.data.seq_len, cfg.train.seed)
+        self.kernels = apply_kernels(model, cfg.kernels, device)  # which attention / matmul paths run
         self.pm: ParallelModel = parallelize(model, self.mesh, cfg, device, self.compute_dtype)
         self.params = [p for p in self.pm.model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(self.pm.model, cfg)
