@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any, Callable
 
@@ -145,10 +146,13 @@ def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
     ckpt = _Checkpoints(trainer, run_dir, events, goodput, report, log) if run_dir else None
     extra = ckpt.resume() if ckpt else None  # restores trainer.step, position, notes
     attempt = goodput.on_start(trainer.step) if goodput else {"attempt": 1}
+    workers = [None] * trainer.world_size  # where each rank runs, for operators (and failure tests)
+    dist.all_gather_object(workers, {"host": socket.gethostname(), "pid": os.getpid()}, group=trainer.group)
     if events:
         kind = "start" if attempt["attempt"] == 1 else "restart"
         events.event(kind, trainer.step, world_size=trainer.world_size, mesh=trainer.spec.degrees(),
-                     idle_workers=trainer.decision.idle_workers, layout=trainer.decision.reason, **attempt)
+                     idle_workers=trainer.decision.idle_workers, layout=trainer.decision.reason, workers=workers,
+                     **attempt)
         if extra is not None and extra["world_size"] != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=extra["world_size"], world_size=trainer.world_size,
                          mesh=trainer.spec.degrees())

@@ -1,0 +1,133 @@
+"""Elasticity on real local Ray clusters: a killed worker, a lost node and a joining node.
+
+Each test runs `raydist train`'s launcher in a thread against a cluster it starts and stops itself, and
+acts on the cluster while the run trains (kill a worker process, remove a node, add a node)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from raydist.config import Config
+from raydist.launcher import launch
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def small(tiny_data, run_root, *extra):
+    return Config.load(None, [
+        f"data.path={tiny_data}", "data.seq_len=32", "data.reader=arrow", "model.num_layers=2", "model.d_model=64",
+        "model.ffn_hidden=128", "train.global_batch=8", "train.micro_batch=2", "train.eval_every=0",
+        "train.log_every=2", "checkpoint.every_steps=10", "checkpoint.async_save=false",
+        f"checkpoint.storage={run_root}", "ray.max_pending_s=60", "elastic.collective_timeout_s=60", *extra])
+
+
+def records(run_dir, name="metrics.jsonl"):
+    path = os.path.join(run_dir, name)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Background:
+    """`launch` in a thread; `result` or `error` when it ends."""
+
+    def __init__(self, cfg, address=None):
+        self.result = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(cfg, address), daemon=True)
+        self.thread.start()
+
+    def _run(self, cfg, address):
+        try:
+            self.result = launch(cfg, address=address, log=lambda *_: None)
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+    def join(self, timeout_s):
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "training did not finish"
+        if self.error:
+            raise self.error
+        return self.result
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def worker_pids(run_dir):
+    """The training workers' pids, from the newest start/restart event."""
+    starts = [e for e in records(run_dir, "events.jsonl") if e["kind"] in ("start", "restart")]
+    return [w["pid"] for w in starts[-1]["workers"]]
+
+
+@pytest.fixture
+def ray_4cpu():
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=True, logging_level="warning")
+    yield ray
+    ray.shutdown()
+
+
+def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_4cpu, tiny_data, tmp_path):
+    steps = 40
+    reference = launch(small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=ref"), log=lambda *_: None)
+    run_dir = tmp_path / "killed"
+    job = Background(small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=killed",
+                           "elastic.max_failures=3"))
+    wait_for(lambda: any(r["step"] >= 24 for r in records(run_dir)), 240, "step 24")
+    os.kill(worker_pids(run_dir)[-1], signal.SIGKILL)  # a training worker dies mid-run
+    summary = job.join(300)
+    assert summary["steps"] == steps and summary["restarts"] == 1
+    events = records(run_dir, "events.jsonl")
+    restart = next(i for i, e in enumerate(events) if e["kind"] == "restart")
+    committed_before_kill = max(e["step"] for e in events[:restart] if e["kind"] == "checkpoint")
+    assert events[restart]["resumed_step"] == committed_before_kill
+    killed_at = max(r["step"] for r in records(run_dir) if r["attempt"] == 1)
+    assert summary["steps_redone"] <= killed_at - committed_before_kill  # at most the steps since the commit
+    assert abs(summary["final_loss"] - reference["final_loss"]) / reference["final_loss"] < 1e-3
+
+
+def test_node_loss_shrinks_and_node_join_grows_the_run(tiny_data, tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    try:
+        nodes = [cluster.add_node(num_cpus=2) for _ in range(2)]
+        ray.init(address=cluster.address, logging_level="warning")
+        run_dir = tmp_path / "elastic"
+        job = Background(small(tiny_data, tmp_path, "train.steps=400", "train.run_name=elastic",
+                               "elastic.min_workers=2", "elastic.max_workers=4", "elastic.max_failures=5",
+                               "elastic.resize_check_interval_s=5"), address=cluster.address)
+        wait_for(lambda: any(r["step"] >= 12 and r["world_size"] == 4 for r in records(run_dir)), 300,
+                 "training on 4 workers")
+        cluster.remove_node(nodes[1])  # two workers lost with their node
+        wait_for(lambda: any(r["world_size"] == 2 for r in records(run_dir)), 300, "training on 2 workers")
+        cluster.add_node(num_cpus=2)  # capacity returns: the run grows at the next resize check
+        wait_for(lambda: any(r["world_size"] == 4 and r["attempt"] >= 3 for r in records(run_dir)), 300,
+                 "training on 4 workers again")
+        summary = job.join(600)
+        events = records(run_dir, "events.jsonl")
+        sizes = [e["world_size"] for e in events if e["kind"] in ("start", "restart")]
+        assert sizes[:3] == [4, 2, 4], sizes
+        meshes = [e["mesh"]["dp_replicate"] for e in events if e["kind"] in ("start", "restart")]
+        assert meshes[:3] == [4, 2, 4]  # the layout was re-planned each time
+        assert [e["kind"] for e in events].count("resize") >= 2
+        assert summary["steps"] == 400 and summary["restarts"] >= 2
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
