@@ -58,8 +58,9 @@ def memory_bandwidth_bytes_per_s(num_bytes: int = 64 * 2**20, min_time_s: float 
     return 2 * num_bytes * reps / (time.perf_counter() - start)
 
 
-def _time_model(model_cfg: dict, seq_len: int, micro_batch: int, policy: str, min_time_s: float = 0.6) -> float:
-    """Seconds for one forward + backward of the workload's model on `micro_batch` samples."""
+def _fwd_bwd_timer(model_cfg: dict, seq_len: int, policy: str):
+    """A function that runs one forward + backward of the workload's model on `micro_batch` samples and
+    returns its seconds."""
     from raydist.config import ModelConfig
     from raydist.models.gpt import build_model, cross_entropy
     from raydist.parallel.checkpointing import apply_activation_checkpointing
@@ -67,49 +68,56 @@ def _time_model(model_cfg: dict, seq_len: int, micro_batch: int, policy: str, mi
     cfg = ModelConfig(**model_cfg)
     model = build_model(cfg, seq_len, 0)
     apply_activation_checkpointing(model, policy)
-    tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1))
+    generator = torch.Generator().manual_seed(0)
 
-    def once():
-        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
+    def run(micro_batch: int) -> float:
+        tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=generator)
+        start = time.perf_counter()
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
 
-    once()
-    times, start = [], time.perf_counter()
-    while time.perf_counter() - start < min_time_s or len(times) < 3:
-        t0 = time.perf_counter()
-        once()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return run
 
 
-def _calibrate_workload(spec: dict) -> dict:
-    """Time the workload's forward+backward at two micro-batch sizes without recompute (a line: fixed
-    overhead + FLOPs / rate) and at the larger size with each recompute policy."""
+def _calibrate_workload(spec: dict, reps: int = 5) -> dict:
+    """Time the workload's forward+backward without recompute at several micro-batch sizes and with each
+    recompute policy at the largest, all interleaved rep by rep, keeping each one's fastest repetition
+    (on a shared machine the slower ones measure someone else's work). Fit t = overhead + FLOPs / rate
+    by least squares; recompute cost = t(policy) / t(none) - 1 at the largest size."""
     from raydist.config import ModelConfig
     from raydist.models.gpt import flops_per_token
 
-    small, large = spec["micro_batches"]
-    fpt = flops_per_token(ModelConfig(**spec["model"]), spec["seq_len"])
-    t_small = _time_model(spec["model"], spec["seq_len"], small, "none")
-    t_large = _time_model(spec["model"], spec["seq_len"], large, "none")
-    flops_small, flops_large = fpt * small * spec["seq_len"], fpt * large * spec["seq_len"]
-    rate = (flops_large - flops_small) / max(t_large - t_small, 1e-9)
-    overhead = max(0.0, t_small - flops_small / rate)
-    factors = {}
-    for policy in spec["policies"]:
-        factors[policy] = _time_model(spec["model"], spec["seq_len"], large, policy) / t_large - 1.0
-    return {"rate_flops": rate, "overhead_s": overhead, "recompute_factors": factors,
-            "t_small_s": t_small, "t_large_s": t_large}
+    sizes, seq_len = spec["micro_batches"], spec["seq_len"]
+    runners = {policy: _fwd_bwd_timer(spec["model"], seq_len, policy) for policy in ("none", *spec["policies"])}
+    best: dict[tuple[str, int], float] = {}
+    jobs = [("none", b) for b in sizes] + [(p, sizes[-1]) for p in spec["policies"]]
+    for rep in range(reps + 1):
+        for policy, b in jobs:
+            t = runners[policy](b)
+            if rep:  # the first pass warms up
+                best[policy, b] = min(best.get((policy, b), float("inf")), t)
+    fpt = flops_per_token(ModelConfig(**spec["model"]), seq_len)
+    flops = [fpt * b * seq_len for b in sizes]
+    times = [best["none", b] for b in sizes]
+    (overhead, inv_rate), *_ = np.linalg.lstsq(np.array([[1.0, f] for f in flops]), np.array(times), rcond=None)
+    if inv_rate <= 0:  # noise swamped the slope: no fixed cost, the mean rate
+        overhead, inv_rate = 0.0, sum(times) / sum(flops)
+    factors = {p: best[p, sizes[-1]] / best["none", sizes[-1]] - 1.0 for p in spec["policies"]}
+    return {"rate_flops": 1.0 / float(inv_rate), "overhead_s": max(0.0, float(overhead)),
+            "recompute_factors": factors, "times_s": {f"{p}/{b}": t for (p, b), t in best.items()}}
 
 
 def _calibrate_rank(reps: int, matmul_size: int, workload: dict | None = None) -> dict:
     from raydist.metrics.flops import measure_cpu_matmul_peak
 
     world = dist.get_world_size()
+    # Best of several short bursts, all ranks at once: the machine's capacity per rank when our own ranks
+    # share it, without the dips when another job takes the cores.
     dist.barrier()
-    peak = measure_cpu_matmul_peak(size=matmul_size, min_time_s=0.5)
+    peak = max(measure_cpu_matmul_peak(size=matmul_size, min_time_s=0.1) for _ in range(5))
     dist.barrier()
-    bandwidth = memory_bandwidth_bytes_per_s()
+    bandwidth = max(memory_bandwidth_bytes_per_s(min_time_s=0.1) for _ in range(3))
     dist.barrier()
     samples = []
     for n_bytes in SIZES_BYTES:
@@ -162,8 +170,9 @@ def calibrate(world_size: int, reps: int = 10, matmul_size: int = 512, save: boo
         import dataclasses
 
         large = max(2, config.train.micro_batch)
+        sizes = sorted({1, max(1, large // 2), large})
         workload = {"model": dataclasses.asdict(config.model), "seq_len": config.data.seq_len,
-                    "micro_batches": (1, large), "policies": ("selective", "full", "every_k")}
+                    "micro_batches": tuple(sizes), "policies": ("selective", "full", "every_k")}
     results = spawn(_calibrate_rank, world_size, reps, matmul_size, workload, threads=threads)
     r0 = results[0]
     alpha, beta = fit_alpha_beta(r0["samples"], world_size)
