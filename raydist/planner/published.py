@@ -46,7 +46,7 @@ LLAMA3_405B = Published(
     layout=Layout(pp=16, dp_replicate=1, dp_shard=128, cp=1, tp=8, micro_batch=1, sequence_parallel=True,
                   pp_schedule="interleaved", virtual_stages=2, fsdp_reshard_after_forward=False),
     device="h100", world_size=16384, gpus_per_node=8,
-    variants={"activation_checkpoint": ("none", "selective", "every_k", "full"), "virtual_stages": (2, 4)},
+    variants={"activation_checkpoint": ("none", "selective", "full", "every_k"), "virtual_stages": (2, 4)},
 )
 
 MEGATRON_1T = Published(
@@ -58,7 +58,7 @@ MEGATRON_1T = Published(
     layout=Layout(pp=64, dp_replicate=1, dp_shard=1, cp=1, tp=8, micro_batch=1, sequence_parallel=True,
                   activation_checkpoint="selective", pp_schedule="1f1b"),
     device="a100", world_size=512, gpus_per_node=8,
-    variants={"activation_checkpoint": ("none", "selective", "every_k", "full")},
+    variants={"activation_checkpoint": ("none", "selective", "full", "every_k")},
 )
 
 PUBLISHED = {p.key: p for p in (LLAMA3_405B, MEGATRON_1T)}

@@ -157,6 +157,12 @@ def test_choose_layout_gives_a_config_that_validates(tmp_path, monkeypatch):
     assert settings["estimate"]["fits"]
     spec_h100, settings_h100 = choose_layout(cfg, 8, gpus_per_node=8, device="h100")
     assert spec_h100.world_size == 8
+    from raydist.mesh import MeshSpec
+    from raydist.planner import auto_config
+
+    applied, same = auto_config(cfg, 4, device="cpu")
+    assert MeshSpec.from_config(applied.parallel).resolve(4).degrees() == same["estimate"]["mesh"]
+    assert applied.train.activation_checkpoint == same["activation_checkpoint"]
 
 
 def test_choose_layout_raises_when_nothing_fits():
