@@ -123,11 +123,11 @@ def _calibrate_rank(reps: int, matmul_size: int, workload: dict | None = None) -
     for n_bytes in SIZES_BYTES:
         numel = n_bytes // 4
         x = torch.ones(numel)
-        t_ar = _time_collective(lambda: dist.all_reduce(x), n_bytes, reps)
+        t_ar = _time_collective(lambda x=x: dist.all_reduce(x), n_bytes, reps)
         shard = torch.ones(max(1, numel // world))
         out = torch.empty(shard.numel() * world)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        t_ag = _time_collective(lambda: gather(out, shard), out.numel() * 4, reps)
+        t_ag = _time_collective(lambda out=out, shard=shard, gather=gather: gather(out, shard), out.numel() * 4, reps)
         samples.append({"bytes": n_bytes, "all_reduce_s": t_ar, "all_gather_s": t_ag})
     stats = torch.tensor([peak, bandwidth], dtype=torch.float64)
     dist.all_reduce(stats)

@@ -147,7 +147,7 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int | None = None
 def auto_config(cfg: Config, world_size: int, gpus_per_node: int | None = None,
                 device: str = "auto") -> tuple[Config, dict]:
     """`cfg` with the planner's layout applied (a new, validated Config), and choose_layout's settings."""
-    spec, settings = choose_layout(cfg, world_size, gpus_per_node, device)
+    _, settings = choose_layout(cfg, world_size, gpus_per_node, device)
     return Config.from_dict(cfg.to_dict(), settings["overrides"]), settings
 
 

@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from raydist.config import ModelConfig
 from raydist.planner.cost_model import Estimate, estimate
@@ -66,7 +66,6 @@ PUBLISHED = {p.key: p for p in (LLAMA3_405B, MEGATRON_1T)}
 
 def published_estimate(pub: Published) -> Estimate:
     """The published mesh under the model, with the best of its allowed recompute policies."""
-    hw = get_hardware(pub.device, pub.world_size, pub.gpus_per_node)
     return min(published_options(pub), key=lambda e: (not e.fits, e.step_time_s))
 
 

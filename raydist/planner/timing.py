@@ -80,7 +80,7 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     """Seconds per optimizer step by term; 'total' is the estimate, 'model_flops' this rank's share."""
     m_cfg, a = w.model, w.compute_dtype_bytes
     m = num_microbatches
-    b, tokens = lay.micro_batch, lay.micro_batch * w.seq_len / lay.cp  # per micro-batch on this rank
+    tokens = lay.micro_batch * w.seq_len / lay.cp  # per micro-batch on this rank
     h, tp, cp = m_cfg.d_model, lay.tp, lay.cp
     counts = param_counts(m_cfg)
     stage_layers = stage_layer_counts(m_cfg.num_layers, lay.pp)

@@ -9,8 +9,8 @@ import pytest
 
 from raydist.cli import main
 from raydist.config import Config, ConfigError, ModelConfig
-from raydist.planner.cost_model import check_layout, estimate
-from raydist.planner.enumerate import ALL_FEATURES, choose_layout, enumerate_estimates
+from raydist.planner.cost_model import check_layout
+from raydist.planner.enumerate import choose_layout, enumerate_estimates
 from raydist.planner.hardware import DEVICES, Hardware, Link, get_hardware
 from raydist.planner.layout import Layout, Workload
 from raydist.planner.memory import rank_memory
@@ -155,7 +155,7 @@ def test_choose_layout_gives_a_config_that_validates(tmp_path, monkeypatch):
     assert resolved.train.micro_batch == settings["micro_batch"]
     assert resolved.train.global_batch % (spec.dp * resolved.train.micro_batch) == 0
     assert settings["estimate"]["fits"]
-    spec_h100, settings_h100 = choose_layout(cfg, 8, gpus_per_node=8, device="h100")
+    spec_h100, _ = choose_layout(cfg, 8, gpus_per_node=8, device="h100")
     assert spec_h100.world_size == 8
     from raydist.mesh import MeshSpec
     from raydist.planner import auto_config
