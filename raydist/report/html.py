@@ -15,7 +15,8 @@ STYLE = """
 body { font-family: sans-serif; margin: 1.5em; color: #222; max-width: 1400px; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.1em; margin: 0.2em 0; }
 .grid { display: flex; flex-wrap: wrap; gap: 1em; }
-section.panel { border: 1px solid #ddd; padding: 0.5em; width: 660px; }
+section.panel { border: 1px solid #ddd; padding: 0.5em; flex: 1 1 560px; max-width: 680px; }
+section.panel img { width: 100%; height: auto; }
 section.panel.empty h2::after { content: " (no data)"; color: #999; font-weight: normal; }
 table { border-collapse: collapse; font-size: 0.9em; } td, th { border: 1px solid #ddd; padding: 2px 8px; }
 pre { background: #f6f6f6; padding: 0.8em; font-size: 0.8em; overflow-x: auto; }
@@ -42,11 +43,11 @@ def render_html(data: RunData) -> str:
              f"<p>{html.escape(data.run_dir)} &middot; report made {time.strftime('%Y-%m-%d %H:%M:%S')}</p>",
              "<div class='grid'>"]
     for panel_id, title, _ in PANELS:
-        png, has_data = render_panel(panel_id, data)
+        png, has_data = render_panel(panel_id, data, with_title=False)  # the page's <h2> is the title
         encoded = base64.b64encode(png).decode("ascii")
         css = "panel" if has_data else "panel empty"
         parts.append(f"<section class='{css}' id='panel-{panel_id}'><h2>{html.escape(title)}</h2>"
-                     f"<img alt='{html.escape(title)}' width='640' src='data:image/png;base64,{encoded}'></section>")
+                     f"<img alt='{html.escape(title)}' src='data:image/png;base64,{encoded}'></section>")
     parts.append("</div>")
     parts.append("<section id='summary'><h2>Goodput summary</h2>"
                  + _table([(k.replace("_", " "), _fmt(v)) for k, v in goodput(data).items()]) + "</section>")

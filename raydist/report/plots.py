@@ -209,13 +209,14 @@ PANELS: list[tuple[str, str, Callable]] = [
 ]
 
 
-def render_panel(panel_id: str, data: RunData, size=(6.4, 3.6)) -> tuple[bytes, bool]:
+def render_panel(panel_id: str, data: RunData, size=(6.4, 3.6), with_title: bool = True) -> tuple[bytes, bool]:
     """One panel as PNG bytes, and whether it had data."""
     _, title, draw = next(p for p in PANELS if p[0] == panel_id)
     fig, ax = plt.subplots(figsize=size, dpi=100)
     try:
         has_data = draw(ax, data)
-        ax.set_title(title if not ax.get_title() else f"{title}\n{ax.get_title()}", fontsize=10)
+        if with_title:
+            ax.set_title(title if not ax.get_title() else f"{title}\n{ax.get_title()}", fontsize=10)
         fig.tight_layout()
         buf = io.BytesIO()
         fig.savefig(buf, format="png")
