@@ -83,16 +83,21 @@ def panel_throughput(ax, data: RunData) -> bool:
         _no_data(ax, "tokens_per_s / mfu in metrics.jsonl")
         return False
     t = [r[0] for r in rows]
-    ax.plot(t, [r[1] for r in rows], color="tab:blue", marker=".", label="tokens/s")
+    ax.plot(t, [r[1] for r in rows], color="tab:blue", marker="o", linewidth=2.5, label="tokens/s")
     ax.set_xlabel("elapsed (s)")
     ax.set_ylabel("tokens/s", color="tab:blue")
+    ax.set_ylim(bottom=0)
+    handles = []
     mfu = [(r[0], r[2]) for r in rows if r[2] is not None]
-    if mfu:
+    if mfu:  # MFU is tokens/s times a constant while the peak is fixed: dashed, on its own axis
         right = ax.twinx()
-        right.plot(*zip(*[(x, 100 * y) for x, y in mfu]), color="tab:green", marker=".", label="MFU")
+        handles = right.plot(*zip(*[(x, 100 * y) for x, y in mfu]), color="tab:green", linestyle="--",
+                             marker="x", label="MFU (right)")
         right.set_ylabel("MFU (%)", color="tab:green")
+        right.set_ylim(bottom=0)
     _mark_events(ax, data, "elapsed_s")
-    ax.legend(fontsize=7, loc="lower right")
+    mine, labels = ax.get_legend_handles_labels()
+    ax.legend(mine + handles, labels + [h.get_label() for h in handles], fontsize=7, loc="lower right")
     return True
 
 
@@ -111,6 +116,7 @@ def panel_memory(ax, data: RunData) -> bool:
         _no_data(ax, "mem_peak_mb_per_rank or mem_peak_mb in metrics.jsonl")
         return False
     ax.plot(*zip(*rows), color="tab:purple", marker=".", label="rank 0 peak")
+    ax.set_ylim(0, 1.1 * max(v for _, v in rows))
     _mark_events(ax, data, "elapsed_s")
     ax.set_xlabel("elapsed (s)")
     ax.set_ylabel("peak memory (MB)")
