@@ -14,8 +14,8 @@ Per step, per rank (the busiest pipeline stage), with m micro-batches of b sampl
   rank's share, at peak * compute_efficiency; full / every_k recompute add one forward of the blocks (a
   third of their FLOPs); selective re-runs only elementwise ops: their bytes over memory bandwidth.
   A CPU calibration of the workload (`raydist plan CONFIG --calibrate`) replaces the efficiency with the
-  measured rate, adds the measured fixed cost per block per micro-batch, and the recompute cost with the
-  measured ratio per policy.
+  measured rate, adds the measured fixed cost per block per micro-batch, and takes the measured recompute
+  ratio per policy where it exceeds the analytic cost.
 - data parallel (seed 002/003): DDP all-reduces the fp32 gradients once per step (2 (p-1)/p x 4N bytes);
   FSDP all-gathers the parameters in forward and again in backward (when resharding) for every
   micro-batch and reduce-scatters the gradients once (no-sync accumulation; per micro-batch in a
@@ -94,13 +94,15 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     compute_mb = 3 * fwd / rate + (layers + 1) * hw.block_overhead_s
     recompute_mb = 0.0
     policy = lay.activation_checkpoint
-    if policy != "none" and hw.recompute_factors and policy in hw.recompute_factors:
-        recompute_mb = max(0.0, hw.recompute_factors[policy]) * compute_mb  # measured on this machine
-    elif policy in ("full", "every_k"):
+    if policy in ("full", "every_k"):
         recompute_mb = layers * block_fwd / rate
     elif policy == "selective":
         elementwise = block_activation_bytes(w, lay) - block_selective_bytes(w, lay)
         recompute_mb = layers * 2 * max(0.0, elementwise) / hw.memory_bandwidth_bytes_per_s
+    if policy != "none" and hw.recompute_factors and policy in hw.recompute_factors:
+        # measured on this machine; never below the work the policy must redo (a noisy calibration can
+        # time the recomputing model faster than the plain one)
+        recompute_mb = max(recompute_mb, hw.recompute_factors[policy] * compute_mb)
 
     # ---- tensor parallel ------------------------------------------------------------------------------------
     tp_mb = 0.0
