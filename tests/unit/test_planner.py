@@ -221,3 +221,12 @@ def test_calibrate_stores_and_cpu_plans_use_it(tmp_path, monkeypatch):
     assert hw.source.startswith("calibrated")
     assert hw.peak_flops == pytest.approx(record["matmul_peak_flops"])
     assert hw.intra.alpha_s == pytest.approx(record["alpha_s"])
+
+
+def test_cli_published_json(capsys):
+    assert main(["plan", "--published", "megatron-1t", "--json", "--top", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)["megatron-1t"]
+    assert out["published"]["mesh"] == {"pp": 64, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 8}
+    assert out["published"]["fits"]
+    assert out["best"][0]["step_time_s"] <= out["published"]["step_time_s"]
+    assert 60 < out["megatron_accounting_gb"] < 80  # Korthikanti's own count fits an 80 GB A100
