@@ -88,12 +88,16 @@ def cmd_plan(args) -> int:
         print("no layout fits: add devices, shrink the model or sequence, or lower train.global_batch")
         return 1
     print(f"{'#':>2}  {'layout':48s} {'memory':>9s} {'step':>10s} {'MFU':>7s} {'tokens/s':>10s}")
+    have = implemented_features()
     for i, est in enumerate(plans, 1):
         tokens_per_s = w.tokens_per_step / est.step_time_s
         print(f"{i:>2}  {est.layout.describe():48s} {est.memory_gb:7.3g}GB {_seconds(est.step_time_s):>10s} "
               f"{est.mfu:7.2%} {tokens_per_s:10.4g}")
         for reason in est.reasons:
             print(f"      {reason}")
+        missing = [f for f in ("tp", "cp", "pp") if getattr(est.layout, f) > 1 and f not in have]
+        if missing:
+            print(f"      needs {', '.join(missing)}: not implemented in this checkout yet (--implemented-only)")
     return 0
 
 
