@@ -150,5 +150,7 @@ def _time_hint(term: str, est: Estimate) -> str:
     if term == "tp_comm":
         return f" (tp={lay.tp}: 4 activation all-reduces per block per micro-batch)"
     if term == "recompute":
+        if lay.activation_checkpoint == "selective":
+            return " (selective: norms, RoPE and SwiGLU products re-run in backward)"
         return f" ({lay.activation_checkpoint}: one extra forward of the blocks)"
     return ""
