@@ -5,8 +5,9 @@
   DP 128 and 16M tokens per batch (2048 sequences, 16 per DP group, micro-batch 1). The paper's DP is
   FSDP sharding optimizer state and gradients but not resharding parameters after forward (ZeRO-2-like);
   raydist models FSDP2 (ZeRO-3), so the layout is taken as dp_shard=128 with
-  fsdp_reshard_after_forward=false, the closest thing this model has. The paper uses interleaved 1F1B; it
-  states no activation-recompute policy, so the planner's recompute choice for that mesh is shown.
+  fsdp_reshard_after_forward=false, the closest thing this model has. The paper uses interleaved 1F1B; the
+  seeds give neither its recompute policy nor its chunks per rank, so the best fitting combination of
+  those (recompute none/selective/full/every_k, 2 or 4 chunks) is reported for that mesh.
 - Megatron 1T (Korthikanti et al. 2022, seed 004's table): 128 layers, hidden 25600, 160 heads, TP 8,
   PP 64, 512 A100 80GB, global batch 512, micro-batch 1, sequence 2048, selective recompute + sequence
   parallel. raydist's block is Llama-style (SwiGLU, RMSNorm), so the GPT MLP (2 matrices of h x 4h) is
