@@ -1,0 +1,100 @@
+"""TensorBoard event files for a run: RUN_DIR/tensorboard/, one scalar per numeric metric per logged step.
+
+Rank 0's RunLogger calls `write(record)` with each metrics.jsonl record (and `event(...)` with each
+events.jsonl entry). Event files are written by `torch.utils.tensorboard.SummaryWriter` (needs the
+`tensorboard` package). SummaryWriter writes to local files only, so for an fsspec run directory
+(s3://, gs://, ...) it writes to a local temporary directory and copies the files up on `flush()` and
+`close()`; an event file is append-only, so copying the whole file again each time is correct.
+
+    tb = open_tensorboard(run_dir)     # None (with a warning) when tensorboard is not installed
+    tb.write(record); tb.event({"kind": "restart", "step": 30, ...}); tb.close()
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import warnings
+from typing import Any
+
+import fsspec
+
+SCALARS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "mfu",
+           "mem_peak_mb", "world_size", "tokens")
+EVENT_CODES = {"start": 0, "restart": 1, "resize": 2, "checkpoint": 3, "checkpoint_failed": 4, "end": 5}
+
+
+def _is_local(url: str) -> bool:
+    protocol = fsspec.core.url_to_fs(url)[0].protocol
+    protocols = protocol if isinstance(protocol, tuple) else (protocol,)
+    return "file" in protocols or "local" in protocols
+
+
+class TensorBoardWriter:
+    """Scalars `train/<key>` for each numeric field of a record, at global step record['step']."""
+
+    def __init__(self, run_dir: str, subdir: str = "tensorboard"):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.target = run_dir.rstrip("/") + "/" + subdir
+        self.local = _is_local(self.target)
+        if self.local:
+            fs, path = fsspec.core.url_to_fs(self.target)
+            fs.makedirs(path, exist_ok=True)
+            self.log_dir = path
+        else:
+            self.log_dir = tempfile.mkdtemp(prefix="raydist-tb-")
+        self.writer = SummaryWriter(log_dir=self.log_dir)
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = int(record.get("step", 0))
+        for key in SCALARS:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"train/{key}", value, step)
+        for rank, value in enumerate(record.get("mem_peak_mb_per_rank") or []):
+            if isinstance(value, (int, float)):
+                self.writer.add_scalar(f"memory/peak_mb_rank{rank}", value, step)
+        pipeline = record.get("pipeline") or {}
+        if isinstance(pipeline.get("bubble"), (int, float)):
+            self.writer.add_scalar("pipeline/bubble", pipeline["bubble"], step)
+        for stage, value in enumerate(pipeline.get("busy_s") or []):
+            self.writer.add_scalar(f"pipeline/busy_s_stage{stage}", value, step)
+
+    def event(self, event: dict[str, Any]) -> None:
+        """A restart / resize / checkpoint as a scalar (its kind's code) and a text line, at its step."""
+        kind = event.get("kind", "")
+        step = int(event.get("step") or 0)
+        self.writer.add_scalar(f"events/{kind}", EVENT_CODES.get(kind, -1), step)
+        details = ", ".join(f"{k}={v}" for k, v in event.items() if k != "kind")
+        self.writer.add_text("events", f"{kind}: {details}", step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+        if not self.local:
+            self._upload()
+
+    def close(self) -> None:
+        self.writer.close()
+        if not self.local:
+            self._upload()
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+
+    def _upload(self) -> None:
+        fs, path = fsspec.core.url_to_fs(self.target)
+        fs.makedirs(path, exist_ok=True)
+        for name in os.listdir(self.log_dir):
+            fs.put_file(os.path.join(self.log_dir, name), path.rstrip("/") + "/" + name)
+
+
+def open_tensorboard(run_dir: str | None) -> TensorBoardWriter | None:
+    """A writer for `run_dir`, or None when there is no run directory or tensorboard is not installed."""
+    if not run_dir:
+        return None
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        warnings.warn("tensorboard is not installed: no event files (pip install tensorboard)", stacklevel=2)
+        return None
+    return TensorBoardWriter(run_dir)

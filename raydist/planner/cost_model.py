@@ -1,0 +1,156 @@
+"""One layout's estimate: does it fit, how long is a step, what MFU, and which term dominates.
+
+`estimate(workload, layout, hardware)` combines memory.py (per-rank bytes) and timing.py (per-step
+seconds). MFU = model FLOPs per rank per step / (step time * device peak), the seed's definition (seed
+002: "what fraction of the GPU's theoretical peak FLOPs are used for forward/backward of the model";
+recompute and communication count against it).
+
+`check_layout` says why a layout cannot run a workload (a degree that does not divide a dimension, a
+batch that does not split), in the house's error style, or returns None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raydist.planner.hardware import Hardware
+from raydist.planner.layout import Layout, Workload
+from raydist.planner.memory import rank_memory
+from raydist.planner.timing import step_time
+
+TIME_TERMS = {
+    "recompute": "activation recompute",
+    "bubble": "pipeline bubble",
+    "tp_comm": "tensor-parallel collectives",
+    "cp_comm": "context-parallel K/V exchange",
+    "pp_comm": "pipeline sends",
+    "dp_comm_exposed": "data-parallel gradient/parameter traffic not hidden by compute",
+    "optimizer": "optimizer step (memory-bound)",
+}
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    num_microbatches: int
+    memory: dict[str, float]  # bytes by term, 'total'
+    time: dict[str, float]  # seconds by term, 'total'
+    mfu: float
+    fits: bool
+    memory_limit_bytes: float
+    reasons: list[str] = field(default_factory=list)
+
+    @property
+    def memory_gb(self) -> float:
+        return self.memory["total"] / 1e9
+
+    @property
+    def step_time_s(self) -> float:
+        return self.time["total"]
+
+    def to_dict(self) -> dict:
+        return {
+            "mesh": self.layout.mesh(),
+            "layout": self.layout.describe(),
+            "settings": {k: v for k, v in self.layout.to_dict().items() if k not in self.layout.mesh()},
+            "num_microbatches": self.num_microbatches,
+            "memory_gb": round(self.memory_gb, 4),
+            "step_time_s": float(f"{self.step_time_s:.6g}"),
+            "mfu": round(self.mfu, 4),
+            "fits": self.fits,
+            "memory_breakdown_gb": {k: round(v / 1e9, 4) for k, v in self.memory.items()},
+            "time_breakdown_s": {k: float(f"{v:.4g}") for k, v in self.time.items() if k != "model_flops"},
+            "reasons": self.reasons,
+        }
+
+
+def num_microbatches(w: Workload, lay: Layout) -> int:
+    return w.global_batch // (lay.dp * lay.micro_batch)
+
+
+def check_layout(w: Workload, lay: Layout) -> str | None:
+    """Why `lay` cannot run `w`, or None."""
+    m = w.model
+    if lay.tp > 1:
+        for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
+                            ("ffn_hidden", m.ffn_hidden)):
+            if value % lay.tp:
+                return f"tp={lay.tp} does not divide {name}={value}"
+    if lay.cp > 1:
+        if w.seq_len % (2 * lay.cp):
+            return f"cp={lay.cp}: seq_len={w.seq_len} must split into 2*cp load-balanced chunks"
+        if lay.cp_impl == "ulysses":
+            heads, kv = m.num_heads // lay.tp, m.num_kv_heads // lay.tp
+            if heads % lay.cp or kv % lay.cp:
+                return f"ulysses cp={lay.cp} must divide the per-rank heads ({heads} query, {kv} kv)"
+    if lay.pp > m.num_layers:
+        return f"pp={lay.pp} exceeds num_layers={m.num_layers}"
+    if lay.pp_schedule == "interleaved" and lay.pp > 1 and lay.pp * lay.virtual_stages > m.num_layers:
+        return f"pp={lay.pp} x virtual_stages={lay.virtual_stages} exceeds num_layers={m.num_layers}"
+    if w.global_batch % (lay.dp * lay.micro_batch):
+        return (f"global_batch={w.global_batch} is not divisible by dp ({lay.dp}) x micro_batch "
+                f"({lay.micro_batch})")
+    mb = num_microbatches(w, lay)
+    if lay.pp > 1 and lay.pp_schedule != "gpipe" and mb < lay.pp:
+        return f"{lay.pp_schedule} with pp={lay.pp} needs at least pp micro-batches, got {mb}"
+    if lay.pp > 1 and lay.pp_schedule == "interleaved" and mb % lay.pp:
+        return f"interleaved 1F1B needs micro-batches ({mb}) divisible by pp={lay.pp}"
+    return None
+
+
+def estimate(w: Workload, lay: Layout, hw: Hardware) -> Estimate:
+    mb = num_microbatches(w, lay)
+    memory = rank_memory(w, lay, mb)
+    time = step_time(w, lay, hw, mb)
+    mfu = time["model_flops"] / (time["total"] * hw.peak_flops) if time["total"] > 0 else 0.0
+    fits = memory["total"] <= hw.usable_memory_bytes
+    est = Estimate(lay, mb, memory, time, mfu, fits, hw.usable_memory_bytes)
+    est.reasons = explain(est)
+    return est
+
+
+def explain(est: Estimate) -> list[str]:
+    """One line for the dominant memory term and one for the dominant non-compute time term."""
+    mem, t = est.memory, est.time
+    lay = est.layout
+    terms = {"model state (params+grads+AdamW)": mem["params"] + mem["grads"] + mem["optimizer"],
+             "activations": mem["activations"], "transient buffers": mem["transient"]}
+    top = max(terms, key=terms.get)
+    lines = [f"memory {est.memory_gb:.3g} GB of {est.memory_limit_bytes / 1e9:.3g} GB usable, "
+             f"{top} {terms[top] / max(mem['total'], 1):.0%}" + _memory_hint(top, lay)]
+    total = max(t["total"], 1e-12)
+    overheads = {k: t[k] for k in TIME_TERMS}
+    worst = max(overheads, key=overheads.get)
+    compute_share = t["compute"] / total
+    if overheads[worst] <= 0.01 * total:
+        lines.append(f"compute-bound: model FLOPs are {compute_share:.0%} of the step")
+    else:
+        lines.append(f"compute {compute_share:.0%} of the step; largest overhead: {TIME_TERMS[worst]} "
+                     f"{overheads[worst] / total:.0%}" + _time_hint(worst, est))
+    return lines
+
+
+def _memory_hint(term: str, lay: Layout) -> str:
+    if term.startswith("model state"):
+        return " (16 bytes per held parameter; shard with dp_shard/tp/pp to cut it)"
+    if term == "activations":
+        return (f" ({lay.activation_checkpoint} recompute, micro_batch {lay.micro_batch}; "
+                "recompute or smaller micro-batches cut it)")
+    return " (gathered FSDP units, logits, recompute region)"
+
+
+def _time_hint(term: str, est: Estimate) -> str:
+    lay = est.layout
+    if term == "bubble":
+        v = lay.virtual_stages if lay.pp_schedule == "interleaved" else 1
+        return (f" (p={lay.pp}, m={est.num_microbatches}, v={v}: (p-1)/(v m+p-1) = "
+                f"{est.time['bubble_fraction']:.1%})")
+    if term == "dp_comm_exposed":
+        return f" ({lay.data_parallel_kind} over {lay.dp * lay.cp} ranks, {est.time['dp_comm']:.3g} s before overlap)"
+    if term == "tp_comm":
+        return f" (tp={lay.tp}: 4 activation all-reduces per block per micro-batch)"
+    if term == "recompute":
+        if lay.activation_checkpoint == "selective":
+            return " (selective: norms, RoPE and SwiGLU products re-run in backward)"
+        return f" ({lay.activation_checkpoint}: one extra forward of the blocks)"
+    return ""

@@ -1,0 +1,165 @@
+"""The search: every valid layout for a world size, estimated, the ones that do not fit dropped, ranked.
+
+Search space (seed 002: "whenever you are lost in the knobs, maximize MFU"):
+    tp        divisors of the world that divide num_heads, num_kv_heads and ffn_hidden, within a node
+    cp        divisors with seq_len % (2 cp) == 0;   cp_impl ring | ulysses
+    pp        divisors up to num_layers;             pp_schedule 1f1b | interleaved (2 or 4 chunks)
+    dp        what is left, split every way into dp_replicate x dp_shard (DDP, FSDP, HSDP)
+    micro_batch  divisors of the per-rank batch (global_batch / dp), smallest first
+    activation_checkpoint  none | selective | every_k | full;  FSDP reshard after forward or not
+Sequence parallelism is always on with tp > 1: it moves the same bytes as plain TP (a reduce-scatter +
+all-gather pair is one all-reduce) and keeps less activation memory.
+
+Plans are ranked by estimated step time (equivalently MFU: every layout does the same model FLOPs);
+ties go to the smaller memory footprint. `choose_layout` is the entry point for `parallel = "auto"`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Iterable, Iterator
+
+from raydist.config import Config, ConfigError, divisors
+from raydist.mesh import MeshSpec
+from raydist.planner.cost_model import Estimate, check_layout, estimate
+from raydist.planner.hardware import Hardware, get_hardware
+from raydist.planner.layout import Layout, Workload, stage_layer_counts
+
+ALL_FEATURES = frozenset({"tp", "cp", "pp"})
+CHECKPOINT_POLICIES = ("none", "selective", "every_k", "full")
+
+
+def implemented_features() -> frozenset[str]:
+    """The parallelisms whose modules exist in this checkout (DDP/FSDP/HSDP and recompute always do)."""
+    modules = {"tp": "raydist.parallel.tensor", "cp": "raydist.parallel.context", "pp": "raydist.parallel.pipeline"}
+    return frozenset(k for k, mod in modules.items() if importlib.util.find_spec(mod) is not None)
+
+
+def layout_shapes(w: Workload, world: int, hw: Hardware, features: Iterable[str] = ALL_FEATURES) -> Iterator[Layout]:
+    """Every mesh x algorithm choice (micro_batch 1 and no recompute; `plan` varies those)."""
+    features = frozenset(features)
+    m = w.model
+    for tp in divisors(world):
+        if tp > 1 and ("tp" not in features or tp > hw.gpus_per_node):
+            continue
+        for cp in divisors(world // tp):
+            if cp > 1 and "cp" not in features:
+                continue
+            for pp in divisors(world // (tp * cp)):
+                if pp > 1 and ("pp" not in features or pp > m.num_layers):
+                    continue
+                dp = world // (tp * cp * pp)
+                if w.global_batch % dp:
+                    continue
+                for dp_shard in divisors(dp):
+                    base = Layout(pp=pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=cp, tp=tp,
+                                  sequence_parallel=tp > 1)
+                    for cp_impl in (("ring", "ulysses") if cp > 1 else ("ring",)):
+                        schedules = [("1f1b", 1)]
+                        schedules += [("interleaved", v) for v in (2, 4) if pp > 1 and pp * v <= m.num_layers]
+                        for schedule, v in schedules:
+                            for reshard in ((True, False) if base.fsdp_size > 1 else (True,)):
+                                yield Layout(**{**base.to_dict(), "cp_impl": cp_impl, "pp_schedule": schedule,
+                                                "virtual_stages": v, "fsdp_reshard_after_forward": reshard})
+
+
+def _with(lay: Layout, **changes) -> Layout:
+    return Layout(**{**lay.to_dict(), **changes})
+
+
+def enumerate_estimates(w: Workload, world: int, hw: Hardware, features: Iterable[str] = ALL_FEATURES,
+                        policies: Iterable[str] = CHECKPOINT_POLICIES,
+                        micro_batches: Iterable[int] | None = None) -> tuple[list[Estimate], dict[str, int]]:
+    """(estimates of the layouts that fit, counts: considered / invalid / too big)."""
+    counts = {"considered": 0, "invalid": 0, "too_big": 0, "fit": 0}
+    fits: list[Estimate] = []
+    for shape in layout_shapes(w, world, hw, features):
+        per_rank = w.global_batch // shape.dp
+        sizes = sorted(micro_batches) if micro_batches is not None else divisors(per_rank)
+        layers = max(stage_layer_counts(w.model.num_layers, shape.pp))
+        for policy in policies:
+            if policy == "every_k" and layers < 4:  # segments of round(sqrt(L)) = 1 block: same as full
+                continue
+            for size in sizes:
+                lay = _with(shape, micro_batch=size, activation_checkpoint=policy)
+                counts["considered"] += 1
+                if per_rank % size or check_layout(w, lay):
+                    counts["invalid"] += 1
+                    continue
+                est = estimate(w, lay, hw)
+                if not est.fits:
+                    counts["too_big"] += 1
+                    break  # larger micro-batches only need more memory
+                counts["fit"] += 1
+                fits.append(est)
+    fits.sort(key=lambda e: (e.step_time_s, e.memory["total"]))
+    return fits, counts
+
+
+def plan(w: Workload, world: int, hw: Hardware, top: int = 5, **kwargs) -> tuple[list[Estimate], dict[str, int]]:
+    fits, counts = enumerate_estimates(w, world, hw, **kwargs)
+    return fits[:top] if top else fits, counts
+
+
+def choose_layout(cfg: Config, world_size: int, gpus_per_node: int | None = None,
+                  device: str = "auto") -> tuple[MeshSpec, dict]:
+    """The best layout the planner finds for `cfg` on `world_size` ranks, among the parallelisms this
+    checkout implements.
+
+    device: 'h100' | 'a100' | 'h200' | 'cpu' | 'auto' (CUDA device name when CUDA is visible, else cpu).
+    Returns (MeshSpec, settings) where settings holds `overrides` (a list of `section.key=value` strings
+    that set micro_batch, activation_checkpoint, SP, cp_impl, pp_schedule, num_microbatches, ...), the
+    `estimate` dict (memory_gb, step_time_s, mfu, reasons), and the same knobs as plain keys.
+    Raises ConfigError when no layout fits.
+    """
+    import dataclasses
+
+    from raydist.planner.hardware import workload_signature
+
+    device = _resolve_device(device)
+    hw = get_hardware(device, world_size, gpus_per_node,
+                      workload_signature(dataclasses.asdict(cfg.model), cfg.data.seq_len))
+    w = Workload.from_config(cfg, hw.compute_dtype_bytes)
+    fits, counts = enumerate_estimates(w, world_size, hw, features=implemented_features())
+    if not fits:
+        raise ConfigError(f"no layout of {world_size} {device} ranks fits the model ({counts['considered']} "
+                          f"considered, {counts['too_big']} too big for {hw.usable_memory_bytes / 1e9:.3g} GB); "
+                          "add workers, shrink the model or the sequence, or lower train.global_batch")
+    best = fits[0]
+    lay = best.layout
+    settings = {
+        "micro_batch": lay.micro_batch,
+        "num_microbatches": best.num_microbatches,
+        "activation_checkpoint": lay.activation_checkpoint,
+        "activation_checkpoint_k": lay.activation_checkpoint_k,
+        "sequence_parallel": lay.sequence_parallel,
+        "cp_impl": lay.cp_impl,
+        "pp_schedule": lay.pp_schedule,
+        "virtual_stages": lay.virtual_stages,
+        "fsdp_reshard_after_forward": lay.fsdp_reshard_after_forward,
+        "overrides": lay.config_overrides(best.num_microbatches),
+        "estimate": best.to_dict(),
+        "device": device,
+    }
+    return lay.spec, settings
+
+
+def auto_config(cfg: Config, world_size: int, gpus_per_node: int | None = None,
+                device: str = "auto") -> tuple[Config, dict]:
+    """`cfg` with the planner's layout applied (a new, validated Config), and choose_layout's settings."""
+    _, settings = choose_layout(cfg, world_size, gpus_per_node, device)
+    return Config.from_dict(cfg.to_dict(), settings["overrides"]), settings
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower()
+        for key in ("h200", "h100", "a100"):
+            if key in name:
+                return key
+        return "h100"
+    return "cpu"

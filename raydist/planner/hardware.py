@@ -1,0 +1,172 @@
+"""What the cost model knows about a device and its links: peak FLOP/s, memory, alpha-beta per link.
+
+Seed 003's cost of a collective over p ranks is `alpha * log2(p) + n / beta` (alpha: start-up latency of a
+message, beta: bandwidth, n: bytes moved); seed 004 and 003 give the two link classes that matter:
+inside a node (NVLink: ~450 GB/s per direction on H100, "900 GB/s all GPU-GPU bidirectional") and
+between nodes (InfiniBand NDR: 400 Gb/s = 50 GB/s per GPU), 1-20x apart. The table below holds datasheet
+figures; `--device cpu` takes them from `raydist plan --calibrate` (measured here, see calibrate.py).
+
+Assumptions (stated, not measured, for the GPU rows):
+- `peak_flops` is the dense bf16 tensor-core peak (raydist.metrics.flops' table), and
+  `compute_efficiency` the share of it that large matmuls reach in practice (seed 002 measured ~80% HFU
+  for 8k x 8k matmuls on an H100; we take 0.75 to cover smaller shapes and elementwise work).
+- alpha is seed 003's 1 us for NVLink and 10 us across nodes; NCCL's real small-message latency is higher,
+  which matters only for layouts with many tiny collectives.
+- `usable_memory_fraction`: the share of HBM a plan may fill (CUDA context, NCCL buffers, fragmentation).
+- `comm_overlap`: the share of data-parallel communication (DDP buckets, FSDP prefetch) hidden behind
+  compute. 1.0 on GPUs (separate copy engines / NCCL streams); on a CPU the collectives run on the same
+  cores as the math, so gloo time adds to compute (0.0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+from raydist.config import ConfigError
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha_s: float  # start-up latency per collective step
+    beta_bytes_per_s: float  # bandwidth per rank, one direction
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_flops: float  # per device, the MFU denominator
+    memory_bytes: float  # per device (HBM, or host RAM / ranks on CPU)
+    memory_bandwidth_bytes_per_s: float  # HBM (or DRAM) bandwidth: the optimizer step is bound by it
+    intra: Link  # inside a node
+    inter: Link  # between nodes
+    gpus_per_node: int = 8
+    compute_efficiency: float = 0.75
+    usable_memory_fraction: float = 0.9
+    comm_overlap: float = 1.0
+    compute_dtype_bytes: int = 2  # bf16 on GPUs, fp32 (4) on CPU
+    source: str = "datasheet"
+    # Measured per workload by `--calibrate CONFIG` (CPU): fixed seconds per block per micro-batch
+    # (dispatch, Python) and recompute cost as a fraction of forward+backward time, by policy. None:
+    # the analytic model (no fixed cost; full/every_k = one more forward = 1/3 of forward+backward).
+    block_overhead_s: float = 0.0
+    recompute_factors: dict | None = None
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    def link(self, crosses_nodes: bool) -> Link:
+        return self.inter if crosses_nodes else self.intra
+
+    def with_gpus_per_node(self, gpus_per_node: int | None) -> "Hardware":
+        return self if not gpus_per_node else replace(self, gpus_per_node=gpus_per_node)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Datasheet rows. H100/H200 SXM: NVLink 4 (18 links x 25 GB/s = 450 GB/s per direction), one 400 Gb/s
+# NDR port per GPU. A100 80GB SXM (Megatron's Selene): NVLink 3 (300 GB/s per direction), one 200 Gb/s
+# HDR port per GPU.
+DEVICES: dict[str, Hardware] = {
+    "h100": Hardware("h100", 989e12, 80 * GB, 3.35e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB)),
+    "h200": Hardware("h200", 989e12, 141 * GB, 4.8e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB)),
+    "a100": Hardware("a100", 312e12, 80 * GB, 2.0e12, Link(1e-6, 300 * GB), Link(10e-6, 25 * GB)),
+}
+DEVICE_NAMES = (*DEVICES, "cpu")
+
+
+def workload_signature(model: dict, seq_len: int) -> str:
+    """Key of a workload's measured compute in the calibration file (model shape + sequence length)."""
+    keys = ("num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
+    return "-".join(str(model[k]) for k in keys) + f"-s{seq_len}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYDIST_CACHE") or Path.home() / ".cache" / "raydist")
+
+
+def calibration_path() -> Path:
+    return cache_dir() / "calibration.json"
+
+
+def load_calibration() -> dict | None:
+    path = calibration_path()
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def save_calibration(record: dict) -> Path:
+    """Write the record; workloads measured earlier with the same host and world size are kept."""
+    path = calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    old = load_calibration() or {}
+    if old.get("host") == record.get("host") and old.get("world_size") == record.get("world_size"):
+        record = dict(record, workloads={**old.get("workloads", {}), **record.get("workloads", {})})
+    record = dict(record, saved_at=time.time())
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
+def cpu_hardware(world_size: int, gpus_per_node: int | None = None, calibration: dict | None = None,
+                 workload_signature: str | None = None) -> Hardware:
+    """The CPU row: calibrated numbers when present, else a quick in-process matmul and gloo guesses.
+
+    On CPU all ranks of a node share its cores and RAM, so peak and memory are per rank as measured with
+    `world_size` processes running at once (calibrate.py does exactly that)."""
+    cal = calibration if calibration is not None else load_calibration()
+    ranks_per_node = gpus_per_node or world_size
+    ram = _host_memory_bytes() / max(1, ranks_per_node)
+    if cal and cal.get("device") == "cpu":
+        link = Link(cal["alpha_s"], cal["beta_bytes_per_s"])
+        hw = Hardware("cpu", cal["matmul_peak_flops"], ram, cal["memory_bandwidth_bytes_per_s"], link, link,
+                      gpus_per_node=ranks_per_node, compute_efficiency=1.0,
+                      usable_memory_fraction=0.8, comm_overlap=0.0, compute_dtype_bytes=4,
+                      source=f"calibrated with {cal.get('world_size')} local processes")
+        measured = (cal.get("workloads") or {}).get(workload_signature or "")
+        if measured:
+            hw = replace(hw, compute_efficiency=measured["compute_efficiency"],
+                         block_overhead_s=measured["block_overhead_s"],
+                         recompute_factors=dict(measured["recompute_factors"]),
+                         source=hw.source + " + this workload's forward/backward")
+        elif world_size != cal.get("world_size"):
+            hw = replace(hw, source=hw.source + f" (planning {world_size}: per-rank peak may differ)")
+        return hw
+    from raydist.metrics.flops import measure_cpu_matmul_peak
+
+    # Uncalibrated: one process's matmul peak shared by the ranks that share the cores.
+    cores = max(1, os.cpu_count() or 1)
+    peak = measure_cpu_matmul_peak(min_time_s=0.2) * min(1.0, cores / max(1, ranks_per_node))
+    link = Link(200e-6, 1 * GB)  # loopback gloo, a guess until --calibrate measures it
+    return Hardware("cpu", peak, ram, 5 * GB, link, link, gpus_per_node=ranks_per_node, compute_efficiency=1.0,
+                    usable_memory_fraction=0.8, comm_overlap=0.0, compute_dtype_bytes=4,
+                    source="uncalibrated (run `raydist plan --calibrate`)")
+
+
+def _host_memory_bytes() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 16 * GIB
+
+
+def get_hardware(device: str, world_size: int, gpus_per_node: int | None = None,
+                 workload_signature: str | None = None) -> Hardware:
+    """The device row; for cpu the calibration (and this workload's measured compute, when calibrated)."""
+    device = device.lower()
+    if device == "cpu":
+        return cpu_hardware(world_size, gpus_per_node, workload_signature=workload_signature)
+    if device not in DEVICES:
+        raise ConfigError(f"--device {device!r} is not one of {', '.join(DEVICE_NAMES)}")
+    return DEVICES[device].with_gpus_per_node(gpus_per_node)

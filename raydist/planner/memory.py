@@ -1,0 +1,239 @@
+"""Per-rank memory of a layout: model state (exact, from parameter shapes) + activations + transients.
+
+Model state. Seed 001: 16N bytes per replica with Adam in fp32 (4 weights + 4 gradients + 4 + 4 moments),
+16N/p fully sharded over p ranks; the seed's 12N for mixed precision keeps gradients and the first moment
+in bf16. raydist keeps fp32 master weights, fp32 gradients (FSDP reduces in fp32) and fp32 AdamW moments
+under bf16 too, so the state here is 16 bytes per locally held element in every precision; what bf16 adds
+is transient (gathered bf16 parameters, autocast weight copies). Locally held elements are counted per
+parameter tensor the way the layouts shard them:
+- tensor parallel (Megatron/TorchTitan plan): wq, wk, wv, w1, w3 and the vocab rows of the embedding and
+  output are split on dim 0 (column-parallel), wo and w2 on dim 1 (row-parallel), norms replicated;
+- FSDP2 shards dim 0 of each (TP-local) tensor over dp_shard x cp ranks in `torch.chunk` pieces:
+  ceil(rows / S) rows on the first ranks, fewer (or none) on the last. FSDP2 allocates the padded
+  ceil size on every rank, so the worst rank's estimate is the padded one, and `state_bytes_per_rank`
+  gives any rank's exact unpadded count (what `raydist.metrics.memory.state_bytes` reads);
+- pipeline stages hold their blocks; the first the embedding, the last the final norm and output head
+  (a tied head is a second copy when they are different stages).
+
+Activations (bytes saved for backward per block per micro-batch), measured on this model with
+`saved_tensors_hooks` and checked in tests/unit/test_planner_memory.py. Per token, with h = d_model,
+F = ffn_hidden, a = bytes of the compute dtype:
+    each RMSNorm: its fp32 input (4h), the normalised x (a h), the weighted output the matmul reads (a h)
+    attention: q, repeated k, repeated v (GQA repeats to H heads before sdpa), the output (4 a h)
+               + log-sum-exp (4 H bytes)
+    SwiGLU:    w1 x, silu(w1 x), w3 x, their product (4 a F)
+i.e. 10h + 4F elements in fp32 (Korthikanti et al.'s 34 s b h for GPT-3 counts the same way for a GeLU
+MLP with dropout masks). Tensor parallel divides the attention and MLP tensors by tp; sequence parallel
+also divides the norms' inputs, but the gathered matmul input stays whole (torch's SP saves the gathered
+tensor). Context parallel divides the sequence by cp.
+
+Recompute policies (raydist.parallel.checkpointing): `full` keeps each block's input; `every_k` keeps one
+input per k-block segment; `selective` keeps the block input and the outputs of matmuls and attention
+(q, k, v, wo, w1, w3, w2 outputs and the attention output + LSE); all three re-materialise one region's
+full activations during its backward. Pipelines keep several micro-batches in flight on a stage: 1F1B
+min(m, p) on the first stage, GPipe all m, interleaved 1F1B Megatron's warm-up count per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from raydist.planner.layout import Layout, Workload, every_k_segment, stage_layer_counts
+
+STATE_BYTES_PER_ELEMENT = {"params": 4, "grads": 4, "optimizer": 8}
+
+
+@dataclass(frozen=True)
+class Tensor2D:
+    rows: int  # dim 0
+    cols: int  # the product of the other dims
+    tp_dim: int | None  # 0: column-parallel (rows split), 1: row-parallel (cols split), None: replicated
+
+
+def block_tensors(w: Workload) -> list[Tensor2D]:
+    m, e = w.model, w.head_dim
+    d, f = m.d_model, m.ffn_hidden
+    return [Tensor2D(d, 1, None),  # attention_norm
+            Tensor2D(m.num_heads * e, d, 0), Tensor2D(m.num_kv_heads * e, d, 0), Tensor2D(m.num_kv_heads * e, d, 0),
+            Tensor2D(d, m.num_heads * e, 1),  # wo
+            Tensor2D(d, 1, None),  # ffn_norm
+            Tensor2D(f, d, 0), Tensor2D(f, d, 0), Tensor2D(d, f, 1)]  # w1, w3, w2
+
+
+def root_tensors(w: Workload, pp: int, stage: int) -> list[Tensor2D]:
+    """Embedding / final norm / output head held by `stage` (FSDP's root unit)."""
+    m = w.model
+    out = []
+    if stage == 0:
+        out.append(Tensor2D(m.vocab_size, m.d_model, 0))
+    if stage == pp - 1:
+        out.append(Tensor2D(m.d_model, 1, None))
+        if not (m.tie_embeddings and pp == 1):
+            out.append(Tensor2D(m.vocab_size, m.d_model, 0))
+    return out
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def local_elements(t: Tensor2D, tp: int, fsdp_size: int, fsdp_index: int | None = None) -> int:
+    """Elements of `t` on one rank. fsdp_index None: the worst (padded) rank."""
+    rows, cols = t.rows, t.cols
+    if tp > 1 and t.tp_dim == 0:
+        rows = _ceil_div(rows, tp)
+    elif tp > 1 and t.tp_dim == 1:
+        cols = _ceil_div(cols, tp)
+    if fsdp_size > 1:
+        chunk = _ceil_div(rows, fsdp_size)
+        rows = chunk if fsdp_index is None else max(0, min(chunk, rows - fsdp_index * chunk))
+    return rows * cols
+
+
+def stage_units(w: Workload, lay: Layout, stage: int) -> list[list[Tensor2D]]:
+    """FSDP units of a stage: one per block, then the root (embedding / norm / head)."""
+    layers = stage_layer_counts(w.model.num_layers, lay.pp)[stage]
+    return [block_tensors(w) for _ in range(layers)] + [root_tensors(w, lay.pp, stage)]
+
+
+def unit_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
+                  sharded: bool = True) -> tuple[int, int, int]:
+    """(blocks on the stage, elements of one block, elements of the root unit) held by one rank."""
+    fsdp = lay.fsdp_size if sharded else 1
+    layers = stage_layer_counts(w.model.num_layers, lay.pp)[stage]
+    block = sum(local_elements(t, lay.tp, fsdp, fsdp_index) for t in block_tensors(w))
+    root = sum(local_elements(t, lay.tp, fsdp, fsdp_index) for t in root_tensors(w, lay.pp, stage))
+    return layers, block, root
+
+
+def stage_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
+                   sharded: bool = True) -> int:
+    layers, block, root = unit_elements(w, lay, stage, fsdp_index, sharded)
+    return layers * block + root
+
+
+def state_bytes_per_rank(w: Workload, lay: Layout, rank: int) -> dict[str, int]:
+    """{'params', 'grads', 'optimizer', 'total'} held by global `rank` after a step (the counts
+    `raydist.metrics.memory.state_bytes` reports): exact chunk sizes, no padding."""
+    coords = lay.spec.coordinates(rank)
+    fsdp_index = coords["dp_shard"] * lay.cp + coords["cp"] if lay.fsdp_size > 1 else None
+    n = stage_elements(w, lay, coords["pp"], fsdp_index)
+    out = {k: v * n for k, v in STATE_BYTES_PER_ELEMENT.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+# ---- activations -------------------------------------------------------------------------------------
+
+
+def block_activation_bytes(w: Workload, lay: Layout, micro_batch: int | None = None) -> float:
+    """Bytes one block saves for backward for one micro-batch, no recompute (see the module doc)."""
+    m, a = w.model, w.compute_dtype_bytes
+    tokens = (micro_batch or lay.micro_batch) * w.seq_len / lay.cp
+    h, f, tp = m.d_model, m.ffn_hidden, lay.tp
+    sp = tp if (lay.sequence_parallel and tp > 1) else 1
+    norm = (4 + a) * h / sp + a * h  # fp32 input + normalised (sharded under SP) + gathered matmul input
+    attention = 4 * a * h / tp + 4 * m.num_heads / tp  # q, k, v (repeated to H heads), output; LSE fp32
+    mlp = 4 * a * f / tp
+    small = 2 * 4  # two fp32 rsqrt per token
+    return tokens * (2 * norm + attention + mlp + small)
+
+
+def block_selective_bytes(w: Workload, lay: Layout) -> float:
+    """`selective`: the block input plus the matmul and attention outputs."""
+    m, a = w.model, w.compute_dtype_bytes
+    tokens = lay.micro_batch * w.seq_len / lay.cp
+    h, f, tp = m.d_model, m.ffn_hidden, lay.tp
+    sp = tp if (lay.sequence_parallel and tp > 1) else 1
+    kv = m.num_kv_heads * w.head_dim
+    matmuls = a * (h + 2 * kv) / tp + a * h + 2 * a * f / tp + a * h  # wq, wk, wv | wo | w1, w3 | w2 (pre-reduce)
+    attention = a * h / tp + 4 * m.num_heads / tp
+    return tokens * (a * h / sp + matmuls + attention)
+
+
+def block_input_bytes(w: Workload, lay: Layout) -> float:
+    sp = lay.tp if (lay.sequence_parallel and lay.tp > 1) else 1
+    return lay.micro_batch * w.seq_len / lay.cp * w.model.d_model * w.compute_dtype_bytes / sp
+
+
+def in_flight_microbatches(lay: Layout, num_microbatches: int, stage: int = 0) -> float:
+    """Micro-batches whose activations a stage holds at its peak (in units of the stage's blocks)."""
+    p, m, v = lay.pp, num_microbatches, lay.virtual_stages
+    if p == 1:
+        return 1
+    if lay.pp_schedule == "gpipe":
+        return m
+    if lay.pp_schedule == "interleaved" and v > 1:
+        # Megatron: warm-up chunks = (p - stage - 1) * 2 + (v - 1) * p, plus the one in flight; a chunk
+        # holds 1/v of the stage's blocks.
+        chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
+        return chunks / v
+    return min(m, p - stage)
+
+
+def activation_bytes(w: Workload, lay: Layout, layers: int, num_microbatches: int, stage: int = 0) -> dict:
+    """{'saved': bytes kept across the stage's in-flight micro-batches, 'recompute': one region's full
+    activations re-materialised during its backward}."""
+    full = block_activation_bytes(w, lay)
+    policy = lay.activation_checkpoint
+    flight = in_flight_microbatches(lay, num_microbatches, stage)
+    if policy == "none":
+        return {"saved": full * layers * flight, "recompute": 0.0}
+    if policy == "full":
+        return {"saved": block_input_bytes(w, lay) * layers * flight, "recompute": full}
+    if policy == "every_k":
+        k = min(layers, every_k_segment(layers, lay.activation_checkpoint_k))
+        return {"saved": block_input_bytes(w, lay) * math.ceil(layers / k) * flight, "recompute": full * k}
+    if policy == "selective":
+        return {"saved": block_selective_bytes(w, lay) * layers * flight, "recompute": full}
+    raise ValueError(f"unknown activation_checkpoint {policy!r}")
+
+
+def head_bytes(w: Workload, lay: Layout) -> dict:
+    """Final norm + loss on the last stage: 3 norm tensors, the fp32 log-softmax output saved by the loss
+    (logits split over tp by a vocab-parallel head), and its gradient plus the logits' during backward."""
+    tokens = lay.micro_batch * w.seq_len / lay.cp
+    logits = tokens * w.model.vocab_size / lay.tp
+    norm = tokens * w.model.d_model * (4 + 2 * w.compute_dtype_bytes)
+    return {"saved": norm + 4 * logits + 16 * tokens, "transient": (4 + w.compute_dtype_bytes) * logits}
+
+
+# ---- the whole rank ----------------------------------------------------------------------------------
+
+
+def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, float]:
+    """Peak bytes on the worst pipeline stage, by term; 'total' is the estimate that must fit."""
+    a = w.compute_dtype_bytes
+    worst: dict[str, float] = {}
+    for stage in sorted({0, lay.pp - 1}):  # the first stage holds most activations, the last the head
+        layers, block_local, root_local = unit_elements(w, lay, stage)
+        n_local = layers * block_local + root_local
+        _, block_full, root_full = unit_elements(w, lay, stage, sharded=False)
+        terms = {"params": 4.0 * n_local, "grads": 4.0 * n_local, "optimizer": 8.0 * n_local}
+        acts = activation_bytes(w, lay, layers, num_microbatches, stage)
+        terms["activations"] = acts["saved"]
+        transient = acts["recompute"]
+        if stage == lay.pp - 1:
+            head = head_bytes(w, lay)
+            terms["activations"] += head["saved"]
+            transient = max(transient, head["transient"])
+        gathered = 0.0
+        if lay.fsdp_size > 1:
+            # FSDP2: the root unit stays gathered (reshard_after_forward=False in raydist's apply_fsdp);
+            # blocks are gathered one at a time plus one prefetched, or all kept from forward to backward
+            # when not resharding. The unsharded gradient of a unit (compute dtype + fp32 reduce copy).
+            kept = layers * block_full if not lay.fsdp_reshard_after_forward else 2 * block_full
+            gathered = a * (root_full + kept) + (a + 4) * block_full
+            if num_microbatches > 1 and lay.pp == 1:
+                # no-sync accumulation keeps unsharded fp32 gradients
+                gathered += 4.0 * (layers * block_full + root_full)
+        elif a < 4:
+            gathered = a * (layers * block_full + root_full)  # autocast's bf16 weight copies, kept for backward
+        terms["transient"] = transient + gathered
+        # The optimizer step runs after activations are freed: foreach AdamW's temporaries (~1 fp32 copy).
+        optimizer_peak = terms["params"] + terms["grads"] + terms["optimizer"] + 4.0 * n_local
+        terms["total"] = max(sum(terms.values()), optimizer_peak)
+        if not worst or terms["total"] > worst["total"]:
+            worst = terms
+    return worst

@@ -1,0 +1,179 @@
+"""Step time of a layout: compute, recompute, the pipeline bubble and each parallelism's communication.
+
+Collectives (seed 003's alpha-beta model, ring algorithms; n = bytes of the full tensor, p ranks):
+    all-reduce        alpha * ceil(log2 p) + 2 (p-1)/p * n / beta
+    all-gather, reduce-scatter, all-to-all
+                      alpha * ceil(log2 p) + (p-1)/p * n / beta
+    point-to-point    alpha + n / beta
+beta is the intra-node link when the group's ranks share a node, else the inter-node one: the mesh is
+(pp, dp_replicate, dp_shard, cp, tp) with tp innermost, so a group of degree d whose inner degrees
+multiply to `stride` spans d * stride consecutive ranks.
+
+Per step, per rank (the busiest pipeline stage), with m micro-batches of b samples:
+- compute: model FLOPs (6 N_matmul + 12 L h T per token, raydist.models.gpt.flops_per_token) on this
+  rank's share, at peak * compute_efficiency; full / every_k recompute add one forward of the blocks (a
+  third of their FLOPs); selective re-runs only elementwise ops: their bytes over memory bandwidth.
+  A CPU calibration of the workload (`raydist plan CONFIG --calibrate`) replaces the efficiency with the
+  measured rate, adds the measured fixed cost per block per micro-batch, and takes the measured recompute
+  ratio per policy where it exceeds the analytic cost.
+- data parallel (seed 002/003): DDP all-reduces the fp32 gradients once per step (2 (p-1)/p x 4N bytes);
+  FSDP all-gathers the parameters in forward and again in backward (when resharding) for every
+  micro-batch and reduce-scatters the gradients once (no-sync accumulation; per micro-batch in a
+  pipeline): about 3x the parameter bytes; HSDP adds an all-reduce of the shards across replicas.
+  A fraction `comm_overlap` of it hides behind compute (FSDP prefetch, DDP buckets).
+- tensor parallel (seed 004, Megatron): 2 all-reduces of the block's activations (b s h) in forward and 2
+  in backward; with sequence parallelism each becomes an all-gather + reduce-scatter (same bytes, twice
+  the latency); the forward's are repeated by recompute. On the critical path.
+- context parallel: ring passes the local K/V block to the next rank cp-1 times in forward and twice as
+  much (K/V and their gradients) in backward, overlapped with the attention it feeds; Ulysses all-to-alls
+  q, k, v and the output in forward and backward, not overlapped.
+- pipeline: one activation send per micro-batch per boundary each way; bubble fraction
+  (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1) interleaved with v chunks per rank (seed 001/003:
+  "idle p/(p+k)" counts the same bubble from the other side).
+- optimizer: AdamW and the gradient clip read and write ~36 bytes per locally held element, bound by
+  memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+
+from raydist.models.gpt import flops_per_token, param_counts
+from raydist.planner.hardware import Hardware, Link
+from raydist.planner.layout import Layout, Workload, stage_layer_counts
+from raydist.planner.memory import block_activation_bytes, block_selective_bytes, stage_elements
+
+DDP_BUCKET_BYTES = 25 * 2**20
+OPTIMIZER_BYTES_PER_ELEMENT = 36.0
+
+
+def _log2(p: int) -> int:
+    return max(1, math.ceil(math.log2(p))) if p > 1 else 0
+
+
+def all_reduce_s(n_bytes: float, p: int, link: Link) -> float:
+    return 0.0 if p <= 1 else link.alpha_s * _log2(p) + 2 * (p - 1) / p * n_bytes / link.beta_bytes_per_s
+
+
+def all_gather_s(n_bytes: float, p: int, link: Link) -> float:
+    """Also reduce-scatter and all-to-all: each rank moves (p-1)/p of the full tensor."""
+    return 0.0 if p <= 1 else link.alpha_s * _log2(p) + (p - 1) / p * n_bytes / link.beta_bytes_per_s
+
+
+def p2p_s(n_bytes: float, link: Link) -> float:
+    return link.alpha_s + n_bytes / link.beta_bytes_per_s
+
+
+def crosses_nodes(degree: int, stride: int, hw: Hardware) -> bool:
+    return degree * stride > hw.gpus_per_node
+
+
+def bubble_fraction(lay: Layout, num_microbatches: int) -> float:
+    p, m = lay.pp, num_microbatches
+    if p == 1:
+        return 0.0
+    v = lay.virtual_stages if lay.pp_schedule == "interleaved" else 1
+    return (p - 1) / (v * m + p - 1)
+
+
+def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> dict[str, float]:
+    """Seconds per optimizer step by term; 'total' is the estimate, 'model_flops' this rank's share."""
+    m_cfg, a = w.model, w.compute_dtype_bytes
+    m = num_microbatches
+    tokens = lay.micro_batch * w.seq_len / lay.cp  # per micro-batch on this rank
+    h, tp, cp = m_cfg.d_model, lay.tp, lay.cp
+    counts = param_counts(m_cfg)
+    stage_layers = stage_layer_counts(m_cfg.num_layers, lay.pp)
+    layers = max(stage_layers)
+    rate = hw.peak_flops * hw.compute_efficiency
+
+    # ---- compute per micro-batch on the busiest stage ----------------------------------------------------
+    block_fwd = 2 * tokens * counts["block_matmul"] / tp + 4 * tokens * w.seq_len * h / tp
+    head_fwd = 2 * tokens * m_cfg.vocab_size * h / tp
+    fwd = max(stage_layers[0] * block_fwd, stage_layers[-1] * block_fwd + head_fwd)  # the head: last stage
+    compute_mb = 3 * fwd / rate + (layers + 1) * hw.block_overhead_s
+    recompute_mb = 0.0
+    policy = lay.activation_checkpoint
+    if policy in ("full", "every_k"):
+        recompute_mb = layers * block_fwd / rate
+    elif policy == "selective":
+        elementwise = block_activation_bytes(w, lay) - block_selective_bytes(w, lay)
+        recompute_mb = layers * 2 * max(0.0, elementwise) / hw.memory_bandwidth_bytes_per_s
+    if policy != "none" and hw.recompute_factors and policy in hw.recompute_factors:
+        # measured on this machine; never below the work the policy must redo (a noisy calibration can
+        # time the recomputing model faster than the plain one)
+        recompute_mb = max(recompute_mb, hw.recompute_factors[policy] * compute_mb)
+
+    # ---- tensor parallel ------------------------------------------------------------------------------------
+    tp_mb = 0.0
+    if tp > 1:
+        link = hw.link(crosses_nodes(tp, 1, hw))
+        act = a * tokens * h
+        one = 2 * all_gather_s(act, tp, link) if lay.sequence_parallel else all_reduce_s(act, tp, link)
+        per_block_fwd = 2 * one
+        refwd = lay.activation_checkpoint != "none"
+        tp_mb = layers * per_block_fwd * (2 + (1 if refwd else 0)) + 2 * one  # + embedding / head
+
+    # ---- context parallel ----------------------------------------------------------------------------------
+    cp_mb = 0.0
+    if cp > 1:
+        link = hw.link(crosses_nodes(cp, tp, hw))
+        kv_bytes = 2 * a * tokens * m_cfg.num_kv_heads * w.head_dim / tp
+        if lay.cp_impl == "ring":
+            ring = 3 * (cp - 1) * p2p_s(kv_bytes, link)
+            attention_time = 3 * 4 * tokens * w.seq_len * h / tp / rate
+            cp_mb = layers * max(0.0, ring - attention_time)
+        else:
+            qkvo = a * tokens * (2 * h + 2 * m_cfg.num_kv_heads * w.head_dim) / tp
+            cp_mb = layers * 2 * all_gather_s(qkvo, cp, link)
+
+    # ---- pipeline ------------------------------------------------------------------------------------------
+    pp_mb = 0.0
+    if lay.pp > 1:
+        sp = tp if lay.sequence_parallel and tp > 1 else 1
+        link = hw.link(crosses_nodes(lay.pp, lay.world_size // lay.pp, hw))
+        v = lay.virtual_stages if lay.pp_schedule == "interleaved" else 1
+        pp_mb = 2 * v * p2p_s(a * tokens * h / sp, link)
+
+    per_mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb
+    bubble = bubble_fraction(lay, m)
+    pipeline_total = per_mb * m / (1 - bubble)
+    bubble_s = pipeline_total - per_mb * m
+
+    # ---- data parallel -------------------------------------------------------------------------------------
+    n_local = stage_elements(w, lay, 0) if lay.pp == 1 else max(stage_elements(w, lay, 0),
+                                                              stage_elements(w, lay, lay.pp - 1))
+    n_unsharded = stage_elements(w, lay, 0, sharded=False)
+    units = layers + 1
+    dp_s = 0.0
+    kind = lay.data_parallel_kind
+    if kind == "ddp":
+        p = lay.dp_replicate * cp
+        link = hw.link(crosses_nodes(p, tp, hw))
+        grad = 4.0 * n_unsharded
+        buckets = max(1, math.ceil(grad / DDP_BUCKET_BYTES))
+        dp_s = all_reduce_s(grad, p, link) + (buckets - 1) * link.alpha_s * _log2(p)
+    elif kind in ("fsdp", "hsdp"):
+        s = lay.fsdp_size
+        link = hw.link(crosses_nodes(s, tp, hw))
+        gathers_per_mb = 2 if lay.fsdp_reshard_after_forward else 1
+        reduce_scatters = m if lay.pp > 1 else 1
+        per_unit_param = n_unsharded / units
+        ag = all_gather_s(a * per_unit_param, s, link) * units
+        rs = all_gather_s(4.0 * per_unit_param, s, link) * units
+        dp_s = ag * gathers_per_mb * m + rs * reduce_scatters
+        if lay.dp_replicate > 1:
+            rlink = hw.link(crosses_nodes(lay.dp_replicate, tp * s, hw))
+            dp_s += all_reduce_s(4.0 * per_unit_param / s, lay.dp_replicate, rlink) * units * reduce_scatters
+    compute_all = (compute_mb + recompute_mb) * m
+    dp_exposed = dp_s - hw.comm_overlap * min(dp_s, compute_all)
+
+    optimizer_s = OPTIMIZER_BYTES_PER_ELEMENT * n_local / hw.memory_bandwidth_bytes_per_s
+    total = pipeline_total + dp_exposed + optimizer_s
+    model_flops = flops_per_token(m_cfg, w.seq_len) * w.tokens_per_step / lay.world_size
+    return {
+        "compute": compute_mb * m, "recompute": recompute_mb * m, "bubble": bubble_s,
+        "tp_comm": tp_mb * m, "cp_comm": cp_mb * m, "pp_comm": pp_mb * m,
+        "dp_comm": dp_s, "dp_comm_exposed": dp_exposed, "optimizer": optimizer_s,
+        "bubble_fraction": bubble, "total": total, "model_flops": model_flops,
+    }

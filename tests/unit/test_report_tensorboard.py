@@ -1,0 +1,64 @@
+"""TensorBoard event files written from metrics records, local and through an fsspec URI."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tensorboard")
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from raydist.metrics.tensorboard import open_tensorboard  # noqa: E402
+
+RECORDS = [
+    {"step": 0, "loss": 5.8, "val_loss": 5.8, "tokens_per_s": 0.0, "world_size": 2},
+    {"step": 10, "loss": 4.0, "lr": 1e-3, "tokens_per_s": 1500.0, "mfu": 0.2, "world_size": 2,
+     "mem_peak_mb_per_rank": [900.0, 850.0], "pipeline": {"busy_s": [0.3, 0.2], "idle_s": [0.1, 0.2], "bubble": 0.25},
+     "mfu_peak_source": "measured:cpu_fp32_matmul", "mesh": {"pp": 2}},
+    {"step": 20, "loss": 3.0, "val_loss": 3.2, "tokens_per_s": 1600.0, "mfu": 0.21, "world_size": 2},
+]
+
+
+def _scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(log_dir)
+    acc.Reload()
+    # event files store float32: round to compare with the float64 records
+    return {tag: [(e.step, round(e.value, 5)) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_scalars_round_trip(tmp_path):
+    tb = open_tensorboard(str(tmp_path))
+    for record in RECORDS:
+        tb.write(record)
+    tb.event({"kind": "restart", "step": 10, "elapsed_s": 12.0, "reason": "worker died"})
+    tb.close()
+    scalars = _scalars(str(tmp_path / "tensorboard"))
+    assert scalars["train/loss"] == [(0, 5.8), (10, 4.0), (20, 3.0)]
+    assert [s for s, _ in scalars["train/val_loss"]] == [0, 20]
+    assert scalars["memory/peak_mb_rank1"] == [(10, 850.0)]
+    assert scalars["pipeline/bubble"] == [(10, 0.25)]
+    assert scalars["events/restart"] == [(10, 1.0)]
+    assert "train/mfu_peak_source" not in scalars  # strings are not scalars
+
+
+def test_remote_run_dir_is_uploaded(tmp_path):
+    """A non-local fsspec run dir (memory://) gets the event files copied up on flush and close."""
+    import fsspec
+
+    tb = open_tensorboard("memory://runs/remote-run")
+    assert not tb.local
+    tb.write(RECORDS[1])
+    tb.flush()
+    fs = fsspec.filesystem("memory")
+    files = fs.ls("/runs/remote-run/tensorboard")
+    assert files and all("tfevents" in f["name"] for f in files)
+    tb.close()
+    local = tmp_path / "copy"
+    local.mkdir()
+    for f in fs.ls("/runs/remote-run/tensorboard"):
+        (local / f["name"].rsplit("/", 1)[-1]).write_bytes(fs.cat_file(f["name"]))
+    assert _scalars(str(local))["train/loss"] == [(10, 4.0)]
+
+
+def test_no_run_dir_no_writer():
+    assert open_tensorboard(None) is None
