@@ -88,6 +88,9 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
+    auto: bool = False
+    """Let the planner choose the layout (degrees, micro-batch, recompute, ...) for the live worker count by
+    its cost model; the degrees below are then ignored. `parallel = "auto"` in TOML says the same."""
     dp_replicate: int = -1
     """Data-parallel replicas (DDP, or the replicate dim of HSDP). -1: fill from the world size."""
     dp_shard: int = 1
@@ -242,6 +245,8 @@ class Config:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], overrides: list[str] | tuple[str, ...] = ()) -> "Config":
         raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+        if raw.get("parallel") == "auto":  # `parallel = "auto"`: the planner picks the layout
+            raw["parallel"] = {"auto": True}
         for item in overrides:
             section, key, value = parse_override(item)
             raw.setdefault(section, {})[key] = value

@@ -18,9 +18,8 @@ from typing import Any, Callable
 from raydist.config import Config, ConfigError
 from raydist.data.prepare import default_data_path, prepare, read_manifest
 from raydist.data.stream import Split
-from raydist.mesh import MeshSpec
 from raydist.metrics.logger import join, read_json, read_metrics, write_text
-from raydist.parallel.validate import check_layout
+from raydist.elastic.policy import plan_layout
 
 
 @dataclass
@@ -71,7 +70,7 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     errors = []
     for size in sizes:  # at least the smallest size must give a valid layout
         try:
-            check_layout(cfg, MeshSpec.from_config(cfg.parallel).resolve(size))
+            plan_layout(cfg, size)
             break
         except ConfigError as exc:
             errors.append(exc)

@@ -25,6 +25,7 @@ from raydist.elastic.policy import plan_layout
 from raydist.metrics.flops import peak_flops
 from raydist.metrics.goodput import EventLog, Goodput
 from raydist.metrics.logger import MetricsWriter, join, write_json
+from raydist.metrics.tensorboard import open_tensorboard
 from raydist.models.gpt import flops_per_token
 from raydist.trainer import StepStats, Trainer, TrainerOptions, peak_memory_mb
 
@@ -38,10 +39,11 @@ Reporter = Callable[[dict, "str | None"], None]
 class RunLogger:
     """Rank 0 writes metrics.jsonl; every rank keeps the interval's timings."""
 
-    def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int):
+    def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int, tensorboard=None):
         self.trainer = trainer
         self.rank0 = dist.get_rank() == 0
         self.writer = MetricsWriter(run_dir) if run_dir and self.rank0 else None
+        self.tensorboard = tensorboard
         cfg = trainer.cfg
         self.run_start = run_start
         self.attempt = attempt
@@ -83,8 +85,14 @@ class RunLogger:
             rec["val_loss"] = val_loss
         if self.writer is not None:
             self.writer.write(rec)
+        if self.tensorboard is not None:
+            self.tensorboard.write(rec)
         self.last = rec
         return rec
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 # ---- the loop -------------------------------------------------------------------------------------
@@ -98,6 +106,7 @@ class _Checkpoints:
         self.trainer, self.events, self.goodput, self.report = trainer, events, goodput, report
         self.manager = CheckpointManager(run_dir, trainer.cfg.checkpoint.keep, trainer.checkpoint_group, log=log)
         self.reported = -1
+        self.tensorboard = None  # set by fit when rank 0 writes TensorBoard files
 
     def resume(self) -> dict | None:
         found = self.manager.latest()
@@ -128,6 +137,8 @@ class _Checkpoints:
             uri = join(self.manager.root, f"step_{step:08d}")
             if self.events:
                 self.events.event("checkpoint", step, path=uri, write_s=round(self.manager.last_write_s, 3))
+            if self.tensorboard:
+                self.tensorboard.flush()  # object stores: copy the event files up with each checkpoint
             if self.report:
                 self.report(metrics, uri)
             self.reported = step
@@ -142,7 +153,8 @@ def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
     rank0 = dist.get_rank() == 0
     goodput = Goodput(run_dir, trainer.options.start_time) if run_dir and rank0 else None
     run_start = goodput.run_start if goodput else trainer.options.start_time
-    events = EventLog(run_dir, run_start) if run_dir and rank0 else None
+    tensorboard = open_tensorboard(run_dir) if run_dir and rank0 else None
+    events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None) if run_dir and rank0 else None
     ckpt = _Checkpoints(trainer, run_dir, events, goodput, report, log) if run_dir else None
     extra = ckpt.resume() if ckpt else None  # restores trainer.step, position, notes
     attempt = goodput.on_start(trainer.step) if goodput else {"attempt": 1}
@@ -156,7 +168,9 @@ def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
         if extra is not None and extra["world_size"] != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=extra["world_size"], world_size=trainer.world_size,
                          mesh=trainer.spec.degrees())
-    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"])
+    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard)
+    if ckpt:
+        ckpt.tensorboard = tensorboard
     first_val = last_val = None
     pending = None
     if trainer.step == 0:
@@ -211,6 +225,7 @@ def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
     if run_dir and rank0:
         write_json(join(run_dir, "summary.json"), summary)
         events.event("end", trainer.step, status="completed")
+    logger.close()
     return summary
 
 

@@ -29,6 +29,7 @@ class LayoutDecision:
     accum_steps: int
     idle_workers: int
     reason: str
+    config: Config | None = None  # the whole config to train with, when the planner chose it (parallel.auto)
 
     @property
     def active_workers(self) -> int:
@@ -41,6 +42,8 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 def plan_layout(cfg: Config, world_size: int) -> LayoutDecision:
     p, t = cfg.parallel, cfg.train
+    if p.auto:
+        return _planned(cfg, world_size)
     if not cfg.elastic_enabled:
         spec = MeshSpec.from_config(p).resolve(world_size)
         accum = check_layout(cfg, spec)
@@ -78,12 +81,29 @@ def plan_layout(cfg: Config, world_size: int) -> LayoutDecision:
     return LayoutDecision(spec, micro, accum, idle, reason)
 
 
+def _planned(cfg: Config, world_size: int) -> LayoutDecision:
+    """parallel.auto: the planner's best layout for this many workers (elastic runs ask at each start)."""
+    from raydist.planner import auto_config
+
+    planned, settings = auto_config(cfg, world_size)
+    planned = replace(planned, parallel=replace(planned.parallel, auto=False))
+    spec = MeshSpec.from_config(planned.parallel).resolve(world_size)
+    accum = check_layout(planned, spec)
+    estimate = settings.get("estimate", {})
+    reason = (f"planner: {spec.describe()} on {world_size} workers, micro_batch {planned.train.micro_batch}, "
+              f"recompute {planned.train.activation_checkpoint}; estimated step {estimate.get('step_time_s', '?')} s, "
+              f"MFU {estimate.get('mfu', '?')}")
+    return LayoutDecision(spec, planned.train.micro_batch, accum, 0, reason, planned)
+
+
 def _with_micro_batch(cfg: Config, micro_batch: int) -> Config:
     return replace(cfg, train=replace(cfg.train, micro_batch=micro_batch))
 
 
 def apply_decision(cfg: Config, decision: LayoutDecision) -> Config:
     """The config the active workers train with (micro-batch re-derived; layout degrees resolved)."""
+    if decision.config is not None:
+        return decision.config
     s = decision.spec
     parallel = replace(cfg.parallel, pp=s.pp, dp_replicate=s.dp_replicate, dp_shard=s.dp_shard, cp=s.cp, tp=s.tp)
     return replace(cfg, parallel=parallel, train=replace(cfg.train, micro_batch=decision.micro_batch))

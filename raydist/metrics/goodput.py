@@ -14,7 +14,7 @@ RUN_DIR/events.jsonl gets one line per event: start, restart, resize, checkpoint
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from raydist.metrics.logger import MetricsWriter, join, read_json, write_json
 
@@ -22,15 +22,18 @@ from raydist.metrics.logger import MetricsWriter, join, read_json, write_json
 class EventLog(MetricsWriter):
     """events.jsonl: {"kind", "time", "elapsed_s", "step", ...}."""
 
-    def __init__(self, run_dir: str, run_start: float):
+    def __init__(self, run_dir: str, run_start: float, mirror: Callable[[dict], None] | None = None):
         super().__init__(run_dir, name="events.jsonl")
         self.run_start = run_start
+        self.mirror = mirror  # e.g. the TensorBoard writer's `event`
 
     def event(self, kind: str, step: int, **fields: Any) -> dict:
         now = time.time()
         record = {"kind": kind, "step": step, "time": round(now, 3), "elapsed_s": round(now - self.run_start, 3),
                   **fields}
         self.write(record)
+        if self.mirror is not None:
+            self.mirror(record)
         return record
 
 

@@ -131,3 +131,15 @@ def test_node_loss_shrinks_and_node_join_grows_the_run(tiny_data, tmp_path):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_a_worker_that_fits_no_layout_stays_idle_and_the_run_completes(ray_4cpu, tiny_data, tmp_path):
+    # 3 workers, global batch 8: dp 3 does not divide it, so dp 2 trains and the third worker idles,
+    # following the active workers' reports to Ray Train (a barrier) until the end.
+    summary = launch(small(tiny_data, tmp_path, "train.steps=12", "train.run_name=idle", "checkpoint.every_steps=4",
+                           "elastic.min_workers=3", "elastic.max_workers=3"), log=lambda *_: None)
+    assert summary["steps"] == 12 and summary["world_size"] == 2
+    start = next(e for e in records(tmp_path / "idle", "events.jsonl") if e["kind"] == "start")
+    assert start["idle_workers"] == 1 and "1 idle" in start["layout"]
+    committed = [e["step"] for e in records(tmp_path / "idle", "events.jsonl") if e["kind"] == "checkpoint"]
+    assert committed == [4, 8, 12]
