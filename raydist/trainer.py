@@ -32,7 +32,7 @@ from raydist.data.stream import SampleStream, Split, make_reader
 from raydist.kernels import apply_kernels
 from raydist.elastic.policy import LayoutDecision, apply_decision, plan_layout
 from raydist.mesh import Mesh
-from raydist.models.gpt import build_model, cross_entropy
+from raydist.models.gpt import build_model
 from raydist.parallel import ParallelModel, parallelize
 from raydist.parallel.validate import check_layout
 
@@ -98,6 +98,13 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 @dataclass
+class MicroBatch:
+    inputs: torch.Tensor  # (B, T) token ids (T local under context parallelism)
+    targets: torch.Tensor  # (B, T)
+    positions: torch.Tensor | None  # (T,) positions in the full sequence, when the sequence is sharded
+
+
+@dataclass
 class StepStats:
     loss: float
     grad_norm: float
@@ -137,6 +144,9 @@ class Trainer:
         self.kernels = apply_kernels(model, cfg.kernels, device)  # which attention / matmul paths run
         self.pm: ParallelModel = parallelize(model, self.mesh, cfg, device, self.compute_dtype)
         self.params = [p for p in self.pm.model.parameters() if p.requires_grad]
+        # What the parallel plans set (tensor.py: a vocabulary-parallel loss; context.py: sequence sharding)
+        self.loss_fn = self.pm.loss_fn
+        self.shard_sequence = self.pm.shard_sequence
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0  # optimizer steps done
@@ -203,24 +213,41 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
-    def _dp_mean(self, value: torch.Tensor) -> float:
-        if self.spec.dp > 1:
+    def _data_mean(self, value: torch.Tensor) -> float:
+        """Mean over the ranks that hold different tokens (dp x cp; each holds the same number)."""
+        ranks = self.spec.dp * self.spec.cp
+        if ranks > 1:
             value = value.clone()
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.dp.get_group())
-            value /= self.spec.dp
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.dp_cp.get_group())
+            value /= ranks
         return float(value)
 
-    def _micro_batches(self, tokens: torch.Tensor):
-        return [(chunk[:, :-1], chunk[:, 1:]) for chunk in tokens.split(self.cfg.train.micro_batch)]
+    def _micro_batches(self, tokens: torch.Tensor) -> list[MicroBatch]:
+        """(inputs, targets, positions) per micro-batch of this rank's rows; `positions` is None unless a
+        parallel plan shards the sequence (context parallelism: `self.shard_sequence`)."""
+        out = []
+        for chunk in tokens.split(self.cfg.train.micro_batch):
+            inputs, targets, positions = chunk[:, :-1], chunk[:, 1:], None
+            if self.shard_sequence is not None:
+                inputs, targets, positions = self.shard_sequence(inputs, targets)
+            out.append(MicroBatch(inputs, targets, positions))
+        return out
+
+    def forward_loss(self, micro: MicroBatch) -> torch.Tensor:
+        """The mean loss over this rank's tokens of one micro-batch (the one place a parallel plan may
+        change how logits become a loss: `self.loss_fn`, e.g. a vocabulary-parallel cross-entropy)."""
+        with self._autocast():
+            logits = self.pm.module(micro.inputs, micro.positions)
+            return self.loss_fn(logits, micro.targets)
 
     def loss_on(self, tokens: torch.Tensor) -> float:
         """Mean loss over the global batch whose local rows are `tokens`, without touching gradients."""
         total = torch.zeros((), device=self.device)
         micro = self._micro_batches(tokens)
-        with torch.no_grad(), self._autocast():
-            for inputs, targets in micro:
-                total += cross_entropy(self.pm.module(inputs), targets).float() / len(micro)
-        return self._dp_mean(total)
+        with torch.no_grad():
+            for mb in micro:
+                total += self.forward_loss(mb).float() / len(micro)
+        return self._data_mean(total)
 
     def train_step(self, batch: tuple[torch.Tensor, np.ndarray | None] | None = None) -> StepStats:
         start = time.perf_counter()
@@ -228,10 +255,9 @@ class Trainer:
         data_wait = time.perf_counter() - start
         micro = self._micro_batches(tokens)
         total = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(micro):
+        for i, mb in enumerate(micro):
             with self.pm.gradient_sync(i == len(micro) - 1):
-                with self._autocast():
-                    loss = cross_entropy(self.pm.module(inputs), targets) / len(micro)
+                loss = self.forward_loss(mb) / len(micro)
                 loss.backward()
             total += loss.detach().float()
         grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip)
@@ -245,7 +271,7 @@ class Trainer:
         self.position += self.cfg.train.global_batch
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
-        loss_value = self._dp_mean(total)
+        loss_value = self._data_mean(total)
         return StepStats(loss_value, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
 
     def evaluate(self) -> float:

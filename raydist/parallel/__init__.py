@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from raydist.config import Config
 from raydist.mesh import Mesh
+from raydist.models.gpt import cross_entropy
 from raydist.parallel.checkpointing import apply_activation_checkpointing
 
 
@@ -28,6 +30,10 @@ class ParallelModel:
     model: torch.nn.Module
     kind: str  # "none" | "ddp" | "fsdp" | "hsdp"
     compute_dtype: torch.dtype
+    # How logits become the mean loss over this rank's tokens (tensor.py swaps in a vocabulary-parallel one)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    # (inputs, targets) -> (local inputs, local targets, positions): context.py's sequence sharding
+    shard_sequence: Callable | None = None
 
     def gradient_sync(self, enabled: bool):
         """Context for one micro-batch: gradient communication only when `enabled` (the last one)."""
