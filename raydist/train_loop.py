@@ -49,7 +49,11 @@ class RunLogger:
         self.attempt = attempt
         self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        self.peak_flops, self.peak_source = peak_flops(trainer.device)
+        # The peak is taken after training has started (start-up work such as Ray Data's first read
+        # tasks competes for the CPU and would understate it), and on CPU re-measured every few logged
+        # intervals keeping the best figure.
+        self.peak_flops, self.peak_source = 0.0, ""
+        self.records = 0
         self.interval_time = self.interval_wait = 0.0
         self.interval_steps = 0
         self.last: dict[str, Any] = {}
@@ -67,6 +71,10 @@ class RunLogger:
     def record(self, stats: StepStats | None, val_loss: float | None = None, loss: float | None = None) -> dict:
         rec = self.base()
         if stats is not None:
+            if self.records % 10 == 0:
+                peak, self.peak_source = peak_flops(self.trainer.device)
+                self.peak_flops = max(self.peak_flops, peak)
+            self.records += 1
             steps = max(self.interval_steps, 1)
             tokens_per_s = self.tokens_per_step * self.interval_steps / max(self.interval_time, 1e-9)
             achieved = tokens_per_s * self.flops_per_token / self.trainer.world_size

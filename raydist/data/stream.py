@@ -167,10 +167,11 @@ class RayDataReader:
     """Ray Data `read_parquet` over the shards in walk order, in batches of `chunk` shards, streamed with
     order preserved; rows are regrouped into shards by sample id."""
 
-    def __init__(self, prefetch: int = 2, chunk: int = 4, cpus_per_read: float = 0.25):
+    def __init__(self, prefetch: int = 2, chunk: int = 4, cpus_per_read: float = 0.25, concurrency: int = 2):
         self.prefetch = max(1, prefetch)
         self.chunk = chunk
         self.cpus_per_read = cpus_per_read
+        self.concurrency = concurrency
 
     def stream(self, split: Split, indices: Iterator[int]) -> Iterator[Shard]:
         import ray.data
@@ -180,12 +181,13 @@ class RayDataReader:
         ctx.enable_progress_bars = False
         ctx.print_on_execution_start = False
         indices = iter(indices)
+        filesystem, strip = _arrow_filesystem(split.path)
         while chunk := [i for _, i in zip(range(self.chunk), indices)]:
             uris = [split.uri(i) for i in chunk]
             for i, uri in zip(chunk, uris):
                 _check_exists(uri)
-            ds = ray.data.read_parquet(uris, columns=["sample_id", "tokens"], shuffle=None,
-                                       ray_remote_args={"num_cpus": self.cpus_per_read},
+            ds = ray.data.read_parquet([strip(u) for u in uris], filesystem=filesystem, columns=["sample_id", "tokens"],
+                                       shuffle=None, num_cpus=self.cpus_per_read, concurrency=self.concurrency,
                                        override_num_blocks=len(uris))
             pending: collections.deque = collections.deque(chunk)
             parts: list[pa.Table] = []
@@ -204,6 +206,17 @@ class RayDataReader:
             if pending:
                 raise DataError(f"{split.uri(pending[0])}: ended before the {split.shards[pending[0]]['rows']} rows "
                                 "the manifest lists")
+
+
+def _arrow_filesystem(path: str):
+    """(pyarrow filesystem, uri -> path for it): fsspec's filesystem for remote URIs, so Ray Data reads
+    any URI exactly as fsspec (and its configuration, e.g. an S3 endpoint) resolves it."""
+    if "://" not in path or path.startswith("file://"):
+        return None, lambda uri: uri.removeprefix("file://")
+    import pyarrow.fs
+
+    fs, _ = fsspec.core.url_to_fs(path)
+    return pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)), lambda uri: fsspec.core.url_to_fs(uri)[1]
 
 
 def _check_exists(uri: str) -> None:

@@ -3,8 +3,9 @@
 MFU = achieved model FLOP/s / peak FLOP/s, where achieved = tokens/s * flops_per_token (models/gpt.py).
 On CUDA the peak is the dense bf16 tensor-core figure of the device (fp32 runs use the same peak, so
 their MFU reads honestly low). On CPU there is no datasheet figure that means anything for a shared
-2-core VM, so the peak is a square fp32 matmul timed in this process with this process's threads; the
-metrics say which (`mfu_peak_source`).
+2-core VM, so the peak is a square fp32 matmul timed in this process with this process's threads, under
+the same load as training (the best of a few measurements during the run); the metrics say which
+(`mfu_peak_source`).
 """
 
 from __future__ import annotations

@@ -131,3 +131,51 @@ def test_empty_dataset(tmp_path):
     (tmp_path / "tiny.txt").write_text("too short")
     with pytest.raises(DataError, match="gave no training sequence"):
         prepare(DataConfig(corpus=str(tmp_path / "tiny.txt"), seq_len=64), str(tmp_path / "o"), log=lambda *_: None)
+
+
+def test_prepare_parquet_with_a_text_column(tmp_path):
+    docs = [f"document number {i}: " + "some words here. " * 30 for i in range(20)]
+    pq.write_table(pa.table({"body": docs, "n": list(range(20))}), tmp_path / "docs.parquet")
+    m = prepare(DataConfig(corpus=str(tmp_path / "docs.parquet"), text_column="body", seq_len=16, val_fraction=0.0),
+                str(tmp_path / "out"), log=lambda *_: None)
+    assert m["splits"]["train"]["documents"] == 20
+    with pytest.raises(DataError, match="docs.parquet: no column 'text'"):
+        prepare(DataConfig(corpus=str(tmp_path / "docs.parquet"), seq_len=16), str(tmp_path / "out2"),
+                log=lambda *_: None)
+    pq.write_table(pa.table({"text": [1, 2, 3]}), tmp_path / "ints.parquet")
+    with pytest.raises(DataError, match="ints.parquet: row 0 of column 'text' is int, not text"):
+        prepare(DataConfig(corpus=str(tmp_path / "ints.parquet"), seq_len=16), str(tmp_path / "out3"),
+                log=lambda *_: None)
+
+
+def test_prepare_with_a_tokenizers_json_file(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    text = ("the quick brown fox jumps over the lazy dog. " * 50 + "</s> ") * 4
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "</s>"]))
+    tok.save(str(tmp_path / "tok.json"))
+    (tmp_path / "corpus.txt").write_text(text)
+    m = prepare(DataConfig(corpus=str(tmp_path / "corpus.txt"), tokenizer=str(tmp_path / "tok.json"), seq_len=8,
+                           val_fraction=0.0), str(tmp_path / "out"), log=lambda *_: None)
+    assert m["tokenizer"]["vocab_size"] == tok.get_vocab_size() and m["tokenizer"]["eos_id"] == tok.token_to_id("</s>")
+    first = pq.read_table(f"{tmp_path}/out/train-00000.parquet").column("tokens").to_pylist()[0]
+    assert tok.decode(first).startswith("the quick brown fox")
+    with pytest.raises(ConfigError, match="is not a tokenizers JSON file"):
+        (tmp_path / "bad.json").write_text("{}")
+        prepare(DataConfig(corpus=str(tmp_path / "corpus.txt"), tokenizer=str(tmp_path / "bad.json")),
+                str(tmp_path / "out2"), log=lambda *_: None)
+
+
+def test_order_is_the_same_sequence_for_every_dp_size_across_epochs():
+    order = SampleOrder([7, 5, 9], seed=4)
+    g, steps = 6, 9  # 54 positions: more than two epochs of 21 samples
+    expected = order.sample_ids(0, g * steps).tolist()
+    for dp in (1, 2, 3, 6):
+        seen = []
+        for step in range(steps):
+            for rank in range(dp):
+                start, stop = rank_slice(step * g, g, rank, dp)
+                seen += order.sample_ids(start, stop - start).tolist()
+        assert seen == expected
