@@ -23,6 +23,7 @@ reduce-scatter only on each chunk's last backward) or `ddp_grad_sync` (DDP: all-
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -73,6 +74,24 @@ class _PostedBatch:
         self._wait(range(len(self.works)))
 
 
+@dataclass
+class _Plan:
+    """One rank's actions with what the loop precomputes from them."""
+
+    actions: tuple[Action, ...]
+    next_receiving: list[int | None]  # [i]: the first action at or after i that receives (post it early)
+    release_after: dict[int, list[int]]  # see send_release_points
+
+    @classmethod
+    def of(cls, schedule: Schedule, rank: int) -> "_Plan":
+        actions = schedule.actions[rank]
+        next_receiving: list[int | None] = [None] * (len(actions) + 1)
+        for i in range(len(actions) - 1, -1, -1):
+            receives = schedule.recv_of(actions[i]) is not None
+            next_receiving[i] = i if receives else next_receiving[i + 1]
+        return cls(actions, next_receiving, send_release_points(schedule, rank))
+
+
 class PipelineExecutor:
     """Executes `schedule` for pipeline rank `pp_rank` over `chunks` (this rank's modules by chunk index).
 
@@ -103,14 +122,13 @@ class PipelineExecutor:
         self.device = torch.device(device)
         self.loss_fn = loss_fn
         self.before_backward = before_backward
-        self.actions = schedule.actions[pp_rank]
         self.last_backward = set(schedule.last_backward(pp_rank).values())
-        # Index of the next action (at or after i) that receives a tensor, to post its receive early.
-        self._next_receiving = [None] * (len(self.actions) + 1)
-        for i in range(len(self.actions) - 1, -1, -1):
-            receives = schedule.recv_of(self.actions[i]) is not None
-            self._next_receiving[i] = i if receives else self._next_receiving[i + 1]
-        self._release_after = send_release_points(schedule, pp_rank)
+        self._train_plan = _Plan.of(schedule, pp_rank)
+        # Evaluation runs the schedule's forwards only, in the same order: dropping every B from a valid
+        # schedule keeps it valid (forwards depend only on forwards).
+        forwards = tuple(tuple(a for a in acts if a.kind == FORWARD) for acts in schedule.actions)
+        self._eval_plan = _Plan.of(dataclasses.replace(schedule, actions=forwards), pp_rank)
+        self._plan = self._train_plan
 
     # ---- point-to-point ------------------------------------------------------------------------------
     def _peer(self, rank_in_group: int) -> dict:
@@ -121,7 +139,7 @@ class PipelineExecutor:
         (unless already posted)."""
         ops, send_op, recv_op = [], None, None
         if send_index is not None:
-            transfer = self.schedule.send_of(self.actions[send_index])
+            transfer = self.schedule.send_of(self._plan.actions[send_index])
             if transfer.local:
                 self._mailbox[transfer] = tensor
             else:
@@ -129,7 +147,7 @@ class PipelineExecutor:
                                      **self._peer(transfer.dst_rank))
                 ops.append(send_op)
         if recv_index is not None and recv_index not in self._posted_recv:
-            transfer = self.schedule.recv_of(self.actions[recv_index])
+            transfer = self.schedule.recv_of(self._plan.actions[recv_index])
             if not transfer.local:
                 buffer = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
                 recv_op = dist.P2POp(dist.irecv, buffer, tag=self.schedule.tag(transfer),
@@ -146,7 +164,7 @@ class PipelineExecutor:
             self._recv_batch[recv_index] = batch
 
     def _receive(self, index: int) -> torch.Tensor:
-        transfer = self.schedule.recv_of(self.actions[index])
+        transfer = self.schedule.recv_of(self._plan.actions[index])
         if transfer.local:
             return self._mailbox.pop(transfer)
         if index not in self._posted_recv:
@@ -154,7 +172,7 @@ class PipelineExecutor:
         op = self._posted_recv.pop(index)
         self._recv_batch.pop(index).wait_op(op)
         # Sends this message proves complete: free their tensors now rather than at the step's end.
-        for send_index in self._release_after.get(index, ()):
+        for send_index in self._plan.release_after.get(index, ()):
             batch, send_op = self._sent.pop(send_index)
             batch.wait_op(send_op)
         self._batches = [b for b in self._batches if b.pending]
@@ -169,7 +187,8 @@ class PipelineExecutor:
         if action.stage == self.schedule.num_stages - 1:
             out = self.loss_fn(out, targets[action.microbatch]) / self.schedule.num_microbatches
             self._loss_sum += out.detach().float()
-        self._saved[(action.stage, action.microbatch)] = (x, out)
+        if torch.is_grad_enabled():
+            self._saved[(action.stage, action.microbatch)] = (x, out)
         return None if action.stage == self.schedule.num_stages - 1 else out.detach()
 
     def _backward(self, action: Action, grad: torch.Tensor | None):
@@ -179,10 +198,7 @@ class PipelineExecutor:
         torch.autograd.backward(out, grad_tensors=grad)
         return x.grad if x.is_floating_point() else None
 
-    def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> PipelineStepStats:
-        """Run one schedule: `inputs` (M token tensors (B_micro, T)) are needed on the rank holding the
-        first stage, `targets` (M tensors (B_micro, T)) on the rank holding the last; others may pass None.
-        Gradients are accumulated into the chunks' parameters (the caller zeroes them between steps)."""
+    def _check_batches(self, inputs, targets) -> None:
         m = self.schedule.num_microbatches
         holds = self.schedule.stages_of(self.pp_rank)
         if 0 in holds and (inputs is None or len(inputs) != m):
@@ -191,6 +207,22 @@ class PipelineExecutor:
         if self.schedule.num_stages - 1 in holds and (targets is None or len(targets) != m):
             raise ConfigError(f"pipeline rank {self.pp_rank} holds the last stage and needs {m} target "
                               f"micro-batches, got {None if targets is None else len(targets)}")
+
+    def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> PipelineStepStats:
+        """Run one schedule: `inputs` (M token tensors (B_micro, T)) are needed on the rank holding the
+        first stage, `targets` (M tensors (B_micro, T)) on the rank holding the last; others may pass None.
+        Gradients are accumulated into the chunks' parameters (the caller zeroes them between steps)."""
+        self._check_batches(inputs, targets)
+        return self._execute(self._train_plan, inputs, targets)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> float:
+        """The mean loss over M micro-batches, forwards only (no gradients); same value on every pp rank."""
+        self._check_batches(inputs, targets)
+        return self._execute(self._eval_plan, inputs, targets).loss
+
+    def _execute(self, plan: _Plan, inputs, targets) -> PipelineStepStats:
+        self._plan = plan
         self._mailbox: dict[Transfer, torch.Tensor] = {}
         self._posted_recv: dict[int, dist.P2POp | None] = {}
         self._recv_batch: dict[int, _PostedBatch] = {}
@@ -200,8 +232,8 @@ class PipelineExecutor:
         self._loss_sum = torch.zeros((), device=self.device)
         busy = 0.0
         start = time.perf_counter()
-        self._post(None, None, self._next_receiving[0])
-        for i, action in enumerate(self.actions):
+        self._post(None, None, plan.next_receiving[0])
+        for i, action in enumerate(plan.actions):
             received = self._receive(i) if self.schedule.recv_of(action) is not None else None
             t0 = time.perf_counter()
             if action.kind == FORWARD:
@@ -211,7 +243,7 @@ class PipelineExecutor:
                 produced = self._backward(action, received)
             busy += time.perf_counter() - t0
             sends = self.schedule.send_of(action) is not None
-            self._post(i if sends else None, produced, self._next_receiving[i + 1])
+            self._post(i if sends else None, produced, plan.next_receiving[i + 1])
         for batch in self._batches:
             batch.wait_all()
         wall = time.perf_counter() - start
@@ -221,6 +253,20 @@ class PipelineExecutor:
             dist.broadcast(loss, group=self.group, group_src=last_rank)
         self._batches, self._saved, self._sent = [], {}, {}
         return PipelineStepStats(float(loss), busy, wall - busy, wall)
+
+
+def stage_timings(stats: PipelineStepStats, pp_group: dist.ProcessGroup | None,
+                  device: torch.device | str = "cpu") -> dict[str, list[float]]:
+    """Every pipeline rank's busy and idle seconds of a step, by pp rank (a collective on `pp_group`), for
+    metrics.jsonl: `{"pp_busy_s": [...], "pp_idle_s": [...], "pp_bubble": [idle / wall per rank]}`."""
+    mine = torch.tensor([stats.busy_s, stats.idle_s, stats.wall_s], dtype=torch.float64, device=device)
+    size = dist.get_world_size(pp_group) if dist.is_initialized() else 1
+    rows = [mine.clone() for _ in range(size)]
+    if size > 1:
+        dist.all_gather(rows, mine, group=pp_group)
+    rows = [r.cpu() for r in rows]
+    return {"pp_busy_s": [round(float(r[0]), 6) for r in rows], "pp_idle_s": [round(float(r[1]), 6) for r in rows],
+            "pp_bubble": [round(float(r[1] / r[2]), 4) if r[2] > 0 else 0.0 for r in rows]}
 
 
 def send_release_points(schedule: Schedule, rank: int) -> dict[int, list[int]]:

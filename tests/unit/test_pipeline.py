@@ -20,7 +20,7 @@ from raydist.models.gpt import build_model, cross_entropy
 from raydist.parallel.pipeline import (TiedEmbeddingSync, clip_grad_norm_pipeline, split_model,
                                        tied_embedding_group)
 from raydist.runtime import spawn
-from raydist.schedule.executor import PipelineExecutor, ddp_grad_sync, fsdp_grad_sync
+from raydist.schedule.executor import PipelineExecutor, ddp_grad_sync, fsdp_grad_sync, stage_timings
 from raydist.schedule.generators import make_schedule
 
 CFG = ModelConfig(num_layers=4, d_model=32, num_heads=4, num_kv_heads=2, ffn_hidden=64, vocab_size=64)
@@ -62,7 +62,10 @@ def reference_run(cfg: ModelConfig) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {"losses": losses, "norms": norms, "grads": grads}
+    with torch.no_grad():
+        held_out = token_batch(STEPS)
+        eval_loss = cross_entropy(model(held_out[:, :-1]), held_out[:, 1:]).item()
+    return {"losses": losses, "norms": norms, "grads": grads, "eval_loss": eval_loss}
 
 
 # ---- what each rank runs ----------------------------------------------------------------------------
@@ -119,6 +122,10 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
         dist.all_reduce(loss, group=mesh["dp"].get_group())
         losses.append(float(loss) / dp)
         busy.append(stats.busy_s)
+    timings = stage_timings(stats, mesh["pp"].get_group())
+    held_out = token_batch(STEPS)[dp_rank * rows:(dp_rank + 1) * rows].chunk(microbatches)
+    eval_loss = torch.tensor(executor.evaluate([m[:, :-1] for m in held_out], [m[:, 1:] for m in held_out]))
+    dist.all_reduce(eval_loss, group=mesh["dp"].get_group())
     params_equal = True
     if tie and pp > 1:  # the two copies of the tied matrix stayed equal
         pair = [_full(p.data) for p in tied.params]
@@ -128,7 +135,8 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
             dist.all_gather(gathered, mine, group=group)
             params_equal &= bool(torch.equal(gathered[0], gathered[1]))
     return {"losses": losses, "norms": norms, "grads": grads, "pp_rank": pp_rank,
-            "busy_s": busy, "tied_copies_equal": params_equal}
+            "busy_s": busy, "tied_copies_equal": params_equal, "eval_loss": float(eval_loss) / dp,
+            "timings": timings}
 
 
 def _run_layouts(layouts: list[tuple]) -> list[dict]:
@@ -167,6 +175,9 @@ def _check(results, layout) -> None:
         torch.testing.assert_close(torch.tensor(rank["norms"]), torch.tensor(ref["norms"]), rtol=1e-4, atol=0)
         assert rank["tied_copies_equal"]
         assert all(b > 0 for b in rank["busy_s"])
+        assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-4)
+        timings = rank["timings"]
+        assert len(timings["pp_busy_s"]) == layout[1] and all(0 <= b < 1 for b in timings["pp_bubble"])
         for name, grad in rank["grads"].items():
             ref_name = "tok_embeddings.weight" if name == "output.weight" and layout[6] else name
             torch.testing.assert_close(grad, ref["grads"][ref_name], rtol=1e-4, atol=1e-6,
