@@ -13,8 +13,8 @@ sender is computing: a schedule that `validate()` accepts cannot deadlock here. 
 receiving action ahead (overlapping the transfer with this action's compute) into buffers of the
 known activation shape (B_micro, T, D). Gradients accumulate in the chunks' `.grad` over the M
 micro-batches; the loss is sum_m loss_m = mean over micro-batches, which equals the single-process loss
-of the whole batch when micro-batches have equal token counts. It is broadcast from the last stage so
-every pipeline rank returns the same value.
+of the whole batch when micro-batches have equal token counts. It is summed over the pipeline group (it
+is zero off the last stage) so every pipeline rank returns the same value.
 
 Data-parallel composition (pp is the outer mesh axis, each chunk is wrapped on the dp group):
 `before_backward(chunk_index, is_last_backward)` runs before every backward; use `fsdp_grad_sync` (FSDP2:
@@ -45,7 +45,7 @@ class PipelineStepStats:
     loss: float  # mean loss over the step's micro-batches (same on every pipeline rank)
     busy_s: float  # forward + backward compute on this rank
     idle_s: float  # wall_s - busy_s: waiting for tensors (pipeline fill/drain) and communication
-    wall_s: float  # the step on this rank, first action to last send completed
+    wall_s: float  # the step: from this rank's start to the pipeline-wide loss reduction at its end
 
     @property
     def bubble_fraction(self) -> float:
@@ -246,11 +246,13 @@ class PipelineExecutor:
             self._post(i if sends else None, produced, plan.next_receiving[i + 1])
         for batch in self._batches:
             batch.wait_all()
-        wall = time.perf_counter() - start
+        # The loss lives on the last stage (zeros elsewhere); summing it over the pipeline is also the
+        # step's end on every rank, so each rank's wall (and idle) counts the whole pipeline's step,
+        # including its own tail after its last action: idle / wall then reads the bubble.
         loss = self._loss_sum
         if self.schedule.num_ranks > 1:
-            last_rank = self.schedule.rank_of(self.schedule.num_stages - 1)
-            dist.broadcast(loss, group=self.group, group_src=last_rank)
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.group)
+        wall = time.perf_counter() - start
         self._batches, self._saved, self._sent = [], {}, {}
         return PipelineStepStats(float(loss), busy, wall - busy, wall)
 

@@ -86,18 +86,16 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
     model = build_model(model_config(num_layers, tie), SEQ, seed=0)
     chunks = split_model(model, pp_rank, pp, virtual)
     modules, hook = chunks, None
-    if dp_mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
+    if dp_mode == "ddp":  # the project's own wrappers, as Trainer applies them to each chunk
+        from raydist.parallel.ddp import apply_ddp
 
-        modules = [DistributedDataParallel(c, process_group=mesh["dp"].get_group()) for c in chunks]
+        modules = [apply_ddp(c, mesh["dp"], torch.device("cpu")) for c in chunks]
         hook = ddp_grad_sync(modules)
     elif dp_mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from raydist.parallel.fsdp import apply_fsdp
 
         for c in chunks:
-            for block in c.layers.values():
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(c, mesh=mesh["dp"], reshard_after_forward=False)
+            apply_fsdp(c, mesh["dp"], torch.float32)
         hook = fsdp_grad_sync(chunks)
     tied = TiedEmbeddingSync(chunks, tied_embedding_group(mesh.mesh))
     schedule = make_schedule(kind, pp, microbatches, virtual)
@@ -158,7 +156,7 @@ def results():
     """{layout: per-rank results} for every layout, and the references by (num_layers, tie)."""
     out = {}
     for layouts, world in ((PP2, 2), (PP4, 4)):
-        per_rank = spawn(_run_layouts, world, layouts, timeout_s=120)
+        per_rank = spawn(_run_layouts, world, layouts, timeout_s=300)
         for i, layout in enumerate(layouts):
             out[layout] = [rank[i] for rank in per_rank]
     refs = {(n, tie): reference_run(model_config(n, tie)) for n, tie in {(l[5], l[6]) for l in PP2 + PP4}}

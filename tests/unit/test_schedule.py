@@ -152,3 +152,27 @@ def test_cli_bad_input(capsys):
     assert err.startswith("error: interleaved 1F1B needs num_microbatches a multiple") and err.count("\n") == 1
     assert main(["schedule", "--kind", "interleaved", "--stages", "2", "--microbatches", "2", "--virtual", "1"]) == 2
     assert "needs at least 2 chunks per rank" in capsys.readouterr().err
+
+
+def _peak_unreleased_sends(schedule: Schedule, rank: int) -> int:
+    from raydist.schedule.executor import send_release_points
+
+    release, live, peak = send_release_points(schedule, rank), set(), 0
+    for k, action in enumerate(schedule.actions[rank]):
+        live -= set(release.get(k, ()))
+        send = schedule.send_of(action)
+        if send is not None and not send.local:
+            live.add(k)
+        peak = max(peak, len(live))
+    return peak
+
+
+def test_sent_tensors_are_released_within_the_memory_bound():
+    """The executor frees a sent tensor once a later message proves it was received; for 1F1B at most
+    min(P - r, M) + 1 sent tensors are alive on rank r, whatever M (GPipe: M, like its activations)."""
+    for p, m in itertools.product(range(2, 9), (1, 3, 8, 24)):
+        one_f_one_b, gpipe_s = make_schedule("1f1b", p, m), make_schedule("gpipe", p, m)
+        for r in range(p):
+            assert _peak_unreleased_sends(one_f_one_b, r) <= min(p - r, m) + 1, (p, m, r)
+            if r < p - 1:
+                assert _peak_unreleased_sends(gpipe_s, r) == m
