@@ -22,6 +22,7 @@ and stay equal. Gradient-norm clipping must count the matrix once: `clip_grad_no
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from typing import Sequence
 
 import torch
@@ -184,25 +185,37 @@ class TiedEmbeddingSync:
             dist.all_reduce(_local(param.grad), op=dist.ReduceOp.SUM, group=self.group)
 
 
+def _layout(t: torch.Tensor):
+    """Gradients that can share one norm computation: plain tensors, or DTensors of one mesh + placements."""
+    return (t.device_mesh, tuple(t.placements)) if hasattr(t, "device_mesh") else None
+
+
 def clip_grad_norm_pipeline(chunks: Sequence[nn.Module], max_norm: float,
                             pp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Clip by the norm of the whole model's gradient: each rank's local norm (sharded DTensor grads
-    reduce over their shards), squared, summed over the pipeline ranks; tied copies counted once."""
-    params, counted = [], []
+    """Clip by the norm of the whole model's gradient and return that norm (the same on every rank).
+
+    ||g||^2 = sum over pipeline ranks of this rank's ||g_local||^2, tied copies counted once. Gradients
+    are grouped by layout (plain, FSDP-sharded, TP-sharded DTensors): each group's norm is a full norm
+    (`full_tensor()` reduces a sharded DTensor's over its shards), so mixed TP/FSDP layouts work.
+    """
+    counted: dict = defaultdict(list)
+    clipped: dict = defaultdict(list)
     for chunk in chunks:
         for name, param in chunk.named_parameters():
             if param.grad is None:
                 continue
-            params.append(param)
+            clipped[_layout(param.grad)].append(param)
             if not (name == "output.weight" and getattr(chunk, "tied_role", None) == "output_copy"):
-                counted.append(param.grad)
-    norm = torch.nn.utils.get_total_norm(counted, norm_type=2.0, foreach=True) if counted else torch.zeros(())
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    squared = norm.float() ** 2
+                counted[_layout(param.grad)].append(param.grad)
+    squared = torch.zeros((), dtype=torch.float32)
+    for grads in counted.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squared = squared.to(norm.device) + norm.float() ** 2
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
     total = squared.sqrt()
-    if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    if max_norm > 0:
+        for params in clipped.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
