@@ -8,13 +8,15 @@ One `step()` executes `schedule.actions[pp_rank]` in order, in this process, wit
         B: before_backward(chunk, is_last); backward(out, grad) -> x.grad     -> busy time
         dist.batch_isend_irecv([send of a_i's output, recv for the next action that needs one])
 
-Sends are never waited on until the end of the step, so the only blocking waits are on receives whose
-sender is computing: a schedule that `validate()` accepts cannot deadlock here. Receives are posted one
-receiving action ahead (overlapping the transfer with this action's compute) into buffers of the
-known activation shape (B_micro, T, D). Gradients accumulate in the chunks' `.grad` over the M
-micro-batches; the loss is sum_m loss_m = mean over micro-batches, which equals the single-process loss
-of the whole batch when micro-batches have equal token counts. It is summed over the pipeline group (it
-is zero off the last stage) so every pipeline rank returns the same value.
+Sends are waited on only once a later message proves them received (`send_release_points`, which
+frees sent tensors within 1F1B's memory bound) or at the step's end, so the only blocking waits are on
+receives whose sender is computing: a schedule that `validate()` accepts cannot deadlock here (on gloo,
+whose sends progress in the background; NCCL is untested). Receives are posted one receiving action
+ahead (overlapping the transfer with this action's compute) into buffers of the known activation shape
+(B_micro, T, D). Gradients accumulate in the chunks' `.grad` over the M micro-batches; the loss is
+sum_m loss_m = mean over micro-batches, which equals the single-process loss of the whole batch when
+micro-batches have equal token counts. It is summed over the pipeline group (it is zero off the last
+stage) so every pipeline rank returns the same value. `evaluate()` runs the forwards only.
 
 Data-parallel composition (pp is the outer mesh axis, each chunk is wrapped on the dp group):
 `before_backward(chunk_index, is_last_backward)` runs before every backward; use `fsdp_grad_sync` (FSDP2:
