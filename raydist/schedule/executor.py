@@ -1,0 +1,330 @@
+"""Run one rank's part of a pipeline schedule: forwards, backwards, and the transfers between them.
+
+One `step()` executes `schedule.actions[pp_rank]` in order, in this process, with no driver involved:
+
+    for each action a_i:
+        wait for the tensor a_i receives (posted earlier)       -> idle time
+        F: out = chunk(x); last stage: loss_m = loss_fn(out, y_m) / M
+        B: before_backward(chunk, is_last); backward(out, grad) -> x.grad     -> busy time
+        dist.batch_isend_irecv([send of a_i's output, recv for the next action that needs one])
+
+Sends are waited on only once a later message proves them received (`send_release_points`, which
+frees sent tensors within 1F1B's memory bound) or at the step's end, so the only blocking waits are on
+receives whose sender is computing: a schedule that `validate()` accepts cannot deadlock here (on gloo,
+whose sends progress in the background; NCCL is untested). Receives are posted one receiving action
+ahead (overlapping the transfer with this action's compute) into buffers of the known activation shape
+(B_micro, T, D). Gradients accumulate in the chunks' `.grad` over the M micro-batches; the loss is
+sum_m loss_m = mean over micro-batches, which equals the single-process loss of the whole batch when
+micro-batches have equal token counts. It is summed over the pipeline group (it is zero off the last
+stage) so every pipeline rank returns the same value. `evaluate()` runs the forwards only.
+
+Data-parallel composition (pp is the outer mesh axis, each chunk is wrapped on the dp group):
+`before_backward(chunk_index, is_last_backward)` runs before every backward; use `fsdp_grad_sync` (FSDP2:
+reduce-scatter only on each chunk's last backward) or `ddp_grad_sync` (DDP: all-reduce only then).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raydist.config import ConfigError
+from raydist.schedule.actions import FORWARD, Action, Schedule, Transfer
+from raydist.schedule.validate import validate
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits (B, T, V), targets (B, T)) -> scalar
+BeforeBackward = Callable[[int, bool], None]  # (chunk index on this rank, is its last backward this step)
+
+
+@dataclass
+class PipelineStepStats:
+    loss: float  # mean loss over the step's micro-batches (same on every pipeline rank)
+    busy_s: float  # forward + backward compute on this rank
+    idle_s: float  # wall_s - busy_s: waiting for tensors (pipeline fill/drain) and communication
+    wall_s: float  # the step: from this rank's start to the pipeline-wide loss reduction at its end
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.idle_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class _PostedBatch:
+    """The works of one `batch_isend_irecv` call. Backends without coalescing (gloo) return one work per
+    op; coalescing ones (NCCL) may return one for the whole batch, which then stands for every op.
+    Each work is waited exactly once: a second `wait()` on a gloo receive waits for another message."""
+
+    def __init__(self, ops: list[dist.P2POp], works: list):
+        self.per_op = len(works) == len(ops)
+        self.ops, self.works = ops, works
+        self.pending = set(range(len(works)))
+
+    def _wait(self, indices) -> None:
+        for i in sorted(self.pending.intersection(indices)):
+            self.works[i].wait()
+            self.pending.discard(i)
+
+    def wait_op(self, op: dist.P2POp) -> None:
+        self._wait([next(i for i, o in enumerate(self.ops) if o is op)] if self.per_op else range(len(self.works)))
+
+    def wait_all(self) -> None:
+        self._wait(range(len(self.works)))
+
+
+@dataclass
+class _Plan:
+    """One rank's actions with what the loop precomputes from them."""
+
+    actions: tuple[Action, ...]
+    next_receiving: list[int | None]  # [i]: the first action at or after i that receives (post it early)
+    release_after: dict[int, list[int]]  # see send_release_points
+
+    @classmethod
+    def of(cls, schedule: Schedule, rank: int) -> "_Plan":
+        actions = schedule.actions[rank]
+        next_receiving: list[int | None] = [None] * (len(actions) + 1)
+        for i in range(len(actions) - 1, -1, -1):
+            receives = schedule.recv_of(actions[i]) is not None
+            next_receiving[i] = i if receives else next_receiving[i + 1]
+        return cls(actions, next_receiving, send_release_points(schedule, rank))
+
+
+class PipelineExecutor:
+    """Executes `schedule` for pipeline rank `pp_rank` over `chunks` (this rank's modules by chunk index).
+
+    chunks[c] holds virtual stage c * P + pp_rank. The first stage's chunk takes token ids (B_micro, T);
+    the others take activations of `activation_shape` = (B_micro, T, D) in `activation_dtype`; the last
+    stage's chunk returns logits for `loss_fn(logits, targets)`.
+    """
+
+    def __init__(self, chunks: Sequence[nn.Module], schedule: Schedule, pp_rank: int,
+                 pp_group: dist.ProcessGroup | None, *, activation_shape: tuple[int, ...],
+                 loss_fn: LossFn, device: torch.device | str = "cpu",
+                 activation_dtype: torch.dtype = torch.float32,
+                 before_backward: BeforeBackward | None = None):
+        validate(schedule)
+        if len(chunks) != schedule.virtual_stages:
+            raise ConfigError(f"pipeline rank {pp_rank} got {len(chunks)} chunks for a schedule with "
+                              f"virtual_stages={schedule.virtual_stages}; split the model with the same V")
+        group_size = dist.get_world_size(pp_group) if dist.is_initialized() else 1
+        if group_size != schedule.num_ranks:
+            raise ConfigError(f"the pipeline group has {group_size} ranks but the schedule has "
+                              f"{schedule.num_ranks} stages; make parallel.pp equal the pp mesh size")
+        self.chunks = list(chunks)
+        self.schedule = schedule
+        self.pp_rank = pp_rank
+        self.group = pp_group
+        self.activation_shape = tuple(activation_shape)
+        self.activation_dtype = activation_dtype
+        self.device = torch.device(device)
+        self.loss_fn = loss_fn
+        self.before_backward = before_backward
+        self.last_backward = set(schedule.last_backward(pp_rank).values())
+        self._train_plan = _Plan.of(schedule, pp_rank)
+        # Evaluation runs the schedule's forwards only, in the same order: dropping every B from a valid
+        # schedule keeps it valid (forwards depend only on forwards).
+        forwards = tuple(tuple(a for a in acts if a.kind == FORWARD) for acts in schedule.actions)
+        self._eval_plan = _Plan.of(dataclasses.replace(schedule, actions=forwards), pp_rank)
+        self._plan = self._train_plan
+
+    # ---- point-to-point ------------------------------------------------------------------------------
+    def _peer(self, rank_in_group: int) -> dict:
+        return {"group": self.group, "group_peer": rank_in_group}
+
+    def _post(self, send_index: int | None, tensor: torch.Tensor | None, recv_index: int | None) -> None:
+        """One batch: the send produced by action `send_index` and the receive for action `recv_index`
+        (unless already posted)."""
+        ops, send_op, recv_op = [], None, None
+        if send_index is not None:
+            transfer = self.schedule.send_of(self._plan.actions[send_index])
+            if transfer.local:
+                self._mailbox[transfer] = tensor
+            else:
+                send_op = dist.P2POp(dist.isend, tensor.contiguous(), tag=self.schedule.tag(transfer),
+                                     **self._peer(transfer.dst_rank))
+                ops.append(send_op)
+        if recv_index is not None and recv_index not in self._posted_recv:
+            transfer = self.schedule.recv_of(self._plan.actions[recv_index])
+            if not transfer.local:
+                buffer = torch.empty(self.activation_shape, dtype=self.activation_dtype, device=self.device)
+                recv_op = dist.P2POp(dist.irecv, buffer, tag=self.schedule.tag(transfer),
+                                     **self._peer(transfer.src_rank))
+                ops.append(recv_op)
+            self._posted_recv[recv_index] = recv_op
+        if not ops:
+            return
+        batch = _PostedBatch(ops, dist.batch_isend_irecv(ops))
+        self._batches.append(batch)
+        if send_op is not None:
+            self._sent[send_index] = (batch, send_op)
+        if recv_op is not None:
+            self._recv_batch[recv_index] = batch
+
+    def _receive(self, index: int) -> torch.Tensor:
+        transfer = self.schedule.recv_of(self._plan.actions[index])
+        if transfer.local:
+            return self._mailbox.pop(transfer)
+        if index not in self._posted_recv:
+            self._post(None, None, index)
+        op = self._posted_recv.pop(index)
+        self._recv_batch.pop(index).wait_op(op)
+        # Sends this message proves complete: free their tensors now rather than at the step's end.
+        for send_index in self._plan.release_after.get(index, ()):
+            batch, send_op = self._sent.pop(send_index)
+            batch.wait_op(send_op)
+        self._batches = [b for b in self._batches if b.pending]
+        return op.tensor
+
+    # ---- compute -------------------------------------------------------------------------------------
+    def _forward(self, action: Action, x: torch.Tensor, targets: Sequence[torch.Tensor] | None):
+        chunk_index = self.schedule.chunk_of(action.stage)
+        if x.is_floating_point():
+            x = x.detach().requires_grad_(True)
+        out = self.chunks[chunk_index](x)
+        if action.stage == self.schedule.num_stages - 1:
+            out = self.loss_fn(out, targets[action.microbatch]) / self.schedule.num_microbatches
+            self._loss_sum += out.detach().float()
+        if torch.is_grad_enabled():
+            self._saved[(action.stage, action.microbatch)] = (x, out)
+        return None if action.stage == self.schedule.num_stages - 1 else out.detach()
+
+    def _backward(self, action: Action, grad: torch.Tensor | None):
+        x, out = self._saved.pop((action.stage, action.microbatch))
+        if self.before_backward is not None:
+            self.before_backward(self.schedule.chunk_of(action.stage), action in self.last_backward)
+        torch.autograd.backward(out, grad_tensors=grad)
+        return x.grad if x.is_floating_point() else None
+
+    def _check_batches(self, inputs, targets) -> None:
+        m = self.schedule.num_microbatches
+        holds = self.schedule.stages_of(self.pp_rank)
+        if 0 in holds and (inputs is None or len(inputs) != m):
+            raise ConfigError(f"pipeline rank {self.pp_rank} holds the first stage and needs {m} input "
+                              f"micro-batches, got {None if inputs is None else len(inputs)}")
+        if self.schedule.num_stages - 1 in holds and (targets is None or len(targets) != m):
+            raise ConfigError(f"pipeline rank {self.pp_rank} holds the last stage and needs {m} target "
+                              f"micro-batches, got {None if targets is None else len(targets)}")
+
+    def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> PipelineStepStats:
+        """Run one schedule: `inputs` (M token tensors (B_micro, T)) are needed on the rank holding the
+        first stage, `targets` (M tensors (B_micro, T)) on the rank holding the last; others may pass None.
+        Gradients are accumulated into the chunks' parameters (the caller zeroes them between steps)."""
+        self._check_batches(inputs, targets)
+        return self._execute(self._train_plan, inputs, targets)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> float:
+        """The mean loss over M micro-batches, forwards only (no gradients); same value on every pp rank."""
+        self._check_batches(inputs, targets)
+        return self._execute(self._eval_plan, inputs, targets).loss
+
+    def _execute(self, plan: _Plan, inputs, targets) -> PipelineStepStats:
+        self._plan = plan
+        self._mailbox: dict[Transfer, torch.Tensor] = {}
+        self._posted_recv: dict[int, dist.P2POp | None] = {}
+        self._recv_batch: dict[int, _PostedBatch] = {}
+        self._batches: list[_PostedBatch] = []
+        self._sent: dict[int, tuple[_PostedBatch, dist.P2POp]] = {}
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._loss_sum = torch.zeros((), device=self.device)
+        busy = 0.0
+        start = time.perf_counter()
+        self._post(None, None, plan.next_receiving[0])
+        for i, action in enumerate(plan.actions):
+            received = self._receive(i) if self.schedule.recv_of(action) is not None else None
+            t0 = time.perf_counter()
+            if action.kind == FORWARD:
+                x = received if received is not None else inputs[action.microbatch]
+                produced = self._forward(action, x, targets)
+            else:
+                produced = self._backward(action, received)
+            busy += time.perf_counter() - t0
+            sends = self.schedule.send_of(action) is not None
+            self._post(i if sends else None, produced, plan.next_receiving[i + 1])
+        for batch in self._batches:
+            batch.wait_all()
+        # The loss lives on the last stage (zeros elsewhere); summing it over the pipeline is also the
+        # step's end on every rank, so each rank's wall (and idle) counts the whole pipeline's step,
+        # including its own tail after its last action: idle / wall then reads the bubble.
+        loss = self._loss_sum
+        if self.schedule.num_ranks > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.group)
+        wall = time.perf_counter() - start
+        self._batches, self._saved, self._sent = [], {}, {}
+        return PipelineStepStats(float(loss), busy, wall - busy, wall)
+
+
+def stage_timings(stats: PipelineStepStats, pp_group: dist.ProcessGroup | None,
+                  device: torch.device | str = "cpu") -> dict[str, list[float]]:
+    """Every pipeline rank's busy and idle seconds of a step, by pp rank (a collective on `pp_group`), for
+    metrics.jsonl: `{"pp_busy_s": [...], "pp_idle_s": [...], "pp_bubble": [idle / wall per rank]}`."""
+    mine = torch.tensor([stats.busy_s, stats.idle_s, stats.wall_s], dtype=torch.float64, device=device)
+    size = dist.get_world_size(pp_group) if dist.is_initialized() else 1
+    rows = [mine.clone() for _ in range(size)]
+    if size > 1:
+        dist.all_gather(rows, mine, group=pp_group)
+    rows = [r.cpu() for r in rows]
+    return {"pp_busy_s": [round(float(r[0]), 6) for r in rows], "pp_idle_s": [round(float(r[1]), 6) for r in rows],
+            "pp_bubble": [round(float(r[1] / r[2]), 4) if r[2] > 0 else 0.0 for r in rows]}
+
+
+def send_release_points(schedule: Schedule, rank: int) -> dict[int, list[int]]:
+    """{receiving action index k: [sending action indices i]}: once rank `rank` has received at its action
+    k, the sends of actions i are certainly complete, so their tensors can be freed.
+
+    gloo cannot tell a send's completion without blocking on it, so it is derived from the schedule: a
+    send to peer q is consumed by q's action j; a later message from q produced by q's action p > j
+    proves q has received it (q runs its actions in order). Sends with no such message (e.g. the last
+    gradients of a step) are waited at the step's end. For 1F1B this frees the activation sent for
+    micro-batch m when its gradient comes back, so sent tensors obey the same min(P - r, M) bound.
+    """
+    position = [{a: i for i, a in enumerate(acts)} for acts in schedule.actions]
+    mine = schedule.actions[rank]
+    release: dict[int, list[int]] = {}
+    for i, action in enumerate(mine):
+        send = schedule.send_of(action)
+        if send is None or send.local:
+            continue
+        consumed_at = position[send.dst_rank][Action(action.kind, send.dst_stage, send.microbatch)]
+        for k in range(i + 1, len(mine)):
+            recv = schedule.recv_of(mine[k])
+            if recv is None or recv.local or recv.src_rank != send.dst_rank:
+                continue
+            produced_at = position[recv.src_rank][Action(mine[k].kind, recv.src_stage, recv.microbatch)]
+            if produced_at > consumed_at:
+                release.setdefault(k, []).append(i)
+                break
+    return release
+
+
+# ---- data-parallel hooks ---------------------------------------------------------------------------
+
+
+def fsdp_grad_sync(chunks: Sequence[nn.Module]) -> BeforeBackward:
+    """FSDP2 chunks (each `fully_shard`-ed on the dp group): accumulate unsharded gradients locally and
+    reduce-scatter once, during each chunk's last backward of the step."""
+
+    def hook(chunk_index: int, is_last: bool) -> None:
+        chunks[chunk_index].set_requires_gradient_sync(is_last)
+
+    return hook
+
+
+def ddp_grad_sync(chunks: Sequence[nn.Module]) -> BeforeBackward:
+    """DDP-wrapped chunks: forwards never arm the all-reduce (`require_backward_grad_sync` off, as under
+    `no_sync()`); each chunk's last backward arms it by hand, so its gradients are all-reduced once, after
+    the M micro-batches accumulated locally. (A DDP forward decides sync for the *next* backward, which
+    1F1B does not run next, hence the manual arming, as torch.distributed.pipelining does.)"""
+    for chunk in chunks:
+        chunk.require_backward_grad_sync = False
+
+    def hook(chunk_index: int, is_last: bool) -> None:
+        if is_last:
+            chunks[chunk_index].reducer.prepare_for_backward([])
+
+    return hook

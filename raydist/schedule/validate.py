@@ -1,0 +1,144 @@
+"""Check a schedule before anything runs it, and measure its activation memory.
+
+`validate(schedule)` raises `ScheduleError` (a ConfigError: one line naming the problem) unless
+
+1. completeness: rank r runs exactly one F and one B per (stage it holds, micro-batch), nothing else;
+2. order: on every stage, a micro-batch's F comes before its B;
+3. progress: executing each rank's list in order, where an action waits only for the tensor it receives
+   (sends never block: the executor posts them asynchronously), every rank finishes - no deadlock;
+4. channel order: on each directed rank pair, the receiver expects tensors in the order the sender sends
+   them (NCCL matches point-to-point messages by order, not by tag).
+
+It returns a `ScheduleReport` with the peak number of micro-batches in flight (forwarded, not yet
+backwarded) per virtual stage, and per rank in micro-batch equivalents of activation memory: a chunk holds
+1/V of the rank's layers, so a rank's peak is max over time of sum_c inflight_c / V.
+For 1F1B the peak on rank r is min(P - r, M); for GPipe it is M.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from fractions import Fraction
+
+from raydist.config import ConfigError
+from raydist.schedule.actions import BACKWARD, FORWARD, Action, Schedule
+
+
+class ScheduleError(ConfigError):
+    """A schedule that cannot run correctly; the message names the rank and action."""
+
+
+@dataclass(frozen=True)
+class ScheduleReport:
+    peak_inflight_per_stage: tuple[int, ...]  # indexed by virtual stage
+    peak_activations_per_rank: tuple[Fraction, ...]  # micro-batch equivalents, indexed by rank
+
+    @property
+    def peak_activations(self) -> Fraction:
+        return max(self.peak_activations_per_rank)
+
+
+def _check_complete(schedule: Schedule) -> None:
+    m_all = range(schedule.num_microbatches)
+    for rank, actions in enumerate(schedule.actions):
+        expected = {Action(kind, s, m) for kind in (FORWARD, BACKWARD) for s in schedule.stages_of(rank) for m in m_all}
+        seen: set[Action] = set()
+        for a in actions:
+            if a not in expected:
+                raise ScheduleError(f"rank {rank} runs {a}, which is not one of its stages {schedule.stages_of(rank)} "
+                                    f"x micro-batches 0..{schedule.num_microbatches - 1}")
+            if a in seen:
+                raise ScheduleError(f"rank {rank} runs {a} twice")
+            seen.add(a)
+        missing = sorted(expected - seen, key=lambda a: (a.stage, a.microbatch, a.kind))
+        if missing:
+            raise ScheduleError(f"rank {rank} never runs {missing[0]} ({len(missing)} action(s) missing)")
+
+
+def _check_forward_before_backward(schedule: Schedule) -> None:
+    for rank, actions in enumerate(schedule.actions):
+        forwarded: set[tuple[int, int]] = set()
+        for a in actions:
+            if a.kind == FORWARD:
+                forwarded.add((a.stage, a.microbatch))
+            elif (a.stage, a.microbatch) not in forwarded:
+                raise ScheduleError(f"rank {rank}: backward of micro-batch {a.microbatch} on stage {a.stage} "
+                                    "comes before its forward")
+
+
+def _dependency(schedule: Schedule, a: Action) -> Action | None:
+    """The action (on another stage) whose output `a` receives."""
+    if a.kind == FORWARD and a.stage > 0:
+        return Action(FORWARD, a.stage - 1, a.microbatch)
+    if a.kind == BACKWARD and a.stage < schedule.num_stages - 1:
+        return Action(BACKWARD, a.stage + 1, a.microbatch)
+    return None
+
+
+def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """(rank, action) in an order that respects every dependency, or ScheduleError on a deadlock."""
+    pointers = [0] * schedule.num_ranks
+    done: set[Action] = set()
+    order = []
+    remaining = sum(len(a) for a in schedule.actions)
+    while remaining:
+        progressed = False
+        for rank, actions in enumerate(schedule.actions):
+            while pointers[rank] < len(actions):
+                a = actions[pointers[rank]]
+                dep = _dependency(schedule, a)
+                if dep is not None and dep not in done:
+                    break
+                done.add(a)
+                order.append((rank, a))
+                pointers[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            blocked = [f"rank {r} waits at {acts[p]} for {_dependency(schedule, acts[p])}"
+                       for r, (acts, p) in enumerate(zip(schedule.actions, pointers)) if p < len(acts)]
+            raise ScheduleError("deadlock: " + "; ".join(blocked))
+    return order
+
+
+def _check_channel_order(schedule: Schedule) -> None:
+    sent: dict[tuple[int, int], list] = defaultdict(list)
+    received: dict[tuple[int, int], list] = defaultdict(list)
+    for actions in schedule.actions:
+        for a in actions:
+            for transfer, log in ((schedule.send_of(a), sent), (schedule.recv_of(a), received)):
+                if transfer is not None and not transfer.local:
+                    log[(transfer.src_rank, transfer.dst_rank)].append(transfer)
+    for channel, sends in sent.items():
+        recvs = received[channel]
+        for i, (s, r) in enumerate(zip(sends, recvs)):
+            if s != r:
+                raise ScheduleError(f"ranks {channel[0]}->{channel[1]}: message {i} is sent as {s.what} of "
+                                    f"micro-batch {s.microbatch} for stage {s.dst_stage} but received as {r.what} "
+                                    f"of micro-batch {r.microbatch} for stage {r.dst_stage}")
+
+
+def peak_inflight(schedule: Schedule) -> ScheduleReport:
+    per_stage = [0] * schedule.num_stages
+    per_rank = []
+    for rank, actions in enumerate(schedule.actions):
+        live: dict[int, int] = defaultdict(int)
+        peak_rank = Fraction(0)
+        for a in actions:
+            live[a.stage] += 1 if a.kind == FORWARD else -1
+            per_stage[a.stage] = max(per_stage[a.stage], live[a.stage])
+            peak_rank = max(peak_rank, Fraction(sum(live.values()), schedule.virtual_stages))
+        per_rank.append(peak_rank)
+    return ScheduleReport(tuple(per_stage), tuple(per_rank))
+
+
+def validate(schedule: Schedule) -> ScheduleReport:
+    """Raise ScheduleError unless `schedule` is complete, ordered, deadlock-free and channel-ordered."""
+    if len(schedule.actions) != schedule.num_ranks:
+        raise ScheduleError(f"schedule has {len(schedule.actions)} rank lists for {schedule.num_ranks} ranks")
+    _check_complete(schedule)
+    _check_forward_before_backward(schedule)
+    execution_order(schedule)
+    _check_channel_order(schedule)
+    return peak_inflight(schedule)

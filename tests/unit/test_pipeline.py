@@ -1,0 +1,283 @@
+"""Pipeline parallelism equals the single-process run (fp32, gloo, 10 AdamW steps, 1e-4 relative).
+
+Layouts: PP2 and PP4 with GPipe, 1F1B and interleaved 1F1B (V=2); PP2 x DP2 (DDP per chunk); PP2 x FSDP2;
+M < P with 1F1B; untied embeddings; PP2 x TP2 with a minimal Megatron plan written here (torch's
+Colwise/RowwiseParallel on each block) until raydist/parallel/tensor.py exists. Every layout of one world size runs in one `spawn` (each rank builds
+the same seeded model, splits it, runs the executor on its dp slice of the same batches); the reference
+is one process training the unsplit model on the whole batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from raydist.config import ConfigError, ModelConfig
+from raydist.models.gpt import build_model, cross_entropy
+from raydist.parallel.pipeline import (TiedEmbeddingSync, clip_grad_norm_pipeline, split_model,
+                                       tied_embedding_group)
+from raydist.runtime import spawn
+from raydist.schedule.executor import PipelineExecutor, ddp_grad_sync, fsdp_grad_sync, stage_timings
+from raydist.schedule.generators import make_schedule
+
+CFG = ModelConfig(num_layers=4, d_model=32, num_heads=4, num_kv_heads=2, ffn_hidden=64, vocab_size=64)
+SEQ, BATCH, STEPS, LR, CLIP = 16, 8, 10, 3e-3, 1.0
+
+
+def model_config(num_layers: int = 4, tie: bool = True) -> ModelConfig:
+    return dataclasses.replace(CFG, num_layers=num_layers, tie_embeddings=tie)
+
+
+def token_batch(step: int) -> torch.Tensor:
+    """(BATCH, SEQ + 1) learnable sequences: x_i = (start + i * stride) mod vocab, stride 1..3 per row."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, CFG.vocab_size, (BATCH, 1), generator=g)
+    stride = torch.randint(1, 4, (BATCH, 1), generator=g)
+    return (start + stride * torch.arange(SEQ + 1)) % CFG.vocab_size
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    params = list(params)
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                             lr=LR, betas=(0.9, 0.95))
+
+
+def reference_run(cfg: ModelConfig) -> dict:
+    """The unsplit model on the whole batch in one process."""
+    model = build_model(cfg, SEQ, seed=0)
+    opt = make_optimizer(model.parameters())
+    losses, norms, grads = [], [], {}
+    for step in range(STEPS):
+        tokens = token_batch(step)
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        if step == STEPS - 1:
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    with torch.no_grad():
+        held_out = token_batch(STEPS)
+        eval_loss = cross_entropy(model(held_out[:, :-1]), held_out[:, 1:]).item()
+    return {"losses": losses, "norms": norms, "grads": grads, "eval_loss": eval_loss}
+
+
+# ---- what each rank runs ----------------------------------------------------------------------------
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+
+def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: str, num_layers: int,
+                tie: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    inner = world // pp  # the mesh axis inside a stage: dp, or tp for dp_mode "tp"
+    mesh = init_device_mesh("cpu", (pp, inner), mesh_dim_names=("pp", "dp"))  # pp outermost
+    pp_rank = mesh.get_local_rank("pp")
+    dp, dp_rank = (1, 0) if dp_mode == "tp" else (inner, mesh.get_local_rank("dp"))
+    model = build_model(model_config(num_layers, tie), SEQ, seed=0)
+    chunks = split_model(model, pp_rank, pp, virtual)
+    modules, hook = chunks, None
+    if dp_mode == "ddp":  # the project's own wrappers, as Trainer applies them to each chunk
+        from raydist.parallel.ddp import apply_ddp
+
+        modules = [apply_ddp(c, mesh["dp"], torch.device("cpu")) for c in chunks]
+        hook = ddp_grad_sync(modules)
+    elif dp_mode == "fsdp":
+        from raydist.parallel.fsdp import apply_fsdp
+
+        for c in chunks:
+            apply_fsdp(c, mesh["dp"], torch.float32)
+        hook = fsdp_grad_sync(chunks)
+    elif dp_mode == "tp":  # Megatron's MLP/attention split; a stand-in until raydist/parallel/tensor.py exists
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv",
+                                                      "feed_forward.w1", "feed_forward.w3")}
+        plan.update({"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
+        for c in chunks:
+            for block in c.layers.values():
+                parallelize_module(block, mesh["dp"], plan)
+                local = block.attention.wq.weight.to_local()  # really sharded: half the heads here
+                assert local.shape == (CFG.d_model // inner, CFG.d_model), local.shape
+    tied = TiedEmbeddingSync(chunks, tied_embedding_group(mesh.mesh))
+    schedule = make_schedule(kind, pp, microbatches, virtual)
+    rows = BATCH // dp
+    executor = PipelineExecutor(modules, schedule, pp_rank, mesh["pp"].get_group(),
+                                activation_shape=(rows // microbatches, SEQ, CFG.d_model),
+                                loss_fn=cross_entropy, before_backward=hook)
+    params = [p for c in chunks for p in c.parameters()]
+    opt = make_optimizer(params)
+    losses, norms, grads, busy = [], [], {}, []
+    for step in range(STEPS):
+        tokens = token_batch(step)[dp_rank * rows:(dp_rank + 1) * rows]
+        micro = tokens.chunk(microbatches)
+        stats = executor.step([m[:, :-1] for m in micro], [m[:, 1:] for m in micro])
+        tied()
+        if step == STEPS - 1:
+            grads = {n: _full(p.grad) for c in chunks for n, p in c.named_parameters()}
+        norms.append(float(clip_grad_norm_pipeline(chunks, CLIP, mesh["pp"].get_group())))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.tensor(stats.loss)
+        dist.all_reduce(loss, group=mesh["dp"].get_group())  # mean over dp (tp ranks hold equal losses)
+        losses.append(float(loss) / inner)
+        busy.append(stats.busy_s)
+    timings = stage_timings(stats, mesh["pp"].get_group())
+    held_out = token_batch(STEPS)[dp_rank * rows:(dp_rank + 1) * rows].chunk(microbatches)
+    eval_loss = torch.tensor(executor.evaluate([m[:, :-1] for m in held_out], [m[:, 1:] for m in held_out]))
+    dist.all_reduce(eval_loss, group=mesh["dp"].get_group())
+    params_equal = True
+    if tie and pp > 1:  # the two copies of the tied matrix stayed equal
+        pair = [_full(p.data) for p in tied.params]
+        group = tied_embedding_group(mesh.mesh)
+        for mine in pair:
+            gathered = [torch.empty_like(mine), torch.empty_like(mine)]
+            dist.all_gather(gathered, mine, group=group)
+            params_equal &= bool(torch.equal(gathered[0], gathered[1]))
+    return {"losses": losses, "norms": norms, "grads": grads, "pp_rank": pp_rank,
+            "busy_s": busy, "tied_copies_equal": params_equal, "eval_loss": float(eval_loss) / inner,
+            "timings": timings}
+
+
+def _run_layouts(layouts: list[tuple]) -> list[dict]:
+    return [_run_layout(*layout) for layout in layouts]
+
+
+# ---- fixtures: one spawn per world size ---------------------------------------------------------------
+
+PP2 = [("gpipe", 2, 1, 4, "none", 4, True), ("1f1b", 2, 1, 4, "none", 4, True),
+       ("interleaved", 2, 2, 4, "none", 4, True), ("1f1b", 2, 1, 4, "none", 4, False)]
+PP4 = [("gpipe", 4, 1, 4, "none", 8, True), ("1f1b", 4, 1, 4, "none", 8, True),
+       ("interleaved", 4, 2, 4, "none", 8, True), ("1f1b", 4, 1, 2, "none", 8, True),  # M=2 < P=4
+       ("1f1b", 2, 1, 2, "ddp", 4, True), ("1f1b", 2, 1, 2, "fsdp", 4, True),
+       ("interleaved", 2, 2, 2, "fsdp", 4, True), ("1f1b", 2, 1, 4, "tp", 4, True)]
+
+
+@pytest.fixture(scope="module")
+def results():
+    """{layout: per-rank results} for every layout, and the references by (num_layers, tie)."""
+    out = {}
+    for layouts, world in ((PP2, 2), (PP4, 4)):
+        per_rank = spawn(_run_layouts, world, layouts, timeout_s=300)
+        for i, layout in enumerate(layouts):
+            out[layout] = [rank[i] for rank in per_rank]
+    refs = {(n, tie): reference_run(model_config(n, tie)) for n, tie in {(l[5], l[6]) for l in PP2 + PP4}}
+    return out, refs
+
+
+def _check(results, layout) -> None:
+    out, refs = results
+    ref = refs[(layout[5], layout[6])]
+    assert ref["losses"][-1] < ref["losses"][0] - 0.1, "the reference does not learn; the test would be weak"
+    seen = set()
+    for rank in out[layout]:
+        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(ref["losses"]), rtol=1e-4, atol=0)
+        torch.testing.assert_close(torch.tensor(rank["norms"]), torch.tensor(ref["norms"]), rtol=1e-4, atol=0)
+        assert rank["tied_copies_equal"]
+        assert all(b > 0 for b in rank["busy_s"])
+        assert rank["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-4)
+        timings = rank["timings"]
+        assert len(timings["pp_busy_s"]) == layout[1] and all(0 <= b < 1 for b in timings["pp_bubble"])
+        for name, grad in rank["grads"].items():
+            ref_name = "tok_embeddings.weight" if name == "output.weight" and layout[6] else name
+            torch.testing.assert_close(grad, ref["grads"][ref_name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, n=name: f"{layout} gradient of {n}: {m}")
+            seen.add(ref_name)
+    assert seen == set(ref["grads"]), f"parameters held by no rank: {set(ref['grads']) - seen}"
+
+
+@pytest.mark.parametrize("layout", PP2 + PP4, ids=lambda l: f"{l[0]}-pp{l[1]}-v{l[2]}-m{l[3]}-{l[4]}"
+                         + ("" if l[6] else "-untied"))
+def test_pipeline_equals_single_process(results, layout):
+    _check(results, layout)
+
+
+# ---- splitting (single process) -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pp,virtual", [(2, 1), (4, 1), (2, 2), (1, 2)])
+def test_chunks_compose_to_the_full_model(pp, virtual):
+    """Running the chunks in stage order equals the unsplit model; names and parameters are a partition."""
+    model = build_model(model_config(8), SEQ, seed=0)
+    tokens = token_batch(0)[:, :-1]
+    expected = model(tokens)
+    names = {n for n, _ in model.named_parameters()}
+    all_chunks = [split_model(build_model(model_config(8), SEQ, seed=0), r, pp, virtual) for r in range(pp)]
+    h = tokens
+    held = set()
+    for stage in range(pp * virtual):
+        chunk = all_chunks[stage % pp][stage // pp]
+        h = chunk(h)
+        held |= {n for n, _ in chunk.named_parameters()}
+    torch.testing.assert_close(h, expected, rtol=0, atol=0)
+    assert held - {"output.weight"} == names
+    first, last = all_chunks[0][0], all_chunks[(pp * virtual - 1) % pp][-1]
+    assert first.tok_embeddings is not None and first.norm is None
+    assert last.output is not None and last.tok_embeddings is None
+    if pp > 1:
+        assert last.output.weight is not first.tok_embeddings.weight  # a copy on another rank
+        torch.testing.assert_close(last.output.weight, first.tok_embeddings.weight, rtol=0, atol=0)
+    else:
+        assert last.output.weight is first.tok_embeddings.weight  # one rank: one shared matrix
+
+
+def test_partition_balances_and_rejects_too_many_stages():
+    from raydist.parallel.pipeline import partition_layers
+
+    model = build_model(model_config(8), SEQ, seed=0)
+    parts = partition_layers(model, 4, "params")
+    assert [k for p in parts for k in p] == [str(i) for i in range(8)] and all(parts)
+    # A huge vocabulary makes the embedding and head stages heavy: they get fewer blocks.
+    big = build_model(dataclasses.replace(model_config(8), vocab_size=4096), SEQ, seed=0)
+    sizes = [len(p) for p in partition_layers(big, 4, "params")]
+    assert sizes[0] < sizes[1] and sizes[-1] < sizes[1], sizes
+    # FLOPs: the embedding lookup is free, so the first stage takes more blocks than the last.
+    sizes = [len(p) for p in partition_layers(big, 4, "flops")]
+    assert sizes[0] > sizes[-1], sizes
+    with pytest.raises(ConfigError, match="num_layers=8 is less than pp x virtual_stages=16"):
+        split_model(model, 0, 4, 4)
+    with pytest.raises(ConfigError, match="balance='time' is not one of params, flops"):
+        partition_layers(model, 2, "time")
+
+
+def test_executor_rejects_mismatches():
+    model = build_model(model_config(4), SEQ, seed=0)
+    chunks = split_model(model, 0, 1, 2)
+    schedule = make_schedule("interleaved", 1, 2, 2)
+    with pytest.raises(ConfigError, match="got 1 chunks for a schedule with virtual_stages=2"):
+        PipelineExecutor(chunks[:1], schedule, 0, None, activation_shape=(2, SEQ, 32), loss_fn=cross_entropy)
+    executor = PipelineExecutor(chunks, schedule, 0, None, activation_shape=(4, SEQ, 32), loss_fn=cross_entropy)
+    with pytest.raises(ConfigError, match="needs 2 input micro-batches, got 1"):
+        executor.step([token_batch(0)[:4, :-1]], None)
+    with pytest.raises(ConfigError, match="use M=4 or 8"):
+        make_schedule("interleaved", 4, 6, 2)
+
+
+def test_single_rank_interleaved_equals_plain_model():
+    """P=1, V=2: chunks hand tensors over in memory; loss and gradients equal the plain model's."""
+    model = build_model(model_config(4), SEQ, seed=0)
+    tokens = token_batch(0)
+    loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    chunks = split_model(build_model(model_config(4), SEQ, seed=0), 0, 1, 2)
+    executor = PipelineExecutor(chunks, make_schedule("interleaved", 1, 4, 2), 0, None,
+                                activation_shape=(2, SEQ, 32), loss_fn=cross_entropy)
+    micro = tokens.chunk(4)
+    stats = executor.step([m[:, :-1] for m in micro], [m[:, 1:] for m in micro])
+    assert stats.loss == pytest.approx(loss.item(), rel=1e-5)
+    got = {n: p.grad for c in chunks for n, p in c.named_parameters()}
+    assert got.pop("output.weight") is got["tok_embeddings.weight"]  # one shared matrix on one rank
+    assert set(got) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-4, atol=1e-6)
