@@ -85,6 +85,8 @@ class RunLogger:
                        mfu_peak_source=self.peak_source,
                        tokens=self.trainer.step * self.tokens_per_step,
                        mem_peak_mb=round(peak_memory_mb(self.trainer.device), 1))
+            if stats.pipeline is not None:
+                rec["pipeline"] = stats.pipeline
             self.interval_time = self.interval_wait = 0.0
             self.interval_steps = 0
         else:
@@ -205,6 +207,8 @@ def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
             ckpt.save(blocking=not cfg.checkpoint.async_save)
         if goodput:
             goodput.on_progress(trainer.step, logged)
+        if stats.pipeline_timeline is not None and run_dir and rank0:
+            write_json(join(run_dir, "pipeline_timeline.json"), stats.pipeline_timeline)
         if logged or val is not None:
             record = logger.record(stats, val_loss=val)
             if on_progress:

@@ -35,6 +35,7 @@ from raydist.mesh import Mesh
 from raydist.models.gpt import build_model
 from raydist.parallel import ParallelModel, parallelize
 from raydist.parallel.validate import check_layout
+from raydist.schedule.runner import PipelineRunner
 
 
 def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
@@ -80,14 +81,16 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     return norm
 
 
-def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """{name: unsharded gradient} on every rank (a collective for sharded parameters)."""
+def full_gradients(model: torch.nn.Module, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """{name: unsharded gradient} on every rank (a collective for sharded parameters); `aliases` renames
+    parameters the unsplit model knows by another name (a pipeline's tied output copy)."""
     out = {}
     for name, param in model.named_parameters():
         if param.grad is None:
             continue
         grad = param.grad
-        out[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu().clone()
+        full = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().float().cpu().clone()
+        out[(aliases or {}).get(name, name)] = full
     return out
 
 
@@ -95,6 +98,9 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+TIMELINE_STEP = 2  # the (0-based) step whose pipeline actions are timed for the report, after warm-up
 
 
 @dataclass
@@ -112,6 +118,8 @@ class StepStats:
     step_time_s: float
     data_wait_s: float
     sample_ids: np.ndarray | None = None
+    pipeline: dict | None = None  # per-stage busy/idle seconds and the bubble (pp > 1)
+    pipeline_timeline: list[dict] | None = None  # every action's start/end on every stage, one step
 
 
 @dataclass
@@ -147,6 +155,7 @@ class Trainer:
         # What the parallel plans set (tensor.py: a vocabulary-parallel loss; context.py: sequence sharding)
         self.loss_fn = self.pm.loss_fn
         self.shard_sequence = self.pm.shard_sequence
+        self.pipeline = PipelineRunner(self.pm, self.mesh, cfg, device) if self.pm.chunks else None
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0  # optimizer steps done
@@ -242,6 +251,9 @@ class Trainer:
 
     def loss_on(self, tokens: torch.Tensor) -> float:
         """Mean loss over the global batch whose local rows are `tokens`, without touching gradients."""
+        if self.pipeline is not None:
+            with self._autocast():
+                return self._data_mean(torch.tensor(self.pipeline.evaluate(tokens), device=self.device))
         total = torch.zeros((), device=self.device)
         micro = self._micro_batches(tokens)
         with torch.no_grad():
@@ -253,16 +265,24 @@ class Trainer:
         start = time.perf_counter()
         tokens, ids = batch if batch is not None else self.next_batch()
         data_wait = time.perf_counter() - start
-        micro = self._micro_batches(tokens)
-        total = torch.zeros((), device=self.device)
-        for i, mb in enumerate(micro):
-            with self.pm.gradient_sync(i == len(micro) - 1):
-                loss = self.forward_loss(mb) / len(micro)
-                loss.backward()
-            total += loss.detach().float()
-        grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip)
+        pipeline_stats = None
+        if self.pipeline is not None:
+            self.pipeline.executor.record_timeline = self.step == TIMELINE_STEP
+            with self._autocast():
+                pipeline_stats = self.pipeline.step(tokens)
+            total = torch.tensor(pipeline_stats.loss, device=self.device)
+            grad_norm = self.pipeline.clip(self.cfg.train.grad_clip)
+        else:
+            micro = self._micro_batches(tokens)
+            total = torch.zeros((), device=self.device)
+            for i, mb in enumerate(micro):
+                with self.pm.gradient_sync(i == len(micro) - 1):
+                    loss = self.forward_loss(mb) / len(micro)
+                    loss.backward()
+                total += loss.detach().float()
+            grad_norm = clip_grad_norm(self.params, self.cfg.train.grad_clip)
         if self.options.capture_grads:
-            self.last_grads = full_gradients(self.pm.model)
+            self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -272,7 +292,13 @@ class Trainer:
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
         loss_value = self._data_mean(total)
-        return StepStats(loss_value, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
+        stats = StepStats(loss_value, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
+        if pipeline_stats is not None:
+            stats.pipeline = self.pipeline.timings(pipeline_stats)
+            if self.pipeline.executor.record_timeline:
+                stats.pipeline_timeline = self.pipeline.gather_timeline()
+                self.pipeline.executor.record_timeline = False
+        return stats
 
     def evaluate(self) -> float:
         batches = self.cfg.train.eval_batches
@@ -281,7 +307,7 @@ class Trainer:
     # ---- checkpoint state ---------------------------------------------------------------------------
     def checkpoint_state(self) -> tuple[dict, dict]:
         """(DCP tensors keyed by unsharded names, JSON-able extra state)."""
-        tensors, hyper = tensor_state(self.pm.model, self.optimizer)
+        tensors, hyper = tensor_state(self.pm.model, self.optimizer, self.pm.aliases)
         extra = {
             "step": self.step,
             "position": self.position,
@@ -297,7 +323,7 @@ class Trainer:
 
     def load_checkpoint_state(self, tensors: dict, extra: dict) -> None:
         """Applies state loaded into `tensors` (the structure from `checkpoint_state`) and `extra`."""
-        apply_tensor_state(self.pm.model, self.optimizer, tensors, extra["optimizer_hyper"])
+        apply_tensor_state(self.pm.model, self.optimizer, tensors, extra["optimizer_hyper"], self.pm.aliases)
         scheduler = self.scheduler.state_dict()
         scheduler.update(extra["scheduler"])
         self.scheduler.load_state_dict(scheduler)

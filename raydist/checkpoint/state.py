@@ -18,19 +18,40 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """({"model": ..., "optim": ...} of tensors, the optimizer's non-tensor entries)."""
+def tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 aliases: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """({"model": ..., "optim": ...} of tensors, the optimizer's non-tensor entries).
+
+    `aliases` ({"output.weight": "tok_embeddings.weight"} on a pipeline's last stage holding a tied
+    output copy) stores that parameter's optimizer state under the unsplit model's name, where the two
+    are one parameter, so pipeline and non-pipeline checkpoints load into each other."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+    optim_sd = _rename(optim_sd, aliases or {})
     tensors = {k: v for k, v in optim_sd.items() if isinstance(v, torch.Tensor)}
     hyper = {k: _jsonable(v) for k, v in optim_sd.items() if not isinstance(v, torch.Tensor)}
     return {"model": model_sd, "optim": tensors}, hyper
 
 
 def apply_tensor_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tensors: dict,
-                       hyper: dict) -> None:
+                       hyper: dict, aliases: dict[str, str] | None = None) -> None:
     optim_sd = dict(tensors["optim"])
     optim_sd.update({k: tuple(v) if isinstance(v, list) else v for k, v in hyper.items()})
+    optim_sd = _rename(optim_sd, {new: old for old, new in (aliases or {}).items()})
     set_state_dict(model, optimizer, model_state_dict=tensors["model"], optim_state_dict=optim_sd, options=OPTIONS)
+
+
+def _rename(flat_optim: dict, names: dict[str, str]) -> dict:
+    """Flattened optimizer keys are `state.<param>.<field>` / `param_groups.<param>.<field>`."""
+    if not names:
+        return flat_optim
+    out = {}
+    for key, value in flat_optim.items():
+        for old, new in names.items():
+            for prefix in ("state.", "param_groups."):
+                if key.startswith(prefix + old + "."):
+                    key = prefix + new + key[len(prefix + old):]
+        out[key] = value
+    return out
 
 
 def _jsonable(value: Any) -> Any:

@@ -1,5 +1,6 @@
 """`parallelize(model, mesh, cfg)`: apply the parallel dimensions to a model in a fixed order.
 
+    [pipeline: split into this rank's chunks, then for each chunk:]
     tensor parallel (+ sequence parallel)  ->  activation checkpointing  ->  FSDP / HSDP, or DDP
 
 TP comes first because FSDP shards the TP-local DTensors (a 2-D dp_shard x tp layout); checkpointing
@@ -9,7 +10,7 @@ comes before FSDP so that recompute re-runs FSDP's unshard hooks inside the regi
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -34,6 +35,11 @@ class ParallelModel:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     # (inputs, targets) -> (local inputs, local targets, positions): context.py's sequence sharding
     shard_sequence: Callable | None = None
+    # Pipeline parallelism: this rank's chunks (unwrapped, and as forward is called on them), and names
+    # of parameters the unsplit model knows by another name (a tied output copy)
+    chunks: list[torch.nn.Module] | None = None
+    chunk_modules: list[torch.nn.Module] | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
 
     def gradient_sync(self, enabled: bool):
         """Context for one micro-batch: gradient communication only when `enabled` (the last one)."""
@@ -58,8 +64,10 @@ def data_parallel_kind(mesh: Mesh) -> str:
     return "none"
 
 
-def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
-                compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
+def _parallelize_module(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
+                        compute_dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
+    """TP -> activation checkpointing -> FSDP/HSDP or DDP on one module (the model, or a pipeline chunk).
+    Returns (the module forward is called on, the data-parallel kind)."""
     if mesh.spec.tp > 1:
         from raydist.parallel.tensor import apply_tensor_parallel
 
@@ -72,10 +80,35 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.d
         apply_fsdp(model, mesh.fsdp, compute_dtype,
                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
                    forward_prefetch=cfg.parallel.fsdp_forward_prefetch)
-        return ParallelModel(model, model, kind, compute_dtype)
+        return model, kind
     model.to(device)
     if kind == "ddp":
         from raydist.parallel.ddp import apply_ddp
 
-        return ParallelModel(apply_ddp(model, mesh.dp_cp, device), model, kind, compute_dtype)
-    return ParallelModel(model, model, kind, compute_dtype)
+        return apply_ddp(model, mesh.dp_cp, device), kind
+    return model, kind
+
+
+def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
+                compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
+    if mesh.spec.pp > 1:
+        return _parallelize_pipeline(model, mesh, cfg, device, compute_dtype)
+    module, kind = _parallelize_module(model, mesh, cfg, device, compute_dtype)
+    return ParallelModel(module, model, kind, compute_dtype)
+
+
+def _parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
+                          compute_dtype: torch.dtype) -> ParallelModel:
+    """Split into this pipeline rank's chunks (pp is the outer mesh axis), then parallelize each chunk
+    on the rest of the mesh; `model` becomes a view over the chunks with the unsharded names."""
+    from raydist.parallel.pipeline import split_model, stage_view, tied_aliases
+
+    p = cfg.parallel
+    virtual = p.virtual_stages if p.pp_schedule == "interleaved" else 1
+    chunks = split_model(model, mesh.local_rank("pp"), p.pp, virtual, seq_len=cfg.data.seq_len)
+    wrapped, kind = [], "none"
+    for chunk in chunks:
+        module, kind = _parallelize_module(chunk, mesh, cfg, device, compute_dtype)
+        wrapped.append(module)
+    return ParallelModel(wrapped[0], stage_view(model, chunks), kind, compute_dtype, chunks=chunks,
+                         chunk_modules=wrapped, aliases=tied_aliases(chunks))

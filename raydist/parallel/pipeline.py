@@ -149,18 +149,18 @@ def tied_embedding_group(rank_grid: torch.Tensor) -> dist.ProcessGroup | None:
     """The process group {first pipeline rank, last pipeline rank} of this rank's pipeline, or None.
 
     rank_grid: (P, N) global ranks, column j one pipeline (from a mesh with pp outermost:
-    `mesh.device_mesh.mesh.reshape(pp, -1)`). Collective: every rank calls it with the same grid.
+    `mesh.device_mesh.mesh.reshape(pp, -1)`). Only the two ranks of a pair create its group (local
+    synchronization), so ranks outside every pair (middle stages, idle workers) take no part.
     """
     grid = rank_grid.reshape(rank_grid.shape[0], -1)
     if grid.shape[0] < 2:
         return None
-    me, mine = dist.get_rank(), None
+    me = dist.get_rank()
     for j in range(grid.shape[1]):
         pair = [int(grid[0, j]), int(grid[-1, j])]
-        group = dist.new_group(pair)  # new_group must be entered by all ranks, in the same order
         if me in pair:
-            mine = group
-    return mine
+            return dist.new_group(pair, use_local_synchronization=True)
+    return None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -219,3 +219,25 @@ def clip_grad_norm_pipeline(chunks: Sequence[nn.Module], max_norm: float,
         for params in clipped.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
+
+
+def stage_view(model: nn.Module, chunks: Sequence[nn.Module]) -> nn.Module:
+    """One module over this rank's chunks with the unsharded model's names (`layers.<k>`,
+    `tok_embeddings`, `norm`, `output`): what the optimizer, checkpoints and gradient checks see.
+    Its parameters are the chunks' own (including a last stage's tied output copy)."""
+    view = model.__class__.__new__(model.__class__)
+    nn.Module.__init__(view)
+    view.cfg, view.max_seq_len, view.run_layers = model.cfg, model.max_seq_len, None
+    view.layers = nn.ModuleDict({k: m for c in chunks for k, m in c.layers.items()})
+    view.tok_embeddings = next((c.tok_embeddings for c in chunks if c.tok_embeddings is not None), None)
+    view.norm = next((c.norm for c in chunks if c.norm is not None), None)
+    view.output = next((c.output for c in chunks if c.output is not None), None)
+    return view
+
+
+def tied_aliases(chunks: Sequence[nn.Module]) -> dict[str, str]:
+    """{"output.weight": "tok_embeddings.weight"} on a rank holding the tied output copy: the name the
+    unsplit model (where the two are one parameter) knows it by, for optimizer state and gradients."""
+    if any(getattr(c, "tied_role", None) == "output_copy" for c in chunks):
+        return {"output.weight": "tok_embeddings.weight"}
+    return {}

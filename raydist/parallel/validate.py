@@ -21,4 +21,28 @@ def check_layout(cfg: Config, spec: MeshSpec) -> int:
         raise ConfigError(f"parallel.dp_shard={spec.dp_shard} x cp={spec.cp} = {shards} FSDP shards exceeds the smallest "
                           f"parameter's first dimension ({smallest}): some ranks would hold empty shards; lower "
                           "parallel.dp_shard (use dp_replicate for the rest: HSDP)")
-    return per_rank // t.micro_batch
+    accum = per_rank // t.micro_batch
+    if spec.pp > 1:
+        _check_pipeline(cfg, spec, per_rank, accum)
+    return accum
+
+
+def _check_pipeline(cfg: Config, spec: MeshSpec, per_rank: int, accum: int) -> None:
+    p = cfg.parallel
+    virtual = p.virtual_stages if p.pp_schedule == "interleaved" else 1
+    if cfg.model.num_layers < spec.pp * virtual:
+        raise ConfigError(f"model.num_layers={cfg.model.num_layers} is less than pp x virtual_stages = "
+                          f"{spec.pp * virtual}: every pipeline stage needs a block; lower parallel.pp or add layers")
+    microbatches = p.num_microbatches or accum
+    if per_rank % microbatches:
+        raise ConfigError(f"parallel.num_microbatches={microbatches} does not divide the per-rank batch {per_rank} "
+                          "(train.global_batch / dp); pick a divisor of it")
+    if p.pp_schedule == "interleaved" and microbatches % spec.pp:
+        raise ConfigError(f"interleaved 1F1B needs the micro-batch count ({microbatches}) to be a multiple of "
+                          f"parallel.pp={spec.pp}; set parallel.num_microbatches accordingly")
+    if spec.cp > 1:
+        raise ConfigError("pipeline parallelism with context parallelism (parallel.cp > 1) is not supported yet; "
+                          "use one of them")
+    if p.sequence_parallel:
+        raise ConfigError("pipeline parallelism with parallel.sequence_parallel=true is not supported yet; "
+                          "turn sequence parallelism off when parallel.pp > 1")

@@ -131,6 +131,8 @@ class PipelineExecutor:
         forwards = tuple(tuple(a for a in acts if a.kind == FORWARD) for acts in schedule.actions)
         self._eval_plan = _Plan.of(dataclasses.replace(schedule, actions=forwards), pp_rank)
         self._plan = self._train_plan
+        self.record_timeline = False  # when set, the next steps record each action's start and end
+        self.timeline: list[dict] = []
 
     # ---- point-to-point ------------------------------------------------------------------------------
     def _peer(self, rank_in_group: int) -> dict:
@@ -234,6 +236,7 @@ class PipelineExecutor:
         self._loss_sum = torch.zeros((), device=self.device)
         busy = 0.0
         start = time.perf_counter()
+        self.timeline = []
         self._post(None, None, plan.next_receiving[0])
         for i, action in enumerate(plan.actions):
             received = self._receive(i) if self.schedule.recv_of(action) is not None else None
@@ -243,7 +246,12 @@ class PipelineExecutor:
                 produced = self._forward(action, x, targets)
             else:
                 produced = self._backward(action, received)
-            busy += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            busy += t1 - t0
+            if self.record_timeline:
+                self.timeline.append({"stage": action.stage, "chunk": self.schedule.chunk_of(action.stage),
+                                      "kind": action.kind, "microbatch": action.microbatch,
+                                      "start_s": round(t0 - start, 6), "end_s": round(t1 - start, 6)})
             sends = self.schedule.send_of(action) is not None
             self._post(i if sends else None, produced, plan.next_receiving[i + 1])
         for batch in self._batches:
