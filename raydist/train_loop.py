@@ -274,6 +274,21 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
         print(f"worker {dist.get_rank()} is idle: {decision.reason}", flush=True)
         channel.follow(lambda m: ray.train.report(m["metrics"], checkpoint=None), cfg.elastic.collective_timeout_s)
         return
-    trainer = Trainer(cfg, device, decision, TrainerOptions(start_time=payload["start_time"]))
-    fit(trainer, payload["run_dir"], report=report, on_progress=channel.heartbeat)
+    run_dir, rank = payload["run_dir"], dist.get_rank()
+    if rank == 0:  # the attempt's worker group is up (restart timing: detection -> restart -> load)
+        run_event(run_dir, payload["start_time"], "launch", world_size=dist.get_world_size())
+    try:
+        trainer = Trainer(cfg, device, decision, TrainerOptions(start_time=payload["start_time"]))
+        fit(trainer, run_dir, report=report, on_progress=channel.heartbeat)
+    except BaseException as exc:  # a peer died, a collective timed out, ...: say so before Ray Train restarts
+        run_event(run_dir, payload["start_time"], "worker_error", rank=rank, error=str(exc).strip()[:300])
+        raise
     channel.publish({"kind": "done"})
+
+
+def run_event(run_dir: str, driver_start: float, kind: str, **fields: Any) -> None:
+    """One events.jsonl line from outside `fit` (any rank; local storage appends atomically per line)."""
+    try:
+        EventLog(run_dir, Goodput(run_dir, driver_start).run_start).event(kind, None, **fields)
+    except Exception:  # bookkeeping must never mask the real failure
+        pass

@@ -8,7 +8,8 @@ max_step - r steps (completed steps; the one in flight when the failure hit is n
 max_step is time lost to the restart (detection, restart, checkpoint load and the redone steps).
 Checkpoint stalls are the seconds training waited for staging or for a previous save.
 
-RUN_DIR/events.jsonl gets one line per event: start, restart, resize, checkpoint, checkpoint_skipped, end.
+RUN_DIR/events.jsonl gets one line per event: launch (a worker group is up), start, restart, resize,
+checkpoint, checkpoint_skipped, worker_error (a worker saw a failure, e.g. a dead peer), end.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class EventLog(MetricsWriter):
         self.run_start = run_start
         self.mirror = mirror  # e.g. the TensorBoard writer's `event`
 
-    def event(self, kind: str, step: int, **fields: Any) -> dict:
+    def event(self, kind: str, step: int | None, **fields: Any) -> dict:
         now = time.time()
         record = {"kind": kind, "step": step, "time": round(now, 3), "elapsed_s": round(now - self.run_start, 3),
                   **fields}

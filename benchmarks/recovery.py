@@ -1,0 +1,148 @@
+"""Recovery time after a worker kill, split into its parts; checkpoint save throughput against raw writes.
+
+Recovery (a local Ray, the default workload's model, 2 workers, a checkpoint every 10 steps, every
+step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metrics.jsonl:
+
+    detection  kill -> the first surviving worker's `worker_error` (its collective failed)
+    restart    -> the new worker group's `launch` (Ray Train tore the group down and started another)
+    load       -> the `restart` event (Trainer built: mesh, model, data; checkpoint verified and loaded)
+    first step -> the first step completed after it
+
+Save throughput (2 gloo processes, a model of --params parameters, fp32 weights + AdamW moments): a
+blocking `CheckpointManager.save` (DCP shards + checksums + commit) against writing the same bytes as
+one raw file per rank through fsspec to the same directory, best of --repeats each, as a ratio; and
+what an asynchronous save stalls training (staging the state to host memory).
+
+    python benchmarks/recovery.py [--params 20e6] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import tempfile
+import threading
+import time
+
+import torch
+
+from raydist.config import Config
+from raydist.runtime import spawn
+
+
+def _lines(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def recovery(data_path: str, root: str) -> dict[str, float]:
+    import ray
+
+    from raydist.launcher import launch
+
+    cfg = Config.load("workloads/gpt_tiny.toml", [f"data.path={data_path}", "data.reader=arrow", "train.steps=150",
+                                                  "train.eval_every=0", "train.log_every=1",
+                                                  "checkpoint.every_steps=10", "checkpoint.async_save=false",
+                                                  f"checkpoint.storage={root}", "train.run_name=recovery"])
+    run_dir = os.path.join(root, "recovery")
+    ray.init(num_cpus=4, logging_level="warning")
+    try:
+        errors: list = []
+        job = threading.Thread(target=lambda: errors.append(launch(cfg, log=lambda *_: None)), daemon=True)
+        job.start()
+        while not any(r["step"] >= 35 for r in _lines(os.path.join(run_dir, "metrics.jsonl"))):
+            time.sleep(0.2)
+        starts = [e for e in _lines(os.path.join(run_dir, "events.jsonl")) if e["kind"] == "start"]
+        killed_at = time.time()
+        os.kill(starts[-1]["workers"][-1]["pid"], signal.SIGKILL)
+        job.join(600)
+    finally:
+        ray.shutdown()
+    events = _lines(os.path.join(run_dir, "events.jsonl"))
+    after = [e for e in events if e["time"] > killed_at]
+    error = min(e["time"] for e in after if e["kind"] == "worker_error")
+    launched = min(e["time"] for e in after if e["kind"] == "launch")
+    restarted = next(e for e in after if e["kind"] == "restart")
+    first_step = next(r for r in _lines(os.path.join(run_dir, "metrics.jsonl"))
+                      if r.get("attempt") == 2 and r["step"] > restarted["step"])
+    first_step_time = restarted["time"] + (first_step["elapsed_s"] - restarted["elapsed_s"])
+    return {"detection": error - killed_at, "restart": launched - error, "load": restarted["time"] - launched,
+            "first step": first_step_time - restarted["time"], "total": first_step_time - killed_at,
+            "resumed_step": restarted["step"], "steps_redone": restarted.get("steps_to_redo", 0)}
+
+
+def _save_vs_raw(params: int, directory: str, repeats: int) -> dict[str, float]:
+    import fsspec
+    import torch.distributed as dist
+
+    from raydist.checkpoint import CheckpointManager
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(rank)
+    n = params // world  # each rank holds its shard (as under FSDP): weights + 2 AdamW moments
+    mesh = init_device_mesh("cpu", (world,))
+
+    def shard() -> DTensor:
+        return DTensor.from_local(torch.randn(n), mesh, [Shard(0)])
+
+    state = {"model": {"w": shard()}, "optim": {"m": shard(), "v": shard()}}
+    nbytes = 3 * n * 4
+    group = dist.new_group(backend="gloo")
+    manager = CheckpointManager(directory, keep=1, group=group, log=lambda *_: None)
+    saves, raws, stalls = [], [], []
+    for i in range(repeats):
+        dist.barrier()
+        stalls.append(manager.save(100 + i, state, {"step": i}, blocking=False))  # training waits this long
+        manager.wait()
+        dist.barrier()
+        start = time.perf_counter()
+        manager.save(i, state, {"step": i}, blocking=True)
+        dist.barrier()
+        saves.append(time.perf_counter() - start)
+        blob = torch.cat([t.to_local() for t in (state["model"]["w"], state["optim"]["m"], state["optim"]["v"])])
+        blob = blob.numpy().tobytes()
+        dist.barrier()
+        start = time.perf_counter()
+        with fsspec.open(f"{directory}/raw_{rank}_{i}.bin", "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        dist.barrier()
+        raws.append(time.perf_counter() - start)
+    return {"bytes": nbytes * world, "save_s": min(saves), "raw_s": min(raws), "async_stall_s": min(stalls)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=float, default=20e6)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from raydist.launcher import ensure_data
+
+    cfg = Config.load("workloads/gpt_tiny.toml")
+    ensure_data(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        r = recovery(cfg.data.path, tmp)
+        t = spawn(_save_vs_raw, 2, int(args.params), os.path.join(tmp, "save"), args.repeats)[0]
+    print(f"\nworker kill -> first step after restart: {r['total']:.1f} s "
+          f"(resumed at step {r['resumed_step']}, {r['steps_redone']} steps to redo)")
+    for part in ("detection", "restart", "load", "first step"):
+        print(f"  {part:<11} {r[part]:6.2f} s")
+    mb = t["bytes"] / 2**20
+    print(f"\ncheckpoint save of {mb:.0f} MiB (2 ranks): {t['save_s']:.2f} s = {mb / t['save_s']:.0f} MiB/s; "
+          f"raw write of the same bytes {t['raw_s']:.2f} s = {mb / t['raw_s']:.0f} MiB/s; "
+          f"save/raw throughput ratio {t['raw_s'] / t['save_s']:.2f}")
+    print(f"an asynchronous save stalls training {t['async_stall_s']:.3f} s (staging to host memory), "
+          f"{100 * t['async_stall_s'] / t['save_s']:.0f}% of the blocking save")
+
+
+if __name__ == "__main__":
+    main()
