@@ -200,7 +200,7 @@ class LocalHead:
             if self.proc.poll() is None:
                 self.proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its children gracefully
                 try:
-                    self.proc.wait(timeout=20)
+                    self.proc.wait(timeout=8)
                 except subprocess.TimeoutExpired:
                     pass
             left = {p for p in tree | marked(self.id) if _alive(p)}
