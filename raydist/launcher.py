@@ -126,23 +126,42 @@ def workers_that_fit(per_worker: dict[str, float]) -> int:
 
 
 def wait_for_capacity(needed: int, per_worker: dict[str, float], max_pending_s: float, can_grow: bool,
-                      log: Callable[[str], None] = print) -> int:
-    """Waits (bounded) until the cluster can hold `needed` workers; a ConfigError otherwise."""
-    deadline = time.monotonic() + max_pending_s
-    announced = False
-    while True:
-        fit = workers_that_fit(per_worker)
-        if fit >= needed:
-            return fit
-        if not can_grow or time.monotonic() >= deadline:
-            need = ", ".join(f"{v:g} {k}" for k, v in per_worker.items())
-            raise ConfigError(f"ray.num_workers={needed} needs {needed} workers of {need} each but the cluster can "
-                              f"hold {fit}" + ("" if not can_grow else f" after waiting {max_pending_s:g}s") +
-                              "; lower ray.num_workers (or elastic.min_workers) or add nodes")
-        if not announced:
-            log(f"waiting up to {max_pending_s:g}s for the cluster to hold {needed} workers (now {fit})")
-            announced = True
-        time.sleep(2.0)
+                      log: Callable[[str], None] = print, setting: str = "ray.num_workers") -> int:
+    """Waits (bounded) until the cluster can hold `needed` workers; a ConfigError otherwise.
+
+    Waiting is also asking: an autoscaler launches nodes only for pending demand, so while the cluster
+    is too small a placement group of the workers' bundles stays pending (what `ray status` shows as a
+    demand). It is removed once placed; the nodes stay up for the autoscaler's idle timeout, long
+    enough for Ray Train's own placement a moment later. Elastic runs ask for their minimum; Ray Train
+    then asks for the rest.
+    """
+    fit = workers_that_fit(per_worker)
+    if fit >= needed:
+        return fit
+    need = ", ".join(f"{v:g} {k}" for k, v in per_worker.items())
+
+    def too_small(fit: int) -> ConfigError:
+        return ConfigError(f"{setting}={needed} needs {needed} workers of {need} each but the cluster can hold {fit}"
+                           + ("" if not can_grow else f" after waiting {max_pending_s:g}s") +
+                           "; lower ray.num_workers (or elastic.min_workers) or add nodes")
+
+    if not can_grow:
+        raise too_small(fit)
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    log(f"waiting up to {max_pending_s:g}s for the cluster to hold {needed} workers (now {fit}); "
+        "asking the autoscaler for them")
+    start = time.monotonic()
+    group = placement_group([dict(per_worker) for _ in range(needed)], strategy="PACK")
+    try:
+        placed = group.wait(timeout_seconds=max_pending_s)
+    finally:
+        remove_placement_group(group)
+    fit = workers_that_fit(per_worker)
+    if not placed:
+        raise too_small(fit)
+    log(f"scale-up: the cluster holds {fit} workers after {time.monotonic() - start:.1f}s")
+    return fit
 
 
 def resolve_use_gpu(cfg: Config) -> bool:
@@ -257,7 +276,7 @@ def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] =
 
         resolve_kernels(cfg.kernels, "cuda" if use_gpu else "cpu", cfg.head_dim)  # a bad choice fails here
         wait_for_capacity(needed, worker_resources(cfg, use_gpu), cfg.ray.max_pending_s, can_grow=not embedded,
-                          log=log)
+                          log=log, setting="elastic.min_workers" if cfg.elastic_enabled else "ray.num_workers")
         log(f"run {lp.run_name}: {lp.num_workers} worker(s), {'GPU/nccl' if use_gpu else 'CPU/gloo'}, "
             f"run directory {lp.run_dir}")
         trainer = build_trainer(lp, use_gpu, start_time)
