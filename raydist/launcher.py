@@ -253,6 +253,19 @@ class Progress:
         return " | ".join(parts)
 
 
+def _warn_local_paths(cfg: Config, lp: LaunchPlan, log: Callable[[str], None]) -> None:
+    """On a cluster, local paths are only seen by the machine they are on: say so (the job may still be
+    right on a one-node cluster or a shared file system)."""
+    import ray
+
+    if len([n for n in ray.nodes() if n.get("Alive")]) <= 1 and not os.environ.get("RAY_JOB_ID"):
+        return
+    for key, value in (("checkpoint.storage", cfg.checkpoint.storage), ("data.path", cfg.data.path)):
+        if "://" not in value:
+            log(f"warning: {key}={value} is a local path; on a multi-node cluster (and under `ray job submit`, "
+                f"whose working directory is temporary) use shared storage such as s3://bucket/prefix")
+
+
 def format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
@@ -270,6 +283,8 @@ def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] =
 
     needed = cfg.elastic.min_workers if cfg.elastic_enabled else cfg.ray.num_workers
     embedded = connect_ray(cfg, address, needed * cfg.ray.cpus_per_worker)
+    if not embedded:
+        _warn_local_paths(cfg, lp, log)
     try:
         use_gpu = resolve_use_gpu(cfg)
         from raydist.kernels import resolve_kernels

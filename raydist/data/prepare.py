@@ -47,12 +47,13 @@ class Document:
 
 
 def default_data_path(cfg: DataConfig) -> str:
-    """Where the default corpus is prepared when data.path is empty."""
+    """Where the corpus is prepared when data.path is empty: a cache entry named by every setting that
+    changes the prepared data (so changing any of them prepares afresh instead of reusing stale shards)."""
     root = os.environ.get("RAYDIST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raydist"))
-    tok = "byte" if cfg.tokenizer == "byte" else hashlib.sha1(cfg.tokenizer.encode()).hexdigest()[:8]
-    corpus = cfg.corpus if cfg.corpus == "stdlib" else hashlib.sha1(cfg.corpus.encode()).hexdigest()[:8]
-    mb = f"-{cfg.max_corpus_mb:g}mb" if cfg.max_corpus_mb else ""
-    return os.path.join(root, "data", f"{corpus}-{tok}-s{cfg.seq_len}{mb}")
+    settings = repr((cfg.corpus, cfg.text_column, cfg.tokenizer, cfg.seq_len, cfg.val_fraction, cfg.shard_rows,
+                     cfg.max_corpus_mb))
+    name = "stdlib" if cfg.corpus == "stdlib" else "corpus"
+    return os.path.join(root, "data", f"{name}-s{cfg.seq_len}-{hashlib.sha1(settings.encode()).hexdigest()[:10]}")
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[Document]:
