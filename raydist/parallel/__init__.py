@@ -1,9 +1,11 @@
 """`parallelize(model, mesh, cfg)`: apply the parallel dimensions to a model in a fixed order.
 
-    tensor parallel (+ sequence parallel)  ->  activation checkpointing  ->  FSDP / HSDP, or DDP
+    tensor parallel (+ sequence parallel)  ->  context parallel  ->  activation checkpointing
+    ->  FSDP / HSDP, or DDP
 
 TP comes first because FSDP shards the TP-local DTensors (a 2-D dp_shard x tp layout); checkpointing
-comes before FSDP so that recompute re-runs FSDP's unshard hooks inside the region.
+comes before FSDP so that recompute re-runs FSDP's unshard hooks inside the region. Context parallelism
+replaces each block's attention function (on the TP-local heads) and returns the sequence-sharding hook.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.d
         from raydist.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh, cfg)
+    shard_sequence = None
+    if mesh.spec.cp > 1:
+        from raydist.parallel.context import apply_context_parallel
+
+        shard_sequence = apply_context_parallel(model, mesh, cfg)
     apply_activation_checkpointing(model, cfg.train.activation_checkpoint, cfg.train.activation_checkpoint_k)
     kind = data_parallel_kind(mesh)
     if kind in ("fsdp", "hsdp"):
@@ -72,10 +79,11 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.d
         apply_fsdp(model, mesh.fsdp, compute_dtype,
                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
                    forward_prefetch=cfg.parallel.fsdp_forward_prefetch)
-        return ParallelModel(model, model, kind, compute_dtype)
+        return ParallelModel(model, model, kind, compute_dtype, shard_sequence=shard_sequence)
     model.to(device)
     if kind == "ddp":
         from raydist.parallel.ddp import apply_ddp
 
-        return ParallelModel(apply_ddp(model, mesh.dp_cp, device), model, kind, compute_dtype)
-    return ParallelModel(model, model, kind, compute_dtype)
+        return ParallelModel(apply_ddp(model, mesh.dp_cp, device), model, kind, compute_dtype,
+                             shard_sequence=shard_sequence)
+    return ParallelModel(model, model, kind, compute_dtype, shard_sequence=shard_sequence)
