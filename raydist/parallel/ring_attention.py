@@ -109,7 +109,9 @@ class RingAttentionFunction(torch.autograd.Function):
             rows, keys, causal = block_plan(ring.rank, (ring.rank - step) % ring.size, chunk)
             block_out, block_lse = forward_block(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), causal, scale)
             if out is None:  # step 0 covers every query row (each sees at least itself)
-                out, lse = block_out.to(acc), block_lse.to(acc)
+                # fresh accumulators, merged into in place: never the block's own tensors, which selective
+                # activation checkpointing may hold in its cache for the recompute
+                out, lse = block_out.to(acc, copy=True), block_lse.to(acc, copy=True)
             else:
                 _merge_into(out, lse, rows, block_out, block_lse)
             if step + 1 < ring.size:

@@ -64,8 +64,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, 
     # (cp, B, hq + 2 hk, T/cp, E): slice i goes to rank i (its heads of q, k and v)
     packed = torch.cat([x.unflatten(1, (cp, -1)) for x in (q, k, v)], dim=2).transpose(0, 1)
     gathered = AllToAll.apply(packed, group)  # slice i: sequence shard i of this rank's heads
-    full = gathered.permute(1, 2, 0, 3, 4).flatten(2, 3)  # (B, hq + 2 hk, T, E) in sequence order
-    q_heads, k_heads, v_heads = full.split([hq, hk, hk], dim=1)
+    # (B, heads, T, E) in sequence order, each in its own storage: attention saves q for backward, and a
+    # view of one packed q|k|v tensor would keep k and v alive with it
+    q_heads, k_heads, v_heads = (part.permute(1, 2, 0, 3, 4).flatten(2, 3)
+                                 for part in gathered.split([hq, hk, hk], dim=2))
     out = inner(q_heads, k_heads, v_heads)  # (B, hq, T, E)
     back = out.unflatten(2, (cp, t_local)).permute(2, 0, 1, 3, 4)  # (cp, B, hq, T/cp, E): shard i to rank i
     back = AllToAll.apply(back, group)  # slice i: head group i of this rank's tokens

@@ -7,8 +7,10 @@ import importlib.util
 import pytest
 
 from raydist.config import Config, ConfigError
+from raydist.kernels import runtime
 from raydist.mesh import MeshSpec
 from raydist.parallel.validate import check_layout
+from raydist.runtime import spawn
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 
 HAS_TENSOR_PARALLEL = importlib.util.find_spec("raydist.parallel.tensor") is not None
@@ -29,6 +31,34 @@ def single(tiny_data):
 def test_context_parallel_equals_single_process(tiny_data, single, world, parallel):
     for rank in run_layout(tiny_config(tiny_data, parallel=parallel), world):
         assert_equivalent(single, rank)
+
+
+def test_ring_with_selective_checkpointing_equals_single_process(tiny_data, single):
+    # the recompute re-runs the ring (communication included) with some block outputs served from the cache
+    raw = tiny_config(tiny_data, parallel={"cp": 2}, train={"activation_checkpoint": "selective"})
+    for rank in run_layout(raw, 2):
+        assert_equivalent(single, rank)
+
+
+def _run_counting_kernels(raw: dict, steps: int):
+    from raydist.kernels import kernel_calls
+    from raydist.testing import _run
+
+    return _run(raw, steps, False, True), kernel_calls()
+
+
+@pytest.mark.skipif(runtime.triton_import_error() is not None, reason="triton is not importable here")
+def test_ring_on_triton_blocks_equals_single_process(tiny_data, monkeypatch):
+    # kernels.attention=triton (interpreted on CPU): the ring runs Triton flash-attention blocks
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    small = {"global_batch": 4, "micro_batch": 4}
+    kernels = {"attention": "triton", "matmul": "torch"}
+    [(ref, _)] = spawn(_run_counting_kernels, 1, tiny_config(tiny_data, kernels=kernels, train=small), 2)
+    raw = tiny_config(tiny_data, kernels=kernels, train=small, parallel={"cp": 2})
+    for rank, calls in spawn(_run_counting_kernels, 2, raw, 2):
+        assert_equivalent(ref, rank)
+        # forward blocks (the backward's are not counted): 2 steps x 2 layers x 2 ring steps
+        assert calls.get("attention.triton") == 2 * 2 * 2, calls
 
 
 @pytest.mark.skipif(not HAS_TENSOR_PARALLEL, reason="raydist/parallel/tensor.py (tensor parallelism) is not in "
