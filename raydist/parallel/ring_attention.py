@@ -9,13 +9,13 @@ K/V of rank src = (r - s) mod cp (chunks src and 2cp-1-src) and computes:
     src < r   : all 2c queries  x  key chunk src (c keys)                      no mask
     src > r   : query chunk 2cp-1-r (c queries)  x  all 2c keys                no mask
 
-so every step is 2c^2 scores on every rank (step 0's causal 2c x 2c triangle holds as many): equal work,
-which contiguous sharding would not give (rank cp-1 would do cp times rank 0's work).
+so every step is 2c^2 scores on every rank (step 0's causal 2c x 2c triangle holds 2c^2 + c): equal work,
+which contiguous sharding would not give (rank cp-1 would do 2cp-1 times rank 0's work).
 
 The partial results merge by the log-sum-exp rule (as kernels.reference.merge_attention):
     lse = log(e^lse_a + e^lse_b),   out = e^(lse_a - lse) out_a + e^(lse_b - lse) out_b.
 
-Communication (per attention call, per rank; K/V sent in their dtype, gradients in fp32):
+Communication (per attention call, per rank; K/V sent in their dtype, gradients in fp32, fp64 for fp64):
     forward : K and V to the next rank cp-1 times, overlapped with the current block's attention;
     backward: K and V again cp-1 times, and the fp32 dK/dV accumulator of each K/V block travels with it,
               collecting every rank's share, cp times (the last send returns it to its owner).
@@ -33,6 +33,20 @@ from raydist.parallel.attention_blocks import block_functions
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
+class Exchange:
+    """One ring shift in flight: `wait()` returns what the previous rank sent. Holds the sent tensor until
+    then, so its memory is not reused while the backend may still read it."""
+
+    def __init__(self, sent: torch.Tensor, received: torch.Tensor, works: list):
+        self.sent, self.received, self.works = sent, received, works
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        self.sent = self.works = None
+        return self.received
+
+
 class Ring:
     """The cp process group as a ring: `shift(x)` sends x to the next rank and receives the previous one's."""
 
@@ -44,22 +58,17 @@ class Ring:
         self.next = ranks[(self.rank + 1) % self.size]  # global ranks, as P2POp wants them
         self.prev = ranks[(self.rank - 1) % self.size]
 
-    def shift(self, tensor: torch.Tensor, tag: int):
-        """Start the exchange; returns (receive buffer, works to wait on). A ring of one returns `tensor`."""
+    def shift(self, tensor: torch.Tensor, tag: int) -> Exchange:
+        """Start sending `tensor` to the next rank and receiving the previous rank's (a ring of one: itself)."""
         if self.size == 1:
-            return tensor, []
+            return Exchange(tensor, tensor, [])
         tensor = tensor.contiguous()
         received = torch.empty_like(tensor)
         # c10d.isend/irecv, not dist.isend: P2POp accepts only these two functions, and a communication
         # counter may have wrapped the names in torch.distributed (it counts batch_isend_irecv instead).
         ops = [dist.P2POp(c10d.isend, tensor, self.next, self.group, tag),
                dist.P2POp(c10d.irecv, received, self.prev, self.group, tag)]
-        return received, dist.batch_isend_irecv(ops)
-
-    @staticmethod
-    def wait(works) -> None:
-        for work in works:
-            work.wait()
+        return Exchange(tensor, received, dist.batch_isend_irecv(ops))
 
 
 def block_plan(rank: int, src: int, chunk: int) -> tuple[slice, slice, bool]:
@@ -105,7 +114,7 @@ class RingAttentionFunction(torch.autograd.Function):
         out = lse = None
         for step in range(ring.size):
             if step + 1 < ring.size:
-                next_kv, works = ring.shift(kv, _KV_TAG)  # in flight while this block computes
+                next_kv = ring.shift(kv, _KV_TAG)  # in flight while this block computes
             rows, keys, causal = block_plan(ring.rank, (ring.rank - step) % ring.size, chunk)
             block_out, block_lse = forward_block(_rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys), causal, scale)
             if out is None:  # step 0 covers every query row (each sees at least itself)
@@ -115,8 +124,7 @@ class RingAttentionFunction(torch.autograd.Function):
             else:
                 _merge_into(out, lse, rows, block_out, block_lse)
             if step + 1 < ring.size:
-                ring.wait(works)
-                kv = next_kv
+                kv = next_kv.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.backend, ctx.scale = ring, backend, scale
@@ -134,10 +142,10 @@ class RingAttentionFunction(torch.autograd.Function):
         chunk = q.shape[2] // 2
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack((k, v))
-        incoming = None  # (buffer, works): the dK/dV accumulator of the block about to be used
+        incoming = None  # the dK/dV accumulator of the block about to be used, on its way from the previous rank
         for step in range(ring.size):
             if step + 1 < ring.size:
-                next_kv, kv_works = ring.shift(kv, _KV_TAG)
+                next_kv = ring.shift(kv, _KV_TAG)
             rows, keys, causal = block_plan(ring.rank, (ring.rank - step) % ring.size, chunk)
             dq_block, dk_block, dv_block = backward_block(
                 _rows(grad_out, rows), _rows(q, rows), _rows(kv[0], keys), _rows(kv[1], keys),
@@ -147,15 +155,12 @@ class RingAttentionFunction(torch.autograd.Function):
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)  # (2, B, K, 2c, E)
             dkv[0][:, :, keys], dkv[1][:, :, keys] = dk_block.to(acc), dv_block.to(acc)
             if incoming is not None:  # the ranks before us in the ring have added their shares
-                ring.wait(incoming[1])
-                dkv += incoming[0]
+                dkv += incoming.wait()
             # Pass the accumulator on with its K/V block; after the last step it is back at its owner.
             incoming = ring.shift(dkv, _GRAD_TAG)
             if step + 1 < ring.size:
-                ring.wait(kv_works)
-                kv = next_kv
-        ring.wait(incoming[1])
-        dkv = incoming[0]
+                kv = next_kv.wait()
+        dkv = incoming.wait()
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 

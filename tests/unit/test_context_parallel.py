@@ -63,11 +63,13 @@ def test_ring_on_triton_blocks_equals_single_process(tiny_data, monkeypatch):
 
 @pytest.mark.skipif(not HAS_TENSOR_PARALLEL, reason="raydist/parallel/tensor.py (tensor parallelism) is not in "
                                                     "this checkout yet; cp x tp runs once it is merged")
-@pytest.mark.parametrize("impl", ["ring", "ulysses"])
-def test_context_parallel_with_tensor_parallel_equals_single_process(tiny_data, single, impl):
+@pytest.mark.parametrize("impl,sequence_parallel", [("ring", False), ("ulysses", False), ("ring", True)],
+                         ids=["ring", "ulysses", "ring-sp"])
+def test_context_parallel_with_tensor_parallel_equals_single_process(tiny_data, single, impl, sequence_parallel):
     # tp=2 leaves 2 query heads and 1 kv head per rank: Ulysses splits the 2 query heads over cp=2 and repeats
-    # the kv head; ring attention passes the local kv head around the ring
-    raw = tiny_config(tiny_data, parallel={"cp": 2, "tp": 2, "cp_impl": impl})
+    # the kv head; ring attention passes the local kv head around the ring. With SP the T/cp local tokens
+    # are split once more over tp outside attention.
+    raw = tiny_config(tiny_data, parallel={"cp": 2, "tp": 2, "cp_impl": impl, "sequence_parallel": sequence_parallel})
     for rank in run_layout(raw, 4):
         assert_equivalent(single, rank)
 
