@@ -160,6 +160,9 @@ def context_parallel_section(seq_len: int) -> None:
         base = base or worst["live"]
         print(f"  {impl:<8} {cp:>3} {worst['saved'] / 2**20:>10.2f} {worst['live'] / 2**20:>9.2f} "
               f"{worst['live'] / base:>7.3f} {1 / cp:>6.3f}")
+    print("  (Ulysses keeps one more attention-output-sized tensor per layer: the head-sharded output its\n"
+          "   attention saves and the sequence-sharded input of wo after the all-to-all are two tensors, where\n"
+          "   the single-process run's sdpa output and wo input share one storage)")
 
 
 def main() -> None:
