@@ -77,10 +77,9 @@ def unshard_sequence(local: torch.Tensor, impl: str, group, dim: int = 1) -> tor
     dist.all_gather(parts, local.contiguous(), group=group)
     seq_len = local.shape[dim] * cp
     order = torch.cat([POSITIONS[impl](seq_len, cp, r) for r in range(cp)])
-    full = torch.empty_like(torch.cat(parts, dim=dim))
-    index = [slice(None)] * local.dim()
-    index[dim] = order.to(local.device)
-    full[tuple(index)] = torch.cat(parts, dim=dim)
+    gathered = torch.cat(parts, dim=dim)  # in rank order: position order[i] is at index i
+    full = torch.empty_like(gathered)
+    full.index_copy_(dim, order.to(local.device), gathered)
     return full
 
 
