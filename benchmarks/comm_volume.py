@@ -5,15 +5,24 @@ FSDP: all-gather in forward, all-gather again in backward (reshard after forward
 the gradients: 3 (p-1)/p x the parameter bytes (seed 003: "about 3x"). One micro-batch per step here;
 with gradient accumulation FSDP all-gathers again for every micro-batch.
 
-    python benchmarks/comm_volume.py
+Context parallelism (`--section cp`), per attention layer and rank, counted around one forward and one
+backward of the layer's attention on its local shard (raydist.metrics.comm's formulas beside them):
+ring: K/V to the next rank cp-1 times in forward; K/V cp-1 times plus the fp32 dK/dV accumulator cp times
+in backward. Ulysses: all-to-all of q, k, v and out, (cp-1)/cp of each, in forward and again in backward.
+Then one training step with cp (its FSDP over the cp ranks, the ring's sends) and the activation memory
+each rank holds for backward, which falls as 1/cp: every activation is per token, and each rank holds T/cp.
+
+    python benchmarks/comm_volume.py [--section dp|cp|all]
 """
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 from raydist.config import Config
-from raydist.metrics.comm import CommCounter
+from raydist.metrics.comm import CommCounter, ring_attention_bytes, ulysses_attention_bytes
 from raydist.runtime import spawn
 
 WORLD = 4
@@ -34,7 +43,7 @@ def _count_on_rank(raw: dict) -> dict:
     return {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "total": counter.total}
 
 
-def main() -> None:
+def data_parallel_section() -> None:
     from raydist.launcher import ensure_data
     from raydist.models.gpt import param_counts
 
@@ -51,6 +60,122 @@ def main() -> None:
         result = spawn(_count_on_rank, p, raw)[0]
         detail = ", ".join(f"{k} {v / 2**20:.2f} MiB ({result['calls'][k]} calls)" for k, v in result["bytes"].items())
         print(f"{name:<8} {result['total'] / 2**20:>20.3f} {result['total'] / param_bytes:>14.3f} {seed:>12.3f}  {detail}")
+
+
+
+# ---- context parallelism --------------------------------------------------------------------------------
+
+CP_DEGREES = (2, 4)
+
+
+def _attention_layer_on_rank(impl: str, batch: int, heads: int, kv_heads: int, seq_len: int, head_dim: int) -> dict:
+    import torch.distributed as dist
+
+    from raydist.metrics.comm import count_attention_layer
+    from raydist.models.gpt import sdpa_attention
+    from raydist.parallel.context import context_attention
+
+    cp = dist.get_world_size()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    q = torch.randn(batch, heads, seq_len // cp, head_dim, generator=g)
+    k, v = (torch.randn(batch, kv_heads, seq_len // cp, head_dim, generator=g) for _ in range(2))
+    return count_attention_layer(context_attention(impl, dist.group.WORLD, sdpa_attention, "torch"), q, k, v)
+
+
+def _activations_on_rank(raw: dict) -> dict:
+    """Bytes held for backward at the end of one forward on this rank's shard (no FSDP: parameters stay
+    whole and are excluded), by saved-tensor hooks and by live op outputs."""
+    from raydist.mesh import MeshSpec
+    from raydist.metrics.memory import LiveActivations, SavedActivations
+    from raydist.models.gpt import build_model, cross_entropy
+
+    cfg = Config.from_dict(raw)
+    model = build_model(cfg.model, cfg.data.seq_len, seed=0)
+    g = torch.Generator().manual_seed(0)  # the same rows on every rank
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch, cfg.data.seq_len + 1), generator=g)
+    inputs, targets, positions = tokens[:, :-1], tokens[:, 1:], None
+    if cfg.parallel.cp > 1:
+        from raydist.parallel.context import apply_context_parallel
+
+        shard = apply_context_parallel(model, MeshSpec(cp=cfg.parallel.cp).build("cpu"), cfg)
+        inputs, targets, positions = shard(inputs, targets)
+    saved = SavedActivations(exclude=model.parameters())
+    with saved.hooks(), LiveActivations() as live:
+        loss = cross_entropy(model(inputs, positions), targets)
+    result = {"saved": saved.live, "live": live.live_bytes(exclude=(loss, *model.parameters(), *model.buffers()))}
+    loss.backward()
+    return result
+
+
+def context_parallel_section(seq_len: int) -> None:
+    from raydist.launcher import ensure_data
+
+    cfg = Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0"])
+    m, batch = cfg.model, cfg.train.micro_batch
+    head_dim = m.d_model // m.num_heads
+    print(f"context parallel: bytes sent per rank per attention layer (B={batch}, T={seq_len}, H={m.num_heads}, "
+          f"K={m.num_kv_heads}, E={head_dim}, fp32)")
+    print(f"  {'impl':<8} {'cp':>3} {'fwd KiB':>9} {'theory':>9} {'bwd KiB':>9} {'theory':>9} {'x local qkv+o':>14}")
+    for impl in ("ring", "ulysses"):
+        for cp in CP_DEGREES:
+            local = seq_len // cp
+            counted = spawn(_attention_layer_on_rank, cp, impl, batch, m.num_heads, m.num_kv_heads, seq_len, head_dim)
+            worst = {key: max(rank[key] for rank in counted) for key in ("forward", "backward")}
+            if impl == "ring":
+                theory = ring_attention_bytes(batch, m.num_kv_heads, local, head_dim, cp, 4)
+            else:
+                theory = ulysses_attention_bytes(batch, m.num_heads, m.num_kv_heads, local, head_dim, cp, 4)
+            qkvo = 4 * batch * local * head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+            print(f"  {impl:<8} {cp:>3} {worst['forward'] / 2**10:>9.1f} {theory['forward'] / 2**10:>9.1f} "
+                  f"{worst['backward'] / 2**10:>9.1f} {theory['backward'] / 2**10:>9.1f} "
+                  f"{(worst['forward'] + worst['backward']) / qkvo:>14.2f}")
+
+    print(f"\none training step, cp=2 (FSDP over the 2 cp ranks), {cfg.model.num_layers} layers, "
+          f"{cfg.train.global_batch // batch} micro-batches of {batch} x {cfg.data.seq_len}: MiB sent per rank")
+    ensure_data(cfg)
+    layers_micro = cfg.model.num_layers * (cfg.train.global_batch // batch)
+    for impl in ("ring", "ulysses"):
+        raw = cfg.to_dict()
+        raw["parallel"].update(dp_replicate=1, dp_shard=1, cp=2, cp_impl=impl)
+        result = spawn(_count_on_rank, 2, raw)[0]
+        local = cfg.data.seq_len // 2
+        if impl == "ring":
+            per_layer = ring_attention_bytes(batch, m.num_kv_heads, local, head_dim, 2, 4)
+        else:
+            per_layer = ulysses_attention_bytes(batch, m.num_heads, m.num_kv_heads, local, head_dim, 2, 4)
+        expected = layers_micro * (per_layer["forward"] + per_layer["backward"])
+        detail = ", ".join(f"{k} {v / 2**20:.3f}" for k, v in sorted(result["bytes"].items()))
+        kind = "send" if impl == "ring" else "all_to_all"
+        print(f"  {impl:<8} {detail}   ({kind}: layers x micro-batches x per-layer theory = {expected / 2**20:.3f})")
+
+    print(f"\nactivations held for backward per rank, one micro-batch of {batch} x {seq_len} "
+          f"({cfg.model.num_layers} layers, parameters excluded):")
+    print(f"  {'impl':<8} {'cp':>3} {'saved MiB':>10} {'live MiB':>9} {'x cp=1':>7} {'1/cp':>6}")
+    base = None
+    for impl, cp in (("-", 1),) + tuple((impl, cp) for impl in ("ring", "ulysses") for cp in CP_DEGREES):
+        raw = cfg.to_dict()
+        raw["data"]["seq_len"] = seq_len
+        raw["parallel"].update(dp_replicate=1, dp_shard=1, cp=cp, cp_impl="ring" if impl == "-" else impl)
+        worst = max(spawn(_activations_on_rank, cp, raw), key=lambda r: r["live"])
+        base = base or worst["live"]
+        print(f"  {impl:<8} {cp:>3} {worst['saved'] / 2**20:>10.2f} {worst['live'] / 2**20:>9.2f} "
+              f"{worst['live'] / base:>7.3f} {1 / cp:>6.3f}")
+    print("  (Ulysses keeps one more attention-output-sized tensor per layer: the head-sharded output its\n"
+          "   attention saves and the sequence-sharded input of wo after the all-to-all are two tensors, where\n"
+          "   the single-process run's sdpa output and wo input share one storage)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--section", choices=("dp", "cp", "all"), default="all")
+    parser.add_argument("--cp-seq-len", type=int, default=512, help="sequence length of the cp attention and "
+                        "activation measurements")
+    args = parser.parse_args()
+    if args.section in ("dp", "all"):
+        data_parallel_section()
+        print()
+    if args.section in ("cp", "all"):
+        context_parallel_section(args.cp_seq_len)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,18 @@ For a payload of n bytes in a group of p ranks, each rank sends (seed 003, ring 
 `CommCounter` wraps the `torch.distributed` functions that FSDP2, DTensor-free code and our own
 collectives call through the module (`dist.all_reduce`, `dist.all_gather_single`, ...); DDP's reducer
 calls the process group from C++, so DDP is counted by registering `ddp_hook()`, which all-reduces each
-bucket through `dist.all_reduce`.
+bucket through `dist.all_reduce`. Point-to-point batches (`dist.batch_isend_irecv`, as ring attention
+sends K/V) count each P2POp that sends, as a `send`.
+
+Context parallelism per attention layer and rank (`ring_attention_bytes`, `ulysses_attention_bytes`) gives
+the figures the counted bytes are compared with in benchmarks/comm_volume.py.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -85,11 +90,24 @@ class CommCounter:
                 return __fn(*args, **kwargs)
 
             setattr(dist, name, wrapper)
+        originals["batch_isend_irecv"] = batch = dist.batch_isend_irecv
+
+        def batch_wrapper(p2p_op_list, __fn=batch):
+            self.record_p2p(p2p_op_list)
+            return __fn(p2p_op_list)
+
+        dist.batch_isend_irecv = batch_wrapper
         try:
             yield self
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
+
+    def record_p2p(self, p2p_ops) -> None:
+        """Count the sends of a `batch_isend_irecv` batch (P2POp.op is c10d's isend or irecv)."""
+        for op in p2p_ops:
+            if getattr(op.op, "__name__", "") == "isend":
+                self.record("send", _nbytes(op.tensor), 2)
 
     @staticmethod
     def ddp_hook():
@@ -98,3 +116,39 @@ class CommCounter:
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         return allreduce_hook
+
+
+# ---- context parallelism: bytes one rank sends per attention layer (forward, backward) -----------------
+
+
+def ring_attention_bytes(batch: int, kv_heads: int, local_tokens: int, head_dim: int, cp: int,
+                         dtype_bytes: int, grad_bytes: int = 4) -> dict[str, float]:
+    """Ring attention (parallel/ring_attention.py): the local K and V, kv = 2 B K (T/cp) E bytes, go to the
+    next rank cp-1 times in forward; in backward K/V again cp-1 times and the dK/dV accumulator (in
+    fp32: grad_bytes) cp times, its last hop returning it to its owner."""
+    kv = 2 * batch * kv_heads * local_tokens * head_dim
+    return {"forward": float((cp - 1) * kv * dtype_bytes),
+            "backward": float((cp - 1) * kv * dtype_bytes + cp * kv * grad_bytes)}
+
+
+def ulysses_attention_bytes(batch: int, heads: int, kv_heads: int, local_tokens: int, head_dim: int, cp: int,
+                            dtype_bytes: int) -> dict[str, float]:
+    """Ulysses (parallel/ulysses.py): all-to-all of q, k, v (kv heads repeated to lcm(K, cp) when cp does
+    not divide K) and of the output, each sending (cp-1)/cp of the local tensor; the backward all-to-alls
+    their gradients, the same bytes."""
+    kv_heads = kv_heads if kv_heads % cp == 0 else math.lcm(kv_heads, cp)
+    elements = batch * local_tokens * head_dim * (heads + 2 * kv_heads + heads)
+    one_way = (cp - 1) / cp * elements * dtype_bytes
+    return {"forward": one_way, "backward": one_way}
+
+
+def count_attention_layer(attention_fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, float]:
+    """Bytes this rank sends in one `attention_fn(q, k, v)` forward and in its backward (of sum(out)), as
+    {"forward": ..., "backward": ...}: what the formulas above predict, measured."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    forward, backward = CommCounter(), CommCounter()
+    with forward.patch():
+        out = attention_fn(q, k, v)
+    with backward.patch():
+        out.float().sum().backward()
+    return {"forward": forward.total, "backward": backward.total}

@@ -1,10 +1,12 @@
 """`parallelize(model, mesh, cfg)`: apply the parallel dimensions to a model in a fixed order.
 
     [pipeline: split into this rank's chunks, then for each chunk:]
-    tensor parallel (+ sequence parallel)  ->  activation checkpointing  ->  FSDP / HSDP, or DDP
+    tensor parallel (+ sequence parallel)  ->  context parallel  ->  activation checkpointing
+    ->  FSDP / HSDP, or DDP
 
 TP comes first because FSDP shards the TP-local DTensors (a 2-D dp_shard x tp layout); checkpointing
-comes before FSDP so that recompute re-runs FSDP's unshard hooks inside the region.
+comes before FSDP so that recompute re-runs FSDP's unshard hooks inside the region. Context parallelism
+replaces each block's attention function (on the TP-local heads) and returns the sequence-sharding hook.
 """
 
 from __future__ import annotations
@@ -65,13 +67,18 @@ def data_parallel_kind(mesh: Mesh) -> str:
 
 
 def _parallelize_module(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
-                        compute_dtype: torch.dtype) -> tuple[torch.nn.Module, str]:
-    """TP -> activation checkpointing -> FSDP/HSDP or DDP on one module (the model, or a pipeline chunk).
-    Returns (the module forward is called on, the data-parallel kind)."""
+                        compute_dtype: torch.dtype) -> tuple[torch.nn.Module, str, Callable | None]:
+    """TP -> CP -> activation checkpointing -> FSDP/HSDP or DDP on one module (the model, or a pipeline
+    chunk). Returns (the module forward is called on, the data-parallel kind, the sequence-sharding hook)."""
     if mesh.spec.tp > 1:
         from raydist.parallel.tensor import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh, cfg)
+    shard_sequence = None
+    if mesh.spec.cp > 1:
+        from raydist.parallel.context import apply_context_parallel
+
+        shard_sequence = apply_context_parallel(model, mesh, cfg)
     apply_activation_checkpointing(model, cfg.train.activation_checkpoint, cfg.train.activation_checkpoint_k)
     kind = data_parallel_kind(mesh)
     if kind in ("fsdp", "hsdp"):
@@ -80,21 +87,21 @@ def _parallelize_module(model: torch.nn.Module, mesh: Mesh, cfg: Config, device:
         apply_fsdp(model, mesh.fsdp, compute_dtype,
                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
                    forward_prefetch=cfg.parallel.fsdp_forward_prefetch)
-        return model, kind
+        return model, kind, shard_sequence
     model.to(device)
     if kind == "ddp":
         from raydist.parallel.ddp import apply_ddp
 
-        return apply_ddp(model, mesh.dp_cp, device), kind
-    return model, kind
+        return apply_ddp(model, mesh.dp_cp, device), kind, shard_sequence
+    return model, kind, shard_sequence
 
 
 def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                 compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
     if mesh.spec.pp > 1:
         return _parallelize_pipeline(model, mesh, cfg, device, compute_dtype)
-    module, kind = _parallelize_module(model, mesh, cfg, device, compute_dtype)
-    return ParallelModel(module, model, kind, compute_dtype)
+    module, kind, shard_sequence = _parallelize_module(model, mesh, cfg, device, compute_dtype)
+    return ParallelModel(module, model, kind, compute_dtype, shard_sequence=shard_sequence)
 
 
 def _parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
@@ -108,7 +115,7 @@ def _parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, cfg: Config, devic
     chunks = split_model(model, mesh.local_rank("pp"), p.pp, virtual, seq_len=cfg.data.seq_len)
     wrapped, kind = [], "none"
     for chunk in chunks:
-        module, kind = _parallelize_module(chunk, mesh, cfg, device, compute_dtype)
+        module, kind, _ = _parallelize_module(chunk, mesh, cfg, device, compute_dtype)  # cp > 1 is rejected
         wrapped.append(module)
     return ParallelModel(wrapped[0], stage_view(model, chunks), kind, compute_dtype, chunks=chunks,
                          chunk_modules=wrapped, aliases=tied_aliases(chunks))

@@ -21,6 +21,7 @@ def check_layout(cfg: Config, spec: MeshSpec) -> int:
         raise ConfigError(f"parallel.dp_shard={spec.dp_shard} x cp={spec.cp} = {shards} FSDP shards exceeds the smallest "
                           f"parameter's first dimension ({smallest}): some ranks would hold empty shards; lower "
                           "parallel.dp_shard (use dp_replicate for the rest: HSDP)")
+    check_context_parallel(cfg, spec)
     accum = per_rank // t.micro_batch
     if spec.pp > 1:
         _check_pipeline(cfg, spec, per_rank, accum)
@@ -46,3 +47,24 @@ def _check_pipeline(cfg: Config, spec: MeshSpec, per_rank: int, accum: int) -> N
     if p.sequence_parallel:
         raise ConfigError("pipeline parallelism with parallel.sequence_parallel=true is not supported yet; "
                           "turn sequence parallelism off when parallel.pp > 1")
+
+
+def check_context_parallel(cfg: Config, spec: MeshSpec) -> None:
+    """Ring (causal, zig-zag) needs seq_len divisible by 2*cp; Ulysses needs the per-rank query heads
+    (num_heads / tp) divisible by cp (kv heads that cp does not divide are repeated to lcm(kv, cp))."""
+    if spec.cp <= 1:
+        return
+    cp, impl, m, seq_len = spec.cp, cfg.parallel.cp_impl, cfg.model, cfg.data.seq_len
+    if impl == "ring" and seq_len % (2 * cp):
+        raise ConfigError(f"data.seq_len={seq_len} is not divisible by 2 x parallel.cp = {2 * cp}: ring attention "
+                          f"splits each sequence into 2*cp equal zig-zag chunks; make seq_len a multiple of "
+                          f"{2 * cp} or change cp")
+    if impl == "ulysses":
+        if seq_len % cp:
+            raise ConfigError(f"data.seq_len={seq_len} is not divisible by parallel.cp={cp} (Ulysses splits "
+                              f"each sequence into cp shards); make seq_len a multiple of {cp} or change cp")
+        heads = m.num_heads // spec.tp
+        if heads % cp:
+            raise ConfigError(f"parallel.cp={cp} does not divide the query heads per rank (model.num_heads="
+                              f"{m.num_heads} / tp={spec.tp} = {heads}): Ulysses gives each cp rank whole heads; "
+                              f"use a cp that divides {heads}, or parallel.cp_impl=ring")

@@ -1,0 +1,117 @@
+"""Context parallelism: the sequence split across the cp mesh axis, attention made whole again.
+
+    shard_sequence = apply_context_parallel(model, mesh, cfg)   # parallelize() calls this when cp > 1
+
+installs a cp attention on every block and returns the `ParallelModel.shard_sequence` hook the trainer
+runs on each micro-batch: (inputs (B, T), targets (B, T)) -> (the rank's inputs (B, T/cp), its targets
+(B, T/cp), their positions (T/cp,) in the full sequence, which index the model's RoPE tables).
+
+- `parallel.cp_impl = ring` (ring_attention.py): zig-zag sharding (rank r holds chunks r and 2cp-1-r of
+  2cp equal chunks) so causal work is equal on every rank; K/V blocks travel around the ring.
+- `parallel.cp_impl = ulysses` (ulysses.py): contiguous sharding; all-to-all to head shards, the model's
+  own causal attention on whole sequences, all-to-all back.
+
+Everything outside attention is per token, so it runs unchanged on the local tokens. The loss is each
+rank's mean over its T/cp tokens, and FSDP averages gradients over dp_shard x cp: equal token counts on
+every cp rank (both shardings give T/cp) make that the mean over the whole sequence. The cp ranks hold the
+same parameters (FSDP shards them over dp_shard x cp; mesh.py).
+
+Attention backends: ring attention runs the Triton flash-attention blocks when the model's attention is
+the Triton kernel (`kernels.attention`, CUDA or TRITON_INTERPRET=1) and plain-torch blocks otherwise;
+Ulysses wraps whichever attention the model has. Under tensor parallelism both see H/tp local heads.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from raydist.config import Config
+from raydist.mesh import Mesh
+
+IMPLEMENTATIONS = ("ring", "ulysses")
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions (T/cp,) rank `rank` holds under ring sharding: chunks rank and 2cp-1-rank of size T/(2cp)."""
+    if seq_len % (2 * cp):
+        raise ValueError(f"ring attention splits the sequence into 2 x cp = {2 * cp} equal chunks, but seq_len="
+                         f"{seq_len} is not divisible by {2 * cp}; make data.seq_len a multiple of {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat((torch.arange(first, first + chunk), torch.arange(second, second + chunk)))
+
+
+def contiguous_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions (T/cp,) rank `rank` holds under Ulysses sharding: [rank T/cp, (rank+1) T/cp)."""
+    if seq_len % cp:
+        raise ValueError(f"Ulysses splits the sequence into cp={cp} equal shards, but seq_len={seq_len} is not "
+                         f"divisible by {cp}; make data.seq_len a multiple of {cp}")
+    local = seq_len // cp
+    return torch.arange(rank * local, (rank + 1) * local)
+
+
+POSITIONS = {"ring": zigzag_positions, "ulysses": contiguous_positions}
+
+
+def sequence_sharder(impl: str, cp: int, rank: int) -> Callable:
+    """The `shard_sequence(inputs, targets) -> (inputs, targets, positions)` hook for `impl`."""
+    positions_of = functools.lru_cache(maxsize=8)(
+        lambda seq_len, device: POSITIONS[impl](seq_len, cp, rank).to(device))
+
+    def shard_sequence(inputs: torch.Tensor, targets: torch.Tensor):
+        positions = positions_of(inputs.shape[1], inputs.device)
+        return inputs[:, positions], targets[:, positions], positions
+
+    return shard_sequence
+
+
+def unshard_sequence(local: torch.Tensor, impl: str, group, dim: int = 1) -> torch.Tensor:
+    """The inverse of the sharding (all-gather, then reorder): local (..., T/cp, ...) -> (..., T, ...) on
+    every cp rank. Not used in training; tests and tools use it to compare with a single-process run."""
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    parts = [torch.empty_like(local) for _ in range(cp)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    seq_len = local.shape[dim] * cp
+    order = torch.cat([POSITIONS[impl](seq_len, cp, r) for r in range(cp)])
+    gathered = torch.cat(parts, dim=dim)  # in rank order: position order[i] is at index i
+    full = torch.empty_like(gathered)
+    full.index_copy_(dim, order.to(local.device), gathered)
+    return full
+
+
+def context_attention(impl: str, group, inner: Callable, backend: str) -> Callable:
+    """The `attention_fn(q, k, v)` for `impl` on the cp process group `group`."""
+    if impl == "ring":
+        from raydist.parallel.ring_attention import Ring, ring_attention
+
+        return functools.partial(ring_attention, ring=Ring(group), backend=backend)
+    if impl == "ulysses":
+        from raydist.parallel.ulysses import ulysses_attention
+
+        return functools.partial(ulysses_attention, group=group, inner=inner)
+    raise ValueError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+
+
+def ring_backend_for(attention_fn: Callable) -> str:
+    """'triton' when the model runs the Triton attention kernel (kernels.select installed it), else 'torch'."""
+    from raydist.kernels.attention import triton_causal_attention
+
+    return "triton" if attention_fn is triton_causal_attention else "torch"
+
+
+def apply_context_parallel(model, mesh: Mesh, cfg: Config) -> Callable:
+    """Install cp attention on every block of `model` (after tensor parallelism, before checkpointing and
+    FSDP); returns the sequence-sharding hook for the trainer."""
+    impl = cfg.parallel.cp_impl
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    cp_mesh = mesh["cp"]
+    group = cp_mesh.get_group()
+    for block in model.layers.values():
+        inner = block.attention.attention_fn
+        block.attention.attention_fn = context_attention(impl, group, inner, ring_backend_for(inner))
+    return sequence_sharder(impl, mesh.size("cp"), mesh.local_rank("cp"))
