@@ -60,10 +60,11 @@ def data_parallel_kind(mesh: Mesh) -> str:
 
 def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                 compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
+    loss_fn = cross_entropy
     if mesh.spec.tp > 1:
         from raydist.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh, cfg)
+        loss_fn = apply_tensor_parallel(model, mesh, cfg)  # vocabulary-parallel where this rank has the head
     apply_activation_checkpointing(model, cfg.train.activation_checkpoint, cfg.train.activation_checkpoint_k)
     kind = data_parallel_kind(mesh)
     if kind in ("fsdp", "hsdp"):
@@ -72,10 +73,10 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.d
         apply_fsdp(model, mesh.fsdp, compute_dtype,
                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
                    forward_prefetch=cfg.parallel.fsdp_forward_prefetch)
-        return ParallelModel(model, model, kind, compute_dtype)
+        return ParallelModel(model, model, kind, compute_dtype, loss_fn)
     model.to(device)
     if kind == "ddp":
         from raydist.parallel.ddp import apply_ddp
 
-        return ParallelModel(apply_ddp(model, mesh.dp_cp, device), model, kind, compute_dtype)
-    return ParallelModel(model, model, kind, compute_dtype)
+        return ParallelModel(apply_ddp(model, mesh.dp_cp, device), model, kind, compute_dtype, loss_fn)
+    return ParallelModel(model, model, kind, compute_dtype, loss_fn)
