@@ -52,7 +52,7 @@ class NormParallel(ParallelStyle):
     (Replicate: the whole sequence; Shard(1): this rank's tokens), output a local tensor in that layout.
 
     Under SP each rank's weight gradient covers its tokens only (a Partial sum); FSDP2 sums it over tp
-    before its reduce-scatter, and without FSDP `sum_partial_gradients` does."""
+    before its reduce-scatter, and without FSDP `gradient_in_parameter_layout` does."""
 
     def __init__(self, layout: Placement):
         super().__init__()
@@ -149,12 +149,25 @@ def _fill_positions(tp: int, first_stage: bool):
     return hook
 
 
-def sum_partial_gradients(param: torch.Tensor) -> None:
-    """Post-accumulate hook (TP without FSDP): a Replicate parameter's gradient that is a Partial sum
-    (SP norms, replicated kv heads) is all-reduced over tp, so the optimizer and the norm see the total."""
+def gradient_in_parameter_layout(param: torch.Tensor) -> None:
+    """Post-accumulate hook (TP without FSDP): lay the gradient out as its parameter.
+
+    - Partial -> Replicate, an all-reduce over tp: the norm weights under SP and replicated kv heads,
+      whose gradient each rank holds for its own tokens or query heads only;
+    - Replicate -> Shard(0), a local slice: DTensor computes the vocabulary-parallel embedding's gradient
+      whole on every rank (from the replicated output gradient); each rank keeps its V/tp rows.
+    """
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(placements=param.placements)
+
+
+def register_gradient_layout(module: nn.Module) -> None:
+    """Install `gradient_in_parameter_layout` on every DTensor parameter of `module` (FSDP2 replaces the
+    parameters and redistributes their gradients itself before its reduce-scatter)."""
+    for param in module.parameters():
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(gradient_in_parameter_layout)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> Callable:
@@ -172,8 +185,6 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> Callable
         model.output.register_parameter("weight", model.tok_embeddings.weight)
     if cfg.parallel.sequence_parallel:
         model.register_forward_pre_hook(_fill_positions(tp, model.tok_embeddings is not None), with_kwargs=True)
-    for param in model.parameters():
-        if isinstance(param, DTensor) and param.placements == (Replicate(),):
-            param.register_post_accumulate_grad_hook(sum_partial_gradients)
+    register_gradient_layout(model)
     return vocab_parallel_cross_entropy if model.output is not None else cross_entropy
 
