@@ -60,13 +60,16 @@ def data_parallel_kind(mesh: Mesh) -> str:
 
 def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                 compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
+    kind = data_parallel_kind(mesh)
+    if kind not in ("fsdp", "hsdp"):
+        # before TP: Module.to() swaps DTensor parameters for new objects, dropping their gradient hooks
+        model.to(device)
     loss_fn = cross_entropy
     if mesh.spec.tp > 1:
         from raydist.parallel.tensor import apply_tensor_parallel
 
         loss_fn = apply_tensor_parallel(model, mesh, cfg)  # vocabulary-parallel where this rank has the head
     apply_activation_checkpointing(model, cfg.train.activation_checkpoint, cfg.train.activation_checkpoint_k)
-    kind = data_parallel_kind(mesh)
     if kind in ("fsdp", "hsdp"):
         from raydist.parallel.fsdp import apply_fsdp
 
@@ -74,7 +77,6 @@ def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.d
                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
                    forward_prefetch=cfg.parallel.fsdp_forward_prefetch)
         return ParallelModel(model, model, kind, compute_dtype, loss_fn)
-    model.to(device)
     if kind == "ddp":
         from raydist.parallel.ddp import apply_ddp
 

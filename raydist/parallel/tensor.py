@@ -172,7 +172,10 @@ def register_gradient_layout(module: nn.Module) -> None:
 
 def apply_tensor_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> Callable:
     """Shard `model` (a raydist GPT, before FSDP) over `mesh["tp"]`; returns the loss function for its
-    logits (vocabulary-parallel where this rank holds the head)."""
+    logits (vocabulary-parallel where this rank holds the head).
+
+    Move the model to its device before (or let FSDP move it after): `Module.to()` replaces DTensor
+    parameters with new objects (`swap_tensors`), which drops the gradient hooks installed here."""
     check_tensor_parallel(cfg, mesh.spec)
     tp_mesh = mesh["tp"]
     tp = tp_mesh.size()
