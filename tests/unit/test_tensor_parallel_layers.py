@@ -2,7 +2,9 @@
 plain output's slice for this rank, and backward gives the slices of the plain input and weight gradients.
 
 Layers are parallelized with the plan's own styles (`tensor.block_plan`, `tensor.root_plan`), with and
-without sequence parallelism. All cases run in one `spawn`; each test reads its case's outcome."""
+without sequence parallelism; then `apply_tensor_parallel` on a whole GPT (tied and untied head, with the
+plan's vocabulary-parallel loss) and on two pipeline stages of one. All cases run in one `spawn`; each
+test reads its case's outcome."""
 
 from __future__ import annotations
 
@@ -163,6 +165,74 @@ def _cross_entropy_case(mesh):
     torch.testing.assert_close(local.grad, _local(logits.grad, Shard(-1), rank), rtol=1e-5, atol=1e-7)
 
 
+def _model_config(tied: bool, sequence_parallel: bool):
+    from raydist.config import Config
+    from raydist.testing import tiny_config
+
+    return Config.from_dict(tiny_config(
+        "unused", seq_len=T, model={"num_layers": 2, "d_model": D, "num_heads": H, "num_kv_heads": 2,
+                                    "ffn_hidden": F_, "vocab_size": V, "tie_embeddings": tied},
+        parallel={"tp": TP, "dp_replicate": 1, "sequence_parallel": sequence_parallel}))
+
+
+def _compare_models(plain, sharded_parts, loss_fn) -> None:
+    """plain GPT vs the TP `sharded_parts` run one after another (one part: a whole model; two: pipeline
+    stages): logits, loss and every parameter's full gradient by name."""
+    from raydist.models.gpt import cross_entropy
+
+    gen = torch.Generator().manual_seed(2)
+    tokens, targets = torch.randint(0, V, (B, T), generator=gen), torch.randint(0, V, (B, T), generator=gen)
+    expected_logits = plain(tokens)
+    expected = cross_entropy(expected_logits, targets)
+    expected.backward()
+    h = tokens
+    for part in sharded_parts:
+        h = part(h)  # between stages: a plain local tensor, (B, T/tp, D) under SP
+    loss = loss_fn(h, targets)
+    loss.backward()
+    _close(h.full_tensor(), expected_logits.detach(), "logits")
+    _close(loss, expected.detach(), "loss")
+    plain_grads = {n: p.grad for n, p in plain.named_parameters()}
+    got = {n: p.grad.full_tensor() for part in sharded_parts for n, p in part.named_parameters()}
+    assert got.keys() == plain_grads.keys(), sorted(got)
+    for name, grad in got.items():
+        _close(grad, plain_grads[name], f"gradient of {name}")
+
+
+def _pipeline_stages_case(sequence_parallel: bool) -> None:
+    """The plan on pipeline stages: stage 0 (embedding, block 0) hands a local tensor to stage 1 (block 1,
+    norm, head), which must still give RoPE the whole sequence's positions."""
+    from raydist.mesh import MeshSpec
+    from raydist.models.gpt import build_model
+    from raydist.parallel.tensor import apply_tensor_parallel
+
+    cfg = _model_config(False, sequence_parallel)
+    plain = build_model(cfg.model, T, seed=0)
+    first, last = build_model(cfg.model, T, seed=0), build_model(cfg.model, T, seed=0)
+    first.norm = first.output = None
+    del first.layers["1"]
+    last.tok_embeddings = None
+    del last.layers["0"]
+    mesh = MeshSpec(tp=TP).build("cpu")
+    apply_tensor_parallel(first, mesh, cfg)
+    _compare_models(plain, [first, last], apply_tensor_parallel(last, mesh, cfg))
+
+
+def _whole_model_case(tied: bool, sequence_parallel: bool) -> None:
+    """`apply_tensor_parallel` on a whole GPT (embedding, blocks, final norm, tied or untied head, the
+    plan's loss) against the plain model: logits, loss and every parameter's full gradient."""
+    from raydist.mesh import MeshSpec
+    from raydist.models.gpt import build_model
+    from raydist.parallel.tensor import apply_tensor_parallel
+
+    cfg = _model_config(tied, sequence_parallel)
+    plain = build_model(cfg.model, T, seed=0)
+    sharded = build_model(cfg.model, T, seed=0)
+    loss_fn = apply_tensor_parallel(sharded, MeshSpec(tp=TP).build("cpu"), cfg)
+    assert (sharded.output.weight is sharded.tok_embeddings.weight) == tied
+    _compare_models(plain, [sharded], loss_fn)
+
+
 def _run_cases() -> dict[str, str | None]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -181,11 +251,18 @@ def _run_cases() -> dict[str, str | None]:
                 outcome[key] = None
             except Exception:
                 outcome[key] = traceback.format_exc()
-    try:
-        _cross_entropy_case(mesh)
-        outcome["cross_entropy"] = None
-    except Exception:
-        outcome["cross_entropy"] = traceback.format_exc()
+    extra = [("cross_entropy", lambda: _cross_entropy_case(mesh))] + [
+        (f"model-{'tied' if tied else 'untied'}-{layout_name}",
+         lambda tied=tied, sp=layout_name == "sequence": _whole_model_case(tied, sp))
+        for tied in (True, False) for layout_name in LAYOUTS] + [
+        (f"pipeline_stages-{layout_name}", lambda sp=layout_name == "sequence": _pipeline_stages_case(sp))
+        for layout_name in LAYOUTS]
+    for key, case in extra:
+        try:
+            case()
+            outcome[key] = None
+        except Exception:
+            outcome[key] = traceback.format_exc()
     return outcome
 
 
@@ -196,7 +273,8 @@ def outcomes():
 
 CASES = ["wq_column-replicate"] + [f"{n}-{lay}" for lay in LAYOUTS for n in (
     "attention_norm", "wo_row", "mlp", "attention_gqa", "attention_kv_replicated", "block", "embedding")] + [
-    "cross_entropy"]
+    "cross_entropy"] + [f"model-{tie}-{lay}" for tie in ("tied", "untied") for lay in LAYOUTS] + [
+    f"pipeline_stages-{lay}" for lay in LAYOUTS]
 
 
 @pytest.mark.parametrize("case", CASES)
