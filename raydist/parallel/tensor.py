@@ -7,7 +7,7 @@ Seed 004's split, per block (tp ranks, B batch, T sequence, D d_model, H/K query
     MLP:        w1 (gate), w3 (up) column-parallel: silu(x W1_r^T) * (x W3_r^T) needs no communication
                 w2 (down) row-parallel: partial sums, all-reduced
     embedding:  vocabulary-parallel (rows V/tp per rank; a token outside a rank's rows contributes zero,
-                the partial embeddings are all-reduced)
+                the partial embeddings are all-reduced; `VocabParallelEmbedding`)
     head:       column-parallel over the vocabulary: logits stay sharded (B, T, V/tp) and the loss is
                 `vocab_loss.vocab_parallel_cross_entropy`, which never gathers them
 
@@ -34,9 +34,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
@@ -98,6 +99,38 @@ class ReplicatedKVHeads(ParallelStyle):
         return distribute_module(module, device_mesh, None, replicated, own_head)
 
 
+class VocabParallelEmbedding(ParallelStyle):
+    """nn.Embedding with its rows split over tp (Shard(0): rank r holds ids [r V/tp, (r+1) V/tp)).
+
+    Each rank looks the tokens up in its own rows and zeroes the others, and the partial embeddings are
+    summed straight into the residual layout (an all-reduce; a reduce-scatter under SP). Backward gives
+    each rank the gradient of its rows only. (torch's RowwiseParallel on an embedding computes the same
+    forward but builds the whole (V, D) weight gradient on every rank, then keeps V/tp rows of it.)"""
+
+    def __init__(self, layout: Placement):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
+            raise ValueError(f"VocabParallelEmbedding supports a plain nn.Embedding, got {module}")
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight.detach(), device_mesh,
+                                                                           (Shard(0),))))
+        layout = self.layout
+
+        def forward(tokens: torch.Tensor) -> torch.Tensor:  # tokens (B, T), the same on every tp rank
+            weight = module.weight  # looked up per call: FSDP swaps in the gathered parameter
+            rows = weight.to_local()  # (V/tp, D); its gradient comes back as Shard(0)
+            local_ids = tokens - weight.device_mesh.get_local_rank() * rows.shape[0]
+            outside = (local_ids < 0) | (local_ids >= rows.shape[0])
+            partial = F.embedding(local_ids.masked_fill(outside, 0), rows).masked_fill(outside[..., None], 0.0)
+            summed = DTensor.from_local(partial, weight.device_mesh, (Partial(),), run_check=False)
+            return summed.redistribute(placements=(layout,)).to_local()  # (B, T, D) or (B, T/tp, D)
+
+        module.forward = forward
+        return module
+
+
 def block_plan(cfg: ModelConfig, tp: int, layout: Placement) -> dict[str, ParallelStyle]:
     """The plan for one TransformerBlock (keys are module names inside the block)."""
     to_replicate = dict(input_layouts=(layout,), desired_input_layouts=(Replicate(),))
@@ -125,7 +158,7 @@ def root_plan(model: nn.Module, layout: Placement) -> dict[str, ParallelStyle]:
     """Embedding, final norm and head (each absent on some pipeline stages)."""
     plan: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=layout)
+        plan["tok_embeddings"] = VocabParallelEmbedding(layout)
     if model.norm is not None:
         plan["norm"] = NormParallel(layout)
     if model.output is not None:
@@ -150,13 +183,11 @@ def _fill_positions(tp: int, first_stage: bool):
 
 
 def gradient_in_parameter_layout(param: torch.Tensor) -> None:
-    """Post-accumulate hook (TP without FSDP): lay the gradient out as its parameter.
+    """Post-accumulate hook (TP without FSDP): lay the gradient out as its parameter, once per backward.
 
-    - Partial -> Replicate, an all-reduce over tp: the norm weights under SP and replicated kv heads,
-      whose gradient each rank holds for its own tokens or query heads only;
-    - Replicate -> Shard(0), a local slice: DTensor computes the vocabulary-parallel embedding's gradient
-      whole on every rank (from the replicated output gradient); each rank keeps its V/tp rows.
-    """
+    The norm weights under SP and the replicated kv heads get Partial gradients (each rank's covers its
+    own tokens or query heads): one all-reduce over tp here. Left Partial, DTensor all-reduces them again
+    in every clipping and AdamW op that reads them (4 times per step, counted on TP 2 + SP)."""
     grad = param.grad
     if isinstance(grad, DTensor) and grad.placements != param.placements:
         param.grad = grad.redistribute(placements=param.placements)
