@@ -27,6 +27,9 @@ replicated and each rank computes the kv head its query heads use (rank * K // t
 Parameters become DTensors on the tp mesh (column: Shard(0), row: Shard(1), embedding and head: Shard(0),
 norms and replicated kv: Replicate), so FSDP2 shards them further over dp (a 2-D dp_shard x tp layout) and
 checkpoints keep the unsharded names and shapes. A tied head shares the embedding's Shard(0) matrix.
+
+`parallelize()` calls `loss_fn = apply_tensor_parallel(model, mesh, cfg)` first when tp > 1 and hands
+`loss_fn` to the Trainer (`ParallelModel.loss_fn`). Measured bytes per block: benchmarks/comm_volume.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tensor (+ sequence) parallelism against the single-process run: TP 2, TP 2 + SP, TP 2 x FSDP 2 (with SP
-and activation checkpointing), HSDP 2 x TP 2 and TP 4 with fewer kv heads (2) than tp (gloo, fp32, 10
-steps, losses within 1e-4 relative, gradients close, clipping by the same global norm); bad layouts
-rejected with the value named."""
+and full recompute), TP 4 with fewer kv heads (2) than tp, and (marked slow) HSDP 2 x TP 2 with selective
+recompute (gloo, fp32, 10 steps, losses within 1e-4 relative, gradients close, the same global gradient
+norm, which clipping uses on every step); bad layouts rejected with the value named."""
 
 import pytest
 
@@ -40,12 +40,18 @@ def test_tp2_equals_single_process(tiny_data, single, parallel):
 
 @pytest.mark.parametrize("parallel, train", [
     ({"tp": 2, "dp_shard": 2, "dp_replicate": 1, "sequence_parallel": True}, {"activation_checkpoint": "full"}),
-    ({"tp": 2, "dp_shard": 1, "dp_replicate": 2, "sequence_parallel": True}, {"activation_checkpoint": "selective"}),
     ({"tp": 4, "dp_replicate": 1}, {}),
-], ids=["tp2xfsdp2-sp-recompute", "hsdp2xtp2-sp-selective", "tp4-kv2"])
+], ids=["tp2xfsdp2-sp-recompute", "tp4-kv2"])
 def test_four_rank_layouts_equal_single_process(tiny_data, single, parallel, train):
     """tp4-kv2: the tiny model has 2 kv heads, so each is replicated on 2 of the 4 tp ranks."""
     _assert_matches(single, run_layout(tiny_config(tiny_data, train={**TRAIN, **train}, parallel=parallel), 4))
+
+
+@pytest.mark.slow  # beyond the issue's list: HSDP (replicas x FSDP2) over TP, the other composition
+def test_hsdp_over_tp_equals_single_process(tiny_data, single):
+    parallel = {"tp": 2, "dp_shard": 1, "dp_replicate": 2, "sequence_parallel": True}
+    raw = tiny_config(tiny_data, train={**TRAIN, "activation_checkpoint": "selective"}, parallel=parallel)
+    _assert_matches(single, run_layout(raw, 4))
 
 
 # ---- bad input ---------------------------------------------------------------------------------------
