@@ -12,7 +12,16 @@ in backward. Ulysses: all-to-all of q, k, v and out, (cp-1)/cp of each, in forwa
 Then one training step with cp (its FSDP over the cp ranks, the ring's sends) and the activation memory
 each rank holds for backward, which falls as 1/cp: every activation is per token, and each rank holds T/cp.
 
-    python benchmarks/comm_volume.py [--section dp|cp|all]
+    python benchmarks/comm_volume.py [--section dp|tp|cp|all]
+
+TP (and TP + SP): bytes per transformer block per step, counted at DTensor's collectives as the bytes of a
+model with 2 blocks minus those of 1 block, forward and backward apart, beside Megatron's figure
+(`metrics.comm.megatron_block_bytes`: 2 all-reduces of the (B, T, D) activations forward, 2 backward;
+with SP each becomes a reduce-scatter + an all-gather, the same bytes). "Other" is what a block adds
+besides activations: the SP norm-gradient sums and, when num_kv_heads < tp, the replicated kv weights'
+gradient sums.
+
+    python benchmarks/comm_volume.py
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import argparse
 import torch
 
 from raydist.config import Config
-from raydist.metrics.comm import CommCounter, ring_attention_bytes, ulysses_attention_bytes
+from raydist.metrics.comm import _FACTORS, CommCounter, megatron_block_bytes, ring_attention_bytes, ulysses_attention_bytes
 from raydist.runtime import spawn
 
 WORLD = 4
@@ -43,7 +52,67 @@ def _count_on_rank(raw: dict) -> dict:
     return {"bytes": dict(counter.bytes), "calls": dict(counter.calls), "total": counter.total}
 
 
-def data_parallel_section() -> None:
+def _tp_phases_on_rank(raw: dict) -> dict:
+    """{num_layers: {"forward"/"backward": {(kind, payload bytes): calls}}} for one micro-batch."""
+    from raydist.trainer import Trainer
+
+    out = {}
+    for layers in (1, 2):
+        trainer = Trainer(Config.from_dict({**raw, "model": {**raw["model"], "num_layers": layers}}),
+                          torch.device("cpu"))
+        micro = trainer._micro_batches(trainer.next_batch()[0])[0]
+        trainer.forward_loss(micro).backward()  # warm-up
+        trainer.optimizer.zero_grad(set_to_none=True)
+        forward, backward = CommCounter(), CommCounter()
+        with forward.patch():
+            loss = trainer.forward_loss(micro)
+        with backward.patch():
+            loss.backward()
+        out[layers] = {"forward": dict(forward.sizes), "backward": dict(backward.sizes)}
+        trainer.close()
+    return out
+
+
+def _sent(sizes: dict, p: int, activation: bool, n: int) -> dict:
+    totals: dict = {}
+    for (kind, payload), calls in sizes.items():
+        if (payload == n) == activation:
+            totals[kind] = totals.get(kind, 0.0) + calls * _FACTORS[kind](p) * payload
+    return totals
+
+
+def tensor_parallel_section(cfg: Config) -> None:
+    m = cfg.model
+    micro, seq = cfg.train.global_batch, cfg.data.seq_len  # dp = 1: one micro-batch per step
+    n = micro * seq * m.d_model * 4
+    print(f"\ntensor parallel: bytes per transformer block per step, one rank (micro-batch {micro} x seq {seq} x "
+          f"d_model {m.d_model}, fp32: activation n = {n / 2**20:.3f} MiB)")
+    print(f"{'layout':<8} {'fwd MiB':>8} {'bwd MiB':>8} {'total':>8} {'Megatron':>9} {'ratio':>6} {'other MiB':>10}"
+          "  by collective (activations)")
+    for p in (2, 4):
+        for sp in (False, True):
+            raw = cfg.to_dict()
+            raw["parallel"].update(dp_replicate=1, dp_shard=1, tp=p, sequence_parallel=sp)
+            raw["train"].update(micro_batch=micro)
+            phases = spawn(_tp_phases_on_rank, p, raw)[0]
+            block, other = {}, 0.0
+            for phase in ("forward", "backward"):
+                one, two = (_sent(phases[k][phase], p, True, n) for k in (1, 2))
+                block[phase] = {k: two.get(k, 0.0) - one.get(k, 0.0) for k in set(one) | set(two)}
+                other += sum(_sent(phases[2][phase], p, False, n).values()) - sum(
+                    _sent(phases[1][phase], p, False, n).values())
+            fwd, bwd = (sum(block[ph].values()) for ph in ("forward", "backward"))
+            megatron = sum(megatron_block_bytes(micro, seq, m.d_model, p, sp).values())
+            kinds = {k: block["forward"].get(k, 0.0) + block["backward"].get(k, 0.0)
+                     for k in set(block["forward"]) | set(block["backward"])}
+            detail = ", ".join(f"{k} {v / 2**20:.3f}" for k, v in sorted(kinds.items()))
+            name = f"TP{p}" + ("+SP" if sp else "")
+            print(f"{name:<8} {fwd / 2**20:>8.3f} {bwd / 2**20:>8.3f} {(fwd + bwd) / 2**20:>8.3f} "
+                  f"{megatron / 2**20:>9.3f} {(fwd + bwd) / megatron:>6.3f} {other / 2**20:>10.4f}  {detail}")
+
+
+def data_parallel_section() -> Config:
+    """DDP and FSDP bytes per step against the seed's figures; returns the config it used."""
     from raydist.launcher import ensure_data
     from raydist.models.gpt import param_counts
 
@@ -60,6 +129,7 @@ def data_parallel_section() -> None:
         result = spawn(_count_on_rank, p, raw)[0]
         detail = ", ".join(f"{k} {v / 2**20:.2f} MiB ({result['calls'][k]} calls)" for k, v in result["bytes"].items())
         print(f"{name:<8} {result['total'] / 2**20:>20.3f} {result['total'] / param_bytes:>14.3f} {seed:>12.3f}  {detail}")
+    return cfg
 
 
 
@@ -167,12 +237,14 @@ def context_parallel_section(seq_len: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--section", choices=("dp", "cp", "all"), default="all")
+    parser.add_argument("--section", choices=("dp", "tp", "cp", "all"), default="all")
     parser.add_argument("--cp-seq-len", type=int, default=512, help="sequence length of the cp attention and "
                         "activation measurements")
     args = parser.parse_args()
-    if args.section in ("dp", "all"):
-        data_parallel_section()
+    if args.section in ("dp", "tp", "all"):
+        cfg = data_parallel_section()
+        if args.section in ("tp", "all"):
+            tensor_parallel_section(cfg)
         print()
     if args.section in ("cp", "all"):
         context_parallel_section(args.cp_seq_len)

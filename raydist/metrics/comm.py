@@ -16,6 +16,13 @@ sends K/V) count each P2POp that sends, as a `send`.
 
 Context parallelism per attention layer and rank (`ring_attention_bytes`, `ulysses_attention_bytes`) gives
 the figures the counted bytes are compared with in benchmarks/comm_volume.py.
+
+bucket through `dist.all_reduce`. DTensor (tensor parallelism) communicates through the functional
+collectives (`torch.ops._c10d_functional.*`), which never pass through those Python functions; `patch()`
+also counts them with a TorchDispatchMode (`FunctionalCollectives`) that sees each op and its payload.
+
+`sizes` keeps a count per (kind, payload bytes), so a benchmark can tell the activation collectives of a
+transformer block (payload B x T x D x dtype bytes) from small ones (norm gradients, loss statistics).
 """
 
 from __future__ import annotations
@@ -26,6 +33,8 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _FACTORS = {
     "all_reduce": lambda p: 2 * (p - 1) / p,
@@ -60,20 +69,23 @@ class CommCounter:
     def __init__(self):
         self.bytes: collections.Counter = collections.Counter()  # kind -> bytes sent by this rank
         self.calls: collections.Counter = collections.Counter()
+        self.sizes: collections.Counter = collections.Counter()  # (kind, payload bytes) -> calls
 
     def record(self, kind: str, payload_bytes: int, group_size: int) -> None:
         if group_size <= 1:
             return
         self.bytes[kind] += _FACTORS[kind](group_size) * payload_bytes
         self.calls[kind] += 1
+        self.sizes[(kind, payload_bytes)] += 1
 
     @property
     def total(self) -> float:
         return float(sum(self.bytes.values()))
 
     @contextlib.contextmanager
-    def patch(self):
-        """Count every wrapped torch.distributed call made inside the block."""
+    def patch(self, functional: bool = True):
+        """Count every wrapped torch.distributed call made inside the block, and (`functional`) every
+        functional collective (DTensor's)."""
         import inspect
 
         originals = {}
@@ -98,7 +110,8 @@ class CommCounter:
 
         dist.batch_isend_irecv = batch_wrapper
         try:
-            yield self
+            with FunctionalCollectives(self) if functional else contextlib.nullcontext():
+                yield self
         finally:
             for name, fn in originals.items():
                 setattr(dist, name, fn)
@@ -152,3 +165,77 @@ def count_attention_layer(attention_fn, q: torch.Tensor, k: torch.Tensor, v: tor
     with backward.patch():
         out.float().sum().backward()
     return {"forward": forward.total, "backward": backward.total}
+
+# ---- functional collectives (DTensor) ---------------------------------------------------------------
+
+# op name in torch.ops._c10d_functional -> (kind, the argument that holds the group size or group name).
+# all_gather's payload is the gathered output: the input times the group size. The autograd variants
+# (`_c10d_functional_autograd`) call these ops inside, so only this namespace is counted.
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", 2), "all_reduce_": ("all_reduce", 2),
+    "all_reduce_coalesced": ("all_reduce", 2), "all_reduce_coalesced_": ("all_reduce", 2),
+    "all_gather_into_tensor": ("all_gather", 1), "all_gather_into_tensor_out": ("all_gather", 1),
+    "all_gather_into_tensor_coalesced": ("all_gather", 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 2), "reduce_scatter_tensor_out": ("reduce_scatter", 2),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 2),
+    "all_to_all_single": ("all_to_all", 3),
+    "broadcast": ("broadcast", 2), "broadcast_": ("broadcast", 2),
+}
+
+
+def _group_size(group) -> int:
+    if isinstance(group, int):
+        return group
+    if isinstance(group, dist.ProcessGroup):
+        return group.size()
+    return dist.distributed_c10d._resolve_process_group(group).size()
+
+
+class FunctionalCollectives(TorchDispatchMode):
+    """Records each `_c10d_functional` collective into a CommCounter, with its payload and group size.
+
+    Ops on DTensors are declined (NotImplemented) so DTensor runs first and lowers them to plain-tensor
+    ops, collectives included, which come back through this mode (as torch's CommDebugMode does)."""
+
+    def __init__(self, counter: CommCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", None) == "_c10d_functional":
+            spec = _FUNCTIONAL.get(func._overloadpacket.__name__)
+            if spec is not None:
+                kind, group_arg = spec
+                size = _group_size(args[group_arg])
+                payload = _nbytes(args[0]) * (size if kind == "all_gather" else 1)
+                self.counter.record(kind, payload, size)
+        return func(*args, **kwargs)
+
+
+# ---- tensor parallelism: Megatron's figure per transformer block ----------------------------------
+
+
+def megatron_block_bytes(micro_batch: int, seq_len: int, d_model: int, tp: int, sequence_parallel: bool,
+                         dtype_bytes: int = 4) -> dict[str, float]:
+    """Bytes one rank sends for one transformer block's forward + backward of one micro-batch (seed 004,
+    Shoeybi et al. / Korthikanti et al.), by collective kind. With n = B T D x dtype bytes:
+
+    - TP: "g" all-reduces the (B, T, D) output of attention and of the MLP in forward, "f" the gradient of
+      their input in backward: 4 all-reduces, 4 x 2 (p-1)/p x n;
+    - TP + SP: each all-reduce becomes a reduce-scatter (to the sequence slices) and an all-gather (back
+      to the whole sequence): 4 of each, the same 8 (p-1)/p x n in total.
+    """
+    n = micro_batch * seq_len * d_model * dtype_bytes
+    if sequence_parallel:
+        return {"all_gather": 4 * _FACTORS["all_gather"](tp) * n,
+                "reduce_scatter": 4 * _FACTORS["reduce_scatter"](tp) * n}
+    return {"all_reduce": 4 * _FACTORS["all_reduce"](tp) * n}
+
+
+def sp_norm_gradient_bytes(d_model: int, tp: int, dtype_bytes: int = 4) -> float:
+    """Under SP each rank's gradient of a block's two norm weights covers its tokens only: summing them
+    is 2 all-reduces of D numbers per block (once per micro-batch without FSDP; FSDP2 does it per step)."""
+    return 2 * _FACTORS["all_reduce"](tp) * d_model * dtype_bytes

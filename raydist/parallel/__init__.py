@@ -67,55 +67,62 @@ def data_parallel_kind(mesh: Mesh) -> str:
 
 
 def _parallelize_module(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
-                        compute_dtype: torch.dtype) -> tuple[torch.nn.Module, str, Callable | None]:
+                        compute_dtype: torch.dtype) -> tuple[torch.nn.Module, str, Callable, Callable | None]:
     """TP -> CP -> activation checkpointing -> FSDP/HSDP or DDP on one module (the model, or a pipeline
-    chunk). Returns (the module forward is called on, the data-parallel kind, the sequence-sharding hook)."""
+    chunk). Returns (the module forward is called on, the data-parallel kind, the loss function, the
+    sequence-sharding hook)."""
+    kind = data_parallel_kind(mesh)
+    if kind not in ("fsdp", "hsdp"):
+        # before TP: Module.to() swaps DTensor parameters for new objects, dropping their gradient hooks
+        model.to(device)
+    loss_fn = cross_entropy
     if mesh.spec.tp > 1:
         from raydist.parallel.tensor import apply_tensor_parallel
 
-        apply_tensor_parallel(model, mesh, cfg)
+        loss_fn = apply_tensor_parallel(model, mesh, cfg)  # vocabulary-parallel where this rank has the head
     shard_sequence = None
     if mesh.spec.cp > 1:
         from raydist.parallel.context import apply_context_parallel
 
         shard_sequence = apply_context_parallel(model, mesh, cfg)
     apply_activation_checkpointing(model, cfg.train.activation_checkpoint, cfg.train.activation_checkpoint_k)
-    kind = data_parallel_kind(mesh)
     if kind in ("fsdp", "hsdp"):
         from raydist.parallel.fsdp import apply_fsdp
 
         apply_fsdp(model, mesh.fsdp, compute_dtype,
                    reshard_after_forward=cfg.parallel.fsdp_reshard_after_forward,
                    forward_prefetch=cfg.parallel.fsdp_forward_prefetch)
-        return model, kind, shard_sequence
-    model.to(device)
+        return model, kind, loss_fn, shard_sequence
     if kind == "ddp":
         from raydist.parallel.ddp import apply_ddp
 
-        return apply_ddp(model, mesh.dp_cp, device), kind, shard_sequence
-    return model, kind, shard_sequence
+        return apply_ddp(model, mesh.dp_cp, device), kind, loss_fn, shard_sequence
+    return model, kind, loss_fn, shard_sequence
 
 
 def parallelize(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                 compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
     if mesh.spec.pp > 1:
         return _parallelize_pipeline(model, mesh, cfg, device, compute_dtype)
-    module, kind, shard_sequence = _parallelize_module(model, mesh, cfg, device, compute_dtype)
-    return ParallelModel(module, model, kind, compute_dtype, shard_sequence=shard_sequence)
+    module, kind, loss_fn, shard_sequence = _parallelize_module(model, mesh, cfg, device, compute_dtype)
+    return ParallelModel(module, model, kind, compute_dtype, loss_fn, shard_sequence)
 
 
 def _parallelize_pipeline(model: torch.nn.Module, mesh: Mesh, cfg: Config, device: torch.device,
                           compute_dtype: torch.dtype) -> ParallelModel:
     """Split into this pipeline rank's chunks (pp is the outer mesh axis), then parallelize each chunk
-    on the rest of the mesh; `model` becomes a view over the chunks with the unsharded names."""
+    on the rest of the mesh; `model` becomes a view over the chunks with the unsharded names. The loss
+    function is the last stage's (vocabulary-parallel under TP)."""
     from raydist.parallel.pipeline import split_model, stage_view, tied_aliases
 
     p = cfg.parallel
     virtual = p.virtual_stages if p.pp_schedule == "interleaved" else 1
     chunks = split_model(model, mesh.local_rank("pp"), p.pp, virtual, seq_len=cfg.data.seq_len)
-    wrapped, kind = [], "none"
+    wrapped, kind, loss_fn = [], "none", cross_entropy
     for chunk in chunks:
-        module, kind, _ = _parallelize_module(chunk, mesh, cfg, device, compute_dtype)  # cp > 1 is rejected
+        module, kind, chunk_loss, _ = _parallelize_module(chunk, mesh, cfg, device, compute_dtype)  # no cp with pp
         wrapped.append(module)
-    return ParallelModel(wrapped[0], stage_view(model, chunks), kind, compute_dtype, chunks=chunks,
+        if chunk.output is not None:
+            loss_fn = chunk_loss
+    return ParallelModel(wrapped[0], stage_view(model, chunks), kind, compute_dtype, loss_fn, chunks=chunks,
                          chunk_modules=wrapped, aliases=tied_aliases(chunks))

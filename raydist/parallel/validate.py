@@ -4,7 +4,7 @@ and the fix."""
 
 from __future__ import annotations
 
-from raydist.config import Config, ConfigError
+from raydist.config import Config, ConfigError, divisors
 from raydist.mesh import MeshSpec
 
 
@@ -15,8 +15,9 @@ def check_layout(cfg: Config, spec: MeshSpec) -> int:
     if per_rank is None or per_rank % t.micro_batch:
         raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by dp ({spec.dp}) x "
                           f"train.micro_batch ({t.micro_batch}); change global_batch, micro_batch or the layout")
+    check_tensor_parallel(cfg, spec)
     shards = spec.dp_shard * spec.cp
-    smallest = min(m.d_model, m.num_kv_heads * (m.d_model // m.num_heads) // spec.tp)
+    smallest = smallest_tp_rows(cfg, spec.tp)
     if shards > smallest:
         raise ConfigError(f"parallel.dp_shard={spec.dp_shard} x cp={spec.cp} = {shards} FSDP shards exceeds the smallest "
                           f"parameter's first dimension ({smallest}): some ranks would hold empty shards; lower "
@@ -68,3 +69,38 @@ def check_context_parallel(cfg: Config, spec: MeshSpec) -> None:
             raise ConfigError(f"parallel.cp={cp} does not divide the query heads per rank (model.num_heads="
                               f"{m.num_heads} / tp={spec.tp} = {heads}): Ulysses gives each cp rank whole heads; "
                               f"use a cp that divides {heads}, or parallel.cp_impl=ring")
+
+
+# ---- tensor parallelism (raydist/parallel/tensor.py) ------------------------------------------------
+
+
+def check_tensor_parallel(cfg: Config, spec: MeshSpec) -> None:
+    """Every dimension tensor parallelism splits must split evenly over tp; kv heads may also be fewer
+    than tp when tp is a multiple of them (each group of tp/K ranks then shares a replicated kv head)."""
+    tp, m = spec.tp, cfg.model
+    if tp == 1:
+        return
+    for key, value in (("num_heads", m.num_heads), ("ffn_hidden", m.ffn_hidden), ("vocab_size", m.vocab_size)):
+        if value % tp:
+            raise ConfigError(f"parallel.tp={tp} does not divide model.{key}={value}; pick tp from "
+                              f"{[d for d in divisors(value) if d > 1]} or change model.{key}")
+    kv = m.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"parallel.tp={tp} and model.num_kv_heads={kv}: tensor parallelism splits kv heads "
+                          f"evenly (tp divides num_kv_heads) or replicates them (num_kv_heads divides tp); "
+                          f"pick tp from {sorted(set(divisors(kv)) | {kv * d for d in divisors(m.num_heads // kv)})}")
+    if cfg.parallel.sequence_parallel:
+        local = cfg.data.seq_len // spec.cp if cfg.data.seq_len % spec.cp == 0 else cfg.data.seq_len
+        where = f"data.seq_len={cfg.data.seq_len}" + (f" / cp={spec.cp} = {local}" if spec.cp > 1 else "")
+        if local % tp:
+            raise ConfigError(f"parallel.sequence_parallel=true splits the sequence over tp={tp}, which does not "
+                              f"divide {where}; change data.seq_len or tp, or turn sequence_parallel off")
+
+
+def smallest_tp_rows(cfg: Config, tp: int) -> int:
+    """The smallest first dimension of a parameter after tensor parallelism (what FSDP then shards)."""
+    m = cfg.model
+    head_dim = m.d_model // m.num_heads
+    kv_heads = m.num_kv_heads // tp if m.num_kv_heads % tp == 0 else m.num_kv_heads  # else replicated
+    return min(m.d_model, m.num_heads * head_dim // tp, kv_heads * head_dim, m.ffn_hidden // tp,
+               m.vocab_size // tp)
