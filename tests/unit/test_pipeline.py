@@ -1,8 +1,8 @@
 """Pipeline parallelism equals the single-process run (fp32, gloo, 10 AdamW steps, 1e-4 relative).
 
 Layouts: PP2 and PP4 with GPipe, 1F1B and interleaved 1F1B (V=2); PP2 x DP2 (DDP per chunk); PP2 x FSDP2;
-M < P with 1F1B; untied embeddings; PP2 x TP2 with a minimal Megatron plan written here (torch's
-Colwise/RowwiseParallel on each block) until raydist/parallel/tensor.py exists. Every layout of one world size runs in one `spawn` (each rank builds
+M < P with 1F1B; untied embeddings (PP2 x TP2 with the real tensor-parallel plan runs through the Trainer in
+test_pipeline_trainer.py). Every layout of one world size runs in one `spawn` (each rank builds
 the same seeded model, splits it, runs the executor on its dp slice of the same batches); the reference
 is one process training the unsplit model on the whole batch.
 """
@@ -80,10 +80,10 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    inner = world // pp  # the mesh axis inside a stage: dp, or tp for dp_mode "tp"
+    inner = world // pp  # the data-parallel mesh axis inside a stage
     mesh = init_device_mesh("cpu", (pp, inner), mesh_dim_names=("pp", "dp"))  # pp outermost
     pp_rank = mesh.get_local_rank("pp")
-    dp, dp_rank = (1, 0) if dp_mode == "tp" else (inner, mesh.get_local_rank("dp"))
+    dp, dp_rank = inner, mesh.get_local_rank("dp")
     model = build_model(model_config(num_layers, tie), SEQ, seed=0)
     chunks = split_model(model, pp_rank, pp, virtual)
     modules, hook = chunks, None
@@ -98,17 +98,6 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
         for c in chunks:
             apply_fsdp(c, mesh["dp"], torch.float32)
         hook = fsdp_grad_sync(chunks)
-    elif dp_mode == "tp":  # Megatron's MLP/attention split; a stand-in until raydist/parallel/tensor.py exists
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        plan = {name: ColwiseParallel() for name in ("attention.wq", "attention.wk", "attention.wv",
-                                                      "feed_forward.w1", "feed_forward.w3")}
-        plan.update({"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
-        for c in chunks:
-            for block in c.layers.values():
-                parallelize_module(block, mesh["dp"], plan)
-                local = block.attention.wq.weight.to_local()  # really sharded: half the heads here
-                assert local.shape == (CFG.d_model // inner, CFG.d_model), local.shape
     tied = TiedEmbeddingSync(chunks, tied_embedding_group(mesh.mesh))
     schedule = make_schedule(kind, pp, microbatches, virtual)
     rows = BATCH // dp
@@ -160,7 +149,7 @@ PP2 = [("gpipe", 2, 1, 4, "none", 4, True), ("1f1b", 2, 1, 4, "none", 4, True),
 PP4 = [("gpipe", 4, 1, 4, "none", 8, True), ("1f1b", 4, 1, 4, "none", 8, True),
        ("interleaved", 4, 2, 4, "none", 8, True), ("1f1b", 4, 1, 2, "none", 8, True),  # M=2 < P=4
        ("1f1b", 2, 1, 2, "ddp", 4, True), ("1f1b", 2, 1, 2, "fsdp", 4, True),
-       ("interleaved", 2, 2, 2, "fsdp", 4, True), ("1f1b", 2, 1, 4, "tp", 4, True)]
+       ("interleaved", 2, 2, 2, "fsdp", 4, True)]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ def single(tiny_data):
     ({"pp": 2, "pp_schedule": "interleaved", "virtual_stages": 2}, 2),
     ({"pp": 2, "pp_schedule": "gpipe", "dp_replicate": 2}, 4),
     ({"pp": 2, "pp_schedule": "1f1b", "dp_replicate": 1, "dp_shard": 2}, 4),
-], ids=["pp2-1f1b", "pp2-interleaved", "pp2xdp2-gpipe", "pp2xfsdp2"])
+    ({"pp": 2, "pp_schedule": "1f1b", "tp": 2}, 4),
+], ids=["pp2-1f1b", "pp2-interleaved", "pp2xdp2-gpipe", "pp2xfsdp2", "pp2xtp2"])
 def test_pipeline_equals_single_process(tiny_data, single, parallel, world):
     raw = tiny_config(tiny_data, model=MODEL, parallel={"dp_replicate": 1, **parallel})
     results = run_layout(raw, world)
