@@ -15,7 +15,7 @@ the original keys, so parameter names equal the unsharded model's (checkpoints n
 Tied embeddings (Megatron's approach). When the embedding and the head are on different ranks, the
 last stage gets its own copy of the embedding matrix as `output.weight`, initialised identically. The
 true gradient of the shared matrix is the sum of both uses, so after backward `TiedEmbeddingSync`
-all-reduces (sums) that gradient between the two ranks; both copies then take identical optimizer steps
+sums that gradient between the two ranks (a point-to-point swap over the pipeline group); both copies then take identical optimizer steps
 and stay equal. Gradient-norm clipping must count the matrix once: `clip_grad_norm_pipeline` skips the copy.
 """
 
@@ -145,44 +145,38 @@ def tied_weights(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
     return [roles[c.tied_role](c) for c in chunks if getattr(c, "tied_role", None) in roles]
 
 
-def tied_embedding_group(rank_grid: torch.Tensor) -> dist.ProcessGroup | None:
-    """The process group {first pipeline rank, last pipeline rank} of this rank's pipeline, or None.
-
-    rank_grid: (P, N) global ranks, column j one pipeline (from a mesh with pp outermost:
-    `mesh.device_mesh.mesh.reshape(pp, -1)`). Only the two ranks of a pair create its group (local
-    synchronization), so ranks outside every pair (middle stages, idle workers) take no part.
-    """
-    grid = rank_grid.reshape(rank_grid.shape[0], -1)
-    if grid.shape[0] < 2:
-        return None
-    me = dist.get_rank()
-    for j in range(grid.shape[1]):
-        pair = [int(grid[0, j]), int(grid[-1, j])]
-        if me in pair:
-            return dist.new_group(pair, use_local_synchronization=True)
-    return None
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 class TiedEmbeddingSync:
     """Call after the pipeline step's backwards (and before clipping / the optimizer): sums the tied
-    matrix's gradient between the first and the last stage. Under FSDP both ranks hold the same shard of
-    it (same dp coordinate), so the local shards are summed."""
+    matrix's gradient between the first and the last stage of this pipeline. The two ranks swap their
+    gradients point-to-point over the pipeline group (no group of their own, so no collective group
+    creation that other ranks, such as idle workers, would have to join) and each adds the other's:
+    a + b == b + a exactly, so the two copies stay bitwise equal. Under FSDP / TP both hold the same
+    shard of it (same coordinates off the pp axis), so the local shards are swapped."""
 
-    def __init__(self, chunks: Sequence[nn.Module], group: dist.ProcessGroup | None):
+    def __init__(self, chunks: Sequence[nn.Module], pp_group: dist.ProcessGroup | None):
         self.params = tied_weights(chunks)
-        self.group = group
-        if self.params and group is None:
-            raise ConfigError("tied embeddings split across pipeline ranks need the tied_embedding_group")
+        self.group = pp_group
+        if self.params:
+            if pp_group is None:
+                raise ConfigError("tied embeddings split across pipeline ranks need the pipeline group")
+            me, size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+            self.peer = size - 1 if me == 0 else 0
 
     def __call__(self) -> None:
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(_local(param.grad), op=dist.ReduceOp.SUM, group=self.group)
+            mine = _local(param.grad)
+            theirs = torch.empty_like(mine)
+            ops = [dist.P2POp(dist.isend, mine.contiguous(), group=self.group, group_peer=self.peer),
+                   dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=self.peer)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            mine.add_(theirs)
 
 
 def _layout(t: torch.Tensor):

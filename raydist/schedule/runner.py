@@ -14,7 +14,7 @@ import torch
 from raydist.config import Config, ConfigError
 from raydist.mesh import Mesh
 from raydist.parallel import ParallelModel
-from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline, tied_embedding_group
+from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
 from raydist.schedule import make_schedule
 from raydist.schedule.executor import (PipelineExecutor, PipelineStepStats, ddp_grad_sync, fsdp_grad_sync,
                                        stage_timings)
@@ -43,7 +43,7 @@ class PipelineRunner:
             before_backward = ddp_grad_sync(pm.chunk_modules)
         else:
             before_backward = None
-        self.tied = TiedEmbeddingSync(pm.chunks, tied_embedding_group(mesh.device_mesh.mesh.reshape(p.pp, -1)))
+        self.tied = TiedEmbeddingSync(pm.chunks, self.group)
         # FSDP's mixed precision casts parameters (activations come out in the compute dtype); under
         # autocast the residual stream stays fp32.
         bf16_stream = pm.kind in ("fsdp", "hsdp") and pm.compute_dtype != torch.float32

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 from raydist.config import ConfigError, ModelConfig
 from raydist.models.gpt import build_model, cross_entropy
-from raydist.parallel.pipeline import (TiedEmbeddingSync, clip_grad_norm_pipeline, split_model,
-                                       tied_embedding_group)
+from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline, split_model
 from raydist.runtime import spawn
 from raydist.schedule.executor import PipelineExecutor, ddp_grad_sync, fsdp_grad_sync, stage_timings
 from raydist.schedule.generators import make_schedule
@@ -98,7 +97,7 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
         for c in chunks:
             apply_fsdp(c, mesh["dp"], torch.float32)
         hook = fsdp_grad_sync(chunks)
-    tied = TiedEmbeddingSync(chunks, tied_embedding_group(mesh.mesh))
+    tied = TiedEmbeddingSync(chunks, mesh["pp"].get_group())
     schedule = make_schedule(kind, pp, microbatches, virtual)
     rows = BATCH // dp
     executor = PipelineExecutor(modules, schedule, pp_rank, mesh["pp"].get_group(),
@@ -127,12 +126,11 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
     dist.all_reduce(eval_loss, group=mesh["dp"].get_group())
     params_equal = True
     if tie and pp > 1:  # the two copies of the tied matrix stayed equal
-        pair = [_full(p.data) for p in tied.params]
-        group = tied_embedding_group(mesh.mesh)
-        for mine in pair:
-            gathered = [torch.empty_like(mine), torch.empty_like(mine)]
-            dist.all_gather(gathered, mine, group=group)
-            params_equal &= bool(torch.equal(gathered[0], gathered[1]))
+        mine = [_full(p.data) for p in tied.params]  # empty on middle stages
+        gathered: list = [None] * pp
+        dist.all_gather_object(gathered, mine, group=mesh["pp"].get_group())
+        first, last = gathered[0], gathered[-1]
+        params_equal = len(first) == len(last) == 1 and bool(torch.equal(first[0], last[0]))
     return {"losses": losses, "norms": norms, "grads": grads, "pp_rank": pp_rank,
             "busy_s": busy, "tied_copies_equal": params_equal, "eval_loss": float(eval_loss) / inner,
             "timings": timings}

@@ -34,16 +34,14 @@ def _measure_all(raws: dict) -> dict:
     import torch.distributed as dist
 
     from raydist.metrics.memory import state_bytes
-    from raydist.models.gpt import cross_entropy
-    from raydist.train_loop import Trainer
+    from raydist.trainer import Trainer
 
     out = {}
     for name, raw in raws.items():
         trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
         trainer.train_step()
         tokens, _ = trainer.next_batch()
-        inputs, targets = trainer._micro_batches(tokens)[0]
-        cross_entropy(trainer.pm.module(inputs), targets).backward()
+        trainer.forward_loss(trainer._micro_batches(tokens)[0]).backward()
         out[name] = state_bytes(trainer.pm.model, trainer.optimizer)
         trainer.close()
         dist.barrier()
