@@ -1,5 +1,5 @@
-"""A checkpoint saved in one layout loads into others with identical model outputs, and the whole
-checkpoint/resume path works against S3 (a local moto server through s3fs)."""
+"""A checkpoint saved in one layout (FSDP 4) loads into others (FSDP 2, DDP 2, TP 2) with identical model
+outputs, and the whole checkpoint/resume path works against S3 (a local moto server through s3fs)."""
 
 import os
 
@@ -52,7 +52,8 @@ def reference_logits(tiny_data, fsdp4_checkpoint):
 @pytest.mark.parametrize("layout, world", [
     ({"dp_replicate": 1, "dp_shard": 2}, 2),
     ({"dp_replicate": 2, "dp_shard": 1}, 2),
-], ids=["fsdp2", "ddp2"])
+    ({"dp_replicate": 1, "tp": 2}, 2),
+], ids=["fsdp2", "ddp2", "tp2"])
 def test_fsdp4_checkpoint_loads_into_other_layouts(tiny_data, fsdp4_checkpoint, reference_logits, layout, world):
     got = spawn(_logits_after_load, world, tiny_config(tiny_data, parallel=layout), fsdp4_checkpoint, TOKENS)
     reference = reference_logits
