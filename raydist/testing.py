@@ -132,3 +132,22 @@ def run_fit(raw: dict, world_size: int, run_dir: str, *, crash_after_step: int |
         if (crash_after_step is not None or crash_before_commit_of is not None) and "exited with status" in str(exc):
             return None
         raise
+
+
+def logits_after_load(raw: dict, run_dir: str | None, tokens: torch.Tensor, step: int | None = None) -> torch.Tensor:
+    """On each rank of a spawned layout: build the Trainer for `raw`, load the newest checkpoint of
+    `run_dir` (unless None: the untrained model), and return the full logits of `tokens` (checks that the
+    checkpoint was at `step`, when given)."""
+    from raydist.checkpoint import CheckpointManager
+    from raydist.trainer import Trainer
+
+    trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
+    if run_dir is not None:
+        manager = CheckpointManager(run_dir, keep=3, group=trainer.checkpoint_group, log=lambda *_: None)
+        tensors, _ = trainer.checkpoint_state()
+        extra = manager.load(manager.latest(), tensors)
+        trainer.load_checkpoint_state(tensors, extra)
+        assert step is None or trainer.step == step, (trainer.step, step)
+    with torch.no_grad():
+        out = trainer.pm.module(tokens)
+    return out.full_tensor() if hasattr(out, "full_tensor") else out

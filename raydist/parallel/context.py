@@ -72,7 +72,7 @@ def sequence_sharder(impl: str, cp: int, rank: int) -> Callable:
 def unshard_sequence(local: torch.Tensor, impl: str, group, dim: int = 1) -> torch.Tensor:
     """The inverse of the sharding (all-gather, then reorder): local (..., T/cp, ...) -> (..., T, ...) on
     every cp rank. Not used in training; tests and tools use it to compare with a single-process run."""
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    cp = dist.get_world_size(group)
     parts = [torch.empty_like(local) for _ in range(cp)]
     dist.all_gather(parts, local.contiguous(), group=group)
     seq_len = local.shape[dim] * cp

@@ -10,7 +10,7 @@ from raydist.mesh import MeshSpec
 
 def check_layout(cfg: Config, spec: MeshSpec) -> int:
     """Validates `spec` for `cfg`; returns the gradient-accumulation steps per optimizer step."""
-    t, m = cfg.train, cfg.model
+    t = cfg.train
     per_rank = t.global_batch // spec.dp if t.global_batch % spec.dp == 0 else None
     if per_rank is None or per_rank % t.micro_batch:
         raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by dp ({spec.dp}) x "

@@ -22,6 +22,15 @@ from raydist.config import ConfigError
 EVENT_KINDS = ("start", "restart", "resize", "checkpoint", "checkpoint_failed", "end")
 
 
+def format_value(value) -> str:
+    """A number or field as the report prints it (4 significant digits; n/a for missing)."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
 def join(root: str, name: str) -> str:
     return root.rstrip("/") + "/" + name
 

@@ -8,7 +8,7 @@ import base64
 import html
 import time
 
-from raydist.report.data import RunData, goodput
+from raydist.report.data import RunData, format_value, goodput
 from raydist.report.plots import PANELS, render_panel
 
 STYLE = """
@@ -28,14 +28,6 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return f"<table>{body}</table>"
 
 
-def _fmt(value) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
 def render_html(data: RunData) -> str:
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>raydist run {html.escape(data.name)}</title>",
              f"<style>{STYLE}</style></head><body>",
@@ -50,10 +42,10 @@ def render_html(data: RunData) -> str:
                      f"<img alt='{html.escape(title)}' src='data:image/png;base64,{encoded}'></section>")
     parts.append("</div>")
     parts.append("<section id='summary'><h2>Goodput summary</h2>"
-                 + _table([(k.replace("_", " "), _fmt(v)) for k, v in goodput(data).items()]) + "</section>")
+                 + _table([(k.replace("_", " "), format_value(v)) for k, v in goodput(data).items()]) + "</section>")
     if data.events:
-        rows = [(f"{_fmt(e.get('elapsed_s'))} s, step {_fmt(e.get('step'))}",
-                 f"{e.get('kind')}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in e.items()
+        rows = [(f"{format_value(e.get('elapsed_s'))} s, step {format_value(e.get('step'))}",
+                 f"{e.get('kind')}: " + ", ".join(f"{k}={format_value(v)}" for k, v in e.items()
                                                     if k not in ("kind", "elapsed_s", "step", "time")))
                 for e in data.events]
         parts.append("<section id='event-list'><h2>Events</h2>" + _table(rows) + "</section>")

@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from raydist.report.data import RunData, goodput  # noqa: E402
+from raydist.report.data import RunData, format_value, goodput  # noqa: E402
 
 EVENT_STYLE = {
     "restart": dict(color="tab:red", linestyle="-", linewidth=1.6),
@@ -190,18 +190,11 @@ def panel_events(ax, data: RunData) -> bool:
 def panel_goodput(ax, data: RunData) -> bool:
     g = goodput(data)
     ax.axis("off")
-    lines = [f"{key.replace('_', ' ')}: {_fmt(value)}" for key, value in g.items()]
+    lines = [f"{key.replace('_', ' ')}: {format_value(value)}" for key, value in g.items()]
     ax.text(0.02, 0.98, "\n".join(lines), va="top", ha="left", family="monospace", fontsize=8,
             transform=ax.transAxes)
     return True
 
-
-def _fmt(value) -> str:
-    if value is None:
-        return "n/a"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
 
 
 # (id, title, draw function) in page order

@@ -55,7 +55,7 @@ def test_submitted_job_trains_and_writes_its_run_directory(head, tiny_data, tmp_
     logs = head.ray("job", "logs", "rd-train", timeout_s=60).stdout
     steps = [int(m.group(1)) for m in PROGRESS.finditer(logs)]
     assert steps == [0, 3, 6, 9, 12], logs[-3000:]
-    assert f"done: 12 steps" in logs and str(run) in logs
+    assert "done: 12 steps" in logs and str(run) in logs
 
 
 def test_bad_config_fails_fast_with_its_error_line_in_the_job_logs(head, tiny_data, tmp_path):

@@ -1,31 +1,12 @@
 """A checkpoint saved in one layout (FSDP 4) loads into others (FSDP 2, DDP 2, TP 2) with identical model
 outputs, and the whole checkpoint/resume path works against S3 (a local moto server through s3fs)."""
 
-import os
 
 import pytest
 import torch
 
-from raydist.config import Config
 from raydist.runtime import free_port, spawn
-from raydist.testing import run_fit, tiny_config
-
-
-def _logits_after_load(raw: dict, run_dir: str | None, tokens: torch.Tensor) -> torch.Tensor:
-    from raydist.checkpoint import CheckpointManager
-    from raydist.trainer import Trainer
-
-    trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
-    if run_dir is not None:
-        manager = CheckpointManager(run_dir, keep=3, group=trainer.checkpoint_group, log=lambda *_: None)
-        found = manager.latest()
-        tensors, _ = trainer.checkpoint_state()
-        extra = manager.load(found, tensors)
-        trainer.load_checkpoint_state(tensors, extra)
-        assert trainer.step == 3
-    with torch.no_grad():
-        out = trainer.pm.module(tokens)
-    return out.full_tensor() if hasattr(out, "full_tensor") else out
+from raydist.testing import logits_after_load, run_fit, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +24,8 @@ TOKENS = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(
 @pytest.fixture(scope="module")
 def reference_logits(tiny_data, fsdp4_checkpoint):
     """The checkpoint loaded into one process; it must differ from the untrained model's output."""
-    reference = spawn(_logits_after_load, 1, tiny_config(tiny_data), fsdp4_checkpoint, TOKENS)[0]
-    untrained = spawn(_logits_after_load, 1, tiny_config(tiny_data), None, TOKENS)[0]
+    reference = spawn(logits_after_load, 1, tiny_config(tiny_data), fsdp4_checkpoint, TOKENS, 3)[0]
+    untrained = spawn(logits_after_load, 1, tiny_config(tiny_data), None, TOKENS)[0]
     assert (reference - untrained).abs().max() > 1e-3  # the load changed the weights
     return reference
 
@@ -55,7 +36,7 @@ def reference_logits(tiny_data, fsdp4_checkpoint):
     ({"dp_replicate": 1, "tp": 2}, 2),
 ], ids=["fsdp2", "ddp2", "tp2"])
 def test_fsdp4_checkpoint_loads_into_other_layouts(tiny_data, fsdp4_checkpoint, reference_logits, layout, world):
-    got = spawn(_logits_after_load, world, tiny_config(tiny_data, parallel=layout), fsdp4_checkpoint, TOKENS)
+    got = spawn(logits_after_load, world, tiny_config(tiny_data, parallel=layout), fsdp4_checkpoint, TOKENS, 3)
     reference = reference_logits
     for rank_logits in got:
         torch.testing.assert_close(rank_logits, reference, rtol=1e-6, atol=1e-6)

@@ -1,6 +1,5 @@
 """Activation checkpointing policies: same gradients as no checkpointing, less memory held for backward."""
 
-import pytest
 import torch
 
 from raydist.config import ModelConfig

@@ -5,7 +5,6 @@ global norm under FSDP."""
 import math
 
 import pytest
-import torch
 
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from raydist.config import Config, ConfigError
 from raydist.mesh import MeshSpec

@@ -58,7 +58,6 @@ def test_flops_per_token_is_6n_plus_attention():
     n_matmul = counts["total"] - counts["embedding"] - cfg.num_layers * 2 * cfg.d_model - cfg.d_model
     assert flops_per_token(cfg, 16) == 6 * n_matmul + 12 * cfg.num_layers * cfg.d_model * 16
     # and the formula agrees with a count of the forward matmuls (x3 for backward)
-    x = torch.randn(1, 16, cfg.d_model)
     fwd = 0
     for m in GPT(cfg, 16).modules():
         if isinstance(m, torch.nn.Linear):

@@ -3,7 +3,6 @@ the single-process run, composed with data parallelism, and checkpoints move bet
 
 import pytest
 
-from raydist.runtime import spawn
 from raydist.testing import assert_equivalent, run_fit, run_layout, tiny_config
 
 MODEL = {"num_layers": 4}

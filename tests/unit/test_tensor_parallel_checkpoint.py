@@ -5,28 +5,11 @@ into one process with the logits TP 2 computes from it."""
 import pytest
 import torch
 
-from raydist.config import Config
 from raydist.runtime import spawn
-from raydist.testing import run_fit, tiny_config
+from raydist.testing import logits_after_load, run_fit, tiny_config
 
 TOKENS = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(1))
 CHECKPOINT = {"every_steps": 0, "async_save": False}
-
-
-def _logits_after_load(raw: dict, run_dir: str | None, tokens: torch.Tensor) -> torch.Tensor:
-    from raydist.checkpoint import CheckpointManager
-    from raydist.trainer import Trainer
-
-    trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
-    if run_dir is not None:
-        manager = CheckpointManager(run_dir, keep=3, group=trainer.checkpoint_group, log=lambda *_: None)
-        tensors, _ = trainer.checkpoint_state()
-        extra = manager.load(manager.latest(), tensors)
-        trainer.load_checkpoint_state(tensors, extra)
-        assert trainer.step == 3
-    with torch.no_grad():
-        out = trainer.pm.module(tokens)
-    return out.full_tensor() if hasattr(out, "full_tensor") else out
 
 
 def _saved(tiny_data, tmp_path_factory, name: str, parallel: dict, world: int) -> str:
@@ -48,8 +31,8 @@ def tp2_checkpoint(tiny_data, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fsdp2_single_logits(tiny_data, fsdp2_checkpoint):
     """The FSDP 2 checkpoint loaded into one process; it must differ from the untrained model's output."""
-    single = spawn(_logits_after_load, 1, tiny_config(tiny_data), fsdp2_checkpoint, TOKENS)[0]
-    untrained = spawn(_logits_after_load, 1, tiny_config(tiny_data), None, TOKENS)[0]
+    single = spawn(logits_after_load, 1, tiny_config(tiny_data), fsdp2_checkpoint, TOKENS, 3)[0]
+    untrained = spawn(logits_after_load, 1, tiny_config(tiny_data), None, TOKENS)[0]
     assert (single - untrained).abs().max() > 1e-3  # the load changed the weights
     return single
 
@@ -62,15 +45,15 @@ def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
 def test_fsdp_checkpoint_loads_into_tp(tiny_data, fsdp2_checkpoint, fsdp2_single_logits, sequence_parallel):
     parallel = {"dp_replicate": 1, "tp": 2, "sequence_parallel": sequence_parallel}
-    for rank_logits in spawn(_logits_after_load, 2, tiny_config(tiny_data, parallel=parallel), fsdp2_checkpoint,
-                             TOKENS):
+    for rank_logits in spawn(logits_after_load, 2, tiny_config(tiny_data, parallel=parallel), fsdp2_checkpoint,
+                             TOKENS, 3):
         _close(rank_logits, fsdp2_single_logits)
 
 
 def test_tp_checkpoint_loads_into_one_process(tiny_data, tp2_checkpoint, fsdp2_single_logits):
     parallel = {"dp_replicate": 1, "tp": 2, "sequence_parallel": True}
-    tp = spawn(_logits_after_load, 2, tiny_config(tiny_data, parallel=parallel), tp2_checkpoint, TOKENS)
-    single = spawn(_logits_after_load, 1, tiny_config(tiny_data), tp2_checkpoint, TOKENS)[0]
+    tp = spawn(logits_after_load, 2, tiny_config(tiny_data, parallel=parallel), tp2_checkpoint, TOKENS, 3)
+    single = spawn(logits_after_load, 1, tiny_config(tiny_data), tp2_checkpoint, TOKENS, 3)[0]
     for rank_logits in tp:
         _close(rank_logits, single)
     # the same 3 steps trained as FSDP 2: the TP checkpoint holds the same model, not a permuted one
