@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -86,9 +86,6 @@ class MeshSpec:
 
     def describe(self) -> str:
         return " x ".join(f"{k}{v}" for k, v in self.degrees().items() if v > 1) or "single"
-
-    def with_dp(self, dp_replicate: int, dp_shard: int) -> "MeshSpec":
-        return replace(self, dp_replicate=dp_replicate, dp_shard=dp_shard)
 
 
 class Mesh:

@@ -19,3 +19,13 @@ def tiny_data(tmp_path_factory) -> str:
     prepare(DataConfig(corpus="stdlib", seq_len=32, max_corpus_mb=0.6, shard_rows=1024, val_fraction=0.15),
             out, log=lambda *_: None)
     return out
+
+
+@pytest.fixture(scope="session")
+def single_4_layers(tiny_data):
+    """The single-process reference run (10 steps, captured gradients) of the 4-layer tiny config that
+    the layout-equivalence tests compare against."""
+    from raydist.testing import run_layout, tiny_config
+
+    [ref] = run_layout(tiny_config(tiny_data, model={"num_layers": 4}), 1)
+    return ref

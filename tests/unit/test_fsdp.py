@@ -11,27 +11,21 @@ from raydist.testing import assert_equivalent, run_layout, tiny_config
 MODEL = {"num_layers": 4}
 
 
-@pytest.fixture(scope="module")
-def single(tiny_data):
-    [ref] = run_layout(tiny_config(tiny_data, model=MODEL), 1)
-    return ref
-
-
 @pytest.mark.parametrize("layout", [
     {"dp_replicate": 4, "dp_shard": 1},
     {"dp_replicate": 1, "dp_shard": 4},
     {"dp_replicate": 2, "dp_shard": 2},
 ], ids=["ddp4", "fsdp4", "hsdp2x2"])
-def test_layout_equals_single_process(tiny_data, single, layout):
+def test_layout_equals_single_process(tiny_data, single_4_layers, layout):
     for rank in run_layout(tiny_config(tiny_data, model=MODEL, parallel=layout), 4):
-        assert_equivalent(single, rank)
+        assert_equivalent(single_4_layers, rank)
 
 
 @pytest.mark.parametrize("policy", ["full", "every_k", "selective"])
-def test_fsdp_with_activation_checkpointing_equals_single_process(tiny_data, single, policy):
+def test_fsdp_with_activation_checkpointing_equals_single_process(tiny_data, single_4_layers, policy):
     raw = tiny_config(tiny_data, model=MODEL, parallel={"dp_shard": 4}, train={"activation_checkpoint": policy})
     for rank in run_layout(raw, 4):
-        assert_equivalent(single, rank)
+        assert_equivalent(single_4_layers, rank)
 
 
 def test_fsdp_clips_by_the_global_norm(tiny_data):

@@ -8,12 +8,6 @@ from raydist.testing import assert_equivalent, run_fit, run_layout, tiny_config
 MODEL = {"num_layers": 4}
 
 
-@pytest.fixture(scope="module")
-def single(tiny_data):
-    [ref] = run_layout(tiny_config(tiny_data, model=MODEL), 1)
-    return ref
-
-
 @pytest.mark.parametrize("parallel, world", [
     ({"pp": 2, "pp_schedule": "1f1b"}, 2),
     ({"pp": 2, "pp_schedule": "interleaved", "virtual_stages": 2}, 2),
@@ -21,14 +15,14 @@ def single(tiny_data):
     ({"pp": 2, "pp_schedule": "1f1b", "dp_replicate": 1, "dp_shard": 2}, 4),
     ({"pp": 2, "pp_schedule": "1f1b", "tp": 2}, 4),
 ], ids=["pp2-1f1b", "pp2-interleaved", "pp2xdp2-gpipe", "pp2xfsdp2", "pp2xtp2"])
-def test_pipeline_equals_single_process(tiny_data, single, parallel, world):
+def test_pipeline_equals_single_process(tiny_data, single_4_layers, parallel, world):
     raw = tiny_config(tiny_data, model=MODEL, parallel={"dp_replicate": 1, **parallel})
     results = run_layout(raw, world)
     held = set()
     for rank in results:
-        assert_equivalent(single, rank)
+        assert_equivalent(single_4_layers, rank)
         held |= set(rank.grads)
-    assert held == set(single.grads)  # every parameter lives on some stage
+    assert held == set(single_4_layers.grads)  # every parameter lives on some stage
 
 
 def test_pipeline_checkpoint_loads_at_pp1(tiny_data, tmp_path):
