@@ -24,7 +24,7 @@ import time
 import fsspec
 import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 COMMIT = "COMMIT.json"
 EXTRA = "extra.json"
@@ -128,29 +128,56 @@ def writer(ckpt_uri: str) -> FsspecWriter:
 
 
 class SafeReader(FsspecReader):
-    """DCP's fsspec reader, reading `.metadata` with an allowlist unpickler."""
+    """DCP's fsspec reader, reading `.metadata` with the allowlist unpickler and refusing bytes entries."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(f"{path}: not DCP metadata")
+            metadata = load_metadata(f, path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+def load_metadata(stream, path: str) -> Metadata:
+    """DCP `Metadata` from `stream`, resolving only `_ALLOWED`; raises `UnsafeCheckpointError`.
+
+    COMMIT.json's checksums prove integrity, not authorship: whoever can write the storage can rewrite
+    them too, so the loader itself admits exactly DCP's metadata classes, torch dtypes and `torch.Size`.
+    A name-prefix rule is not enough: under pickle protocol 4 a global may be dotted, and
+    `torch.distributed.checkpoint.filesystem` imports `os`, so `os.system` would resolve through it."""
+    try:
+        metadata = _MetadataUnpickler(stream).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # a torn or foreign file: not loadable, and not code
+        raise UnsafeCheckpointError(f"{path}: not readable DCP metadata ({exc})") from exc
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise UnsafeCheckpointError(f"{path}: not DCP metadata")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            raise UnsafeCheckpointError(
+                f"{path}: entry {key!r} is {type(entry).__name__}, not a tensor; raydist writes only tensors "
+                "(DCP would read it with torch.load(weights_only=False))")
+    return metadata
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's metadata names something outside the allowlist: refused, never executed."""
+
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {(_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                        "TensorStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+       ("torch.serialization", "_get_layout")}
+    | {("torch", name) for name, value in vars(torch).items() if isinstance(value, torch.dtype)})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
-        if module in _ALLOWED_MODULES and not name.startswith("__"):
-            return super().find_class(module, name)
-        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
-            return getattr(torch, name)
-        if module == "torch.serialization" and name == "_get_layout":
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        if (module, name) not in _ALLOWED:
+            raise UnsafeCheckpointError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+        return super().find_class(module, name)
