@@ -60,12 +60,12 @@ def _tp_phases_on_rank(raw: dict) -> dict:
     for layers in (1, 2):
         trainer = Trainer(Config.from_dict({**raw, "model": {**raw["model"], "num_layers": layers}}),
                           torch.device("cpu"))
-        micro = trainer._micro_batches(trainer.next_batch()[0])[0]
-        trainer.forward_loss(micro).backward()  # warm-up
+        micro = trainer.runner.micro_batches(trainer.next_batch()[0])[0]
+        trainer.runner.forward_loss(micro).backward()  # warm-up
         trainer.optimizer.zero_grad(set_to_none=True)
         forward, backward = CommCounter(), CommCounter()
         with forward.patch():
-            loss = trainer.forward_loss(micro)
+            loss = trainer.runner.forward_loss(micro)
         with backward.patch():
             loss.backward()
         out[layers] = {"forward": dict(forward.sizes), "backward": dict(backward.sizes)}
@@ -118,7 +118,7 @@ def data_parallel_section() -> Config:
 
     cfg = Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0",
                                                   f"train.micro_batch={16 // WORLD}"])
-    ensure_data(cfg)
+    cfg = ensure_data(cfg)
     param_bytes = 4 * param_counts(cfg.model)["total"]
     p = WORLD
     print(f"parameter bytes (fp32): {param_bytes / 2**20:.3f} MiB, p = {p}\n")
@@ -167,7 +167,7 @@ def _activations_on_rank(raw: dict) -> dict:
     if cfg.parallel.cp > 1:
         from raydist.parallel.context import apply_context_parallel
 
-        shard = apply_context_parallel(model, MeshSpec(cp=cfg.parallel.cp).build("cpu"), cfg)
+        shard = apply_context_parallel(model, MeshSpec(cp=cfg.parallel.cp).build("cpu"), cfg.parallel.cp_impl)
         inputs, targets, positions = shard(inputs, targets)
     saved = SavedActivations(exclude=model.parameters())
     with saved.hooks(), LiveActivations() as live:
@@ -180,7 +180,7 @@ def _activations_on_rank(raw: dict) -> dict:
 def context_parallel_section(seq_len: int) -> None:
     from raydist.launcher import ensure_data
 
-    cfg = Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0"])
+    cfg = Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0", "train.micro_batch=8"])
     m, batch = cfg.model, cfg.train.micro_batch
     head_dim = m.d_model // m.num_heads
     print(f"context parallel: bytes sent per rank per attention layer (B={batch}, T={seq_len}, H={m.num_heads}, "
@@ -202,7 +202,7 @@ def context_parallel_section(seq_len: int) -> None:
 
     print(f"\none training step, cp=2 (FSDP over the 2 cp ranks), {cfg.model.num_layers} layers, "
           f"{cfg.train.global_batch // batch} micro-batches of {batch} x {cfg.data.seq_len}: MiB sent per rank")
-    ensure_data(cfg)
+    cfg = ensure_data(cfg)
     layers_micro = cfg.model.num_layers * (cfg.train.global_batch // batch)
     for impl in ("ring", "ulysses"):
         raw = cfg.to_dict()

@@ -62,10 +62,10 @@ def main() -> None:
     from raydist.metrics.logger import read_metrics
 
     cfg = Config.load("workloads/gpt_tiny.toml", ["train.eval_every=0"])
-    ensure_data(cfg)
+    cfg = ensure_data(cfg)
     g = cfg.train.global_batch
     first_arrow, arrow = delivery(cfg, ArrowReader(prefetch=2), args.steps)
-    ray.init(num_cpus=4, logging_level="warning")
+    ray.init(address="local", num_cpus=4, logging_level="warning")
     try:
         first_ray, ray_rate = delivery(cfg, RayDataReader(prefetch=2), args.steps)
     finally:

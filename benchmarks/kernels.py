@@ -13,6 +13,14 @@ On CUDA, for sequence lengths 512 .. 16k:
 
 Times are medians of triton.testing.do_bench (CUDA events, L2 flushed between runs).
 
+`--llama`: the Llama 3 shapes (Dubey et al., "The Llama 3 Herd of Models", 2024) instead of the sweeps:
+attention with head dim 128, 32 (8B) / 64 (70B) query heads and 8 kv heads (grouped-query: the Triton kernel
+reads the shared kv heads, sdpa gets `enable_gqa=True`), causal, T = 2k, 4k, 8k; the MLP GEMMs of 8B
+(d 4096, ffn 14336) and 70B (d 8192, ffn 28672) over 8192 tokens, Triton `linear` vs `torch.matmul`, the
+up projection (T, d) x (d, ffn) and the down projection (T, ffn) x (ffn, d). Each row also holds the
+Triton output's max error relative to torch's (a fast wrong kernel must not pass). benchmarks/gpu_suite.py
+runs this.
+
 On a machine without CUDA it says so and measures correctness only: the kernels run through Triton's CPU
 interpreter (TRITON_INTERPRET=1), whose speed says nothing about a GPU, on a few small shapes against
 the plain-torch reference.
@@ -37,10 +45,135 @@ def attention_flops(b: int, h: int, t: int, e: int, causal: bool) -> float:
     return 4.0 * b * h * t * t * e * (0.5 if causal else 1.0)
 
 
-def bench_ms(fn) -> float:
-    from triton.testing import do_bench
+def bench_ms(fn, device: str = "cuda") -> float:
+    """Median ms of fn(): triton.testing.do_bench (CUDA events) on CUDA; on the CPU (only to exercise this
+    code under TRITON_INTERPRET=1: the figure means nothing) the median of 3 timed calls."""
+    if device == "cuda":
+        from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=100)
+        return do_bench(fn, warmup=25, rep=100)
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+# Llama 3 (Dubey et al., 2024): attention heads and the MLP's GEMM shapes, by model.
+LLAMA_ATTENTION = {"llama3-8b": {"heads": 32, "kv_heads": 8, "head_dim": 128},
+                   "llama3-70b": {"heads": 64, "kv_heads": 8, "head_dim": 128}}
+LLAMA_GEMMS = {"llama3-8b": {"d_model": 4096, "ffn": 14336}, "llama3-70b": {"d_model": 8192, "ffn": 28672}}
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.detach().float(), ref.detach().float()
+    return float((x - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
+
+
+def _sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, device: str):
+    """(causal sdpa over grouped-query heads, how): on CUDA restricted to the fused backends (flash, cuDNN,
+    memory-efficient) so that it never silently falls back to the math backend's T x T scores; with
+    `enable_gqa` where a fused backend takes it, else with the kv heads repeated (what models.gpt does)."""
+    def gqa():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    if device != "cuda":
+        return gqa, "enable_gqa"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from raydist.kernels.reference import repeat_kv
+
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+    def fused_gqa():
+        with sdpa_kernel(fused):
+            return gqa()
+
+    def fused_repeated():
+        with sdpa_kernel(fused):
+            return F.scaled_dot_product_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]),
+                                                  is_causal=True)
+
+    try:
+        fused_gqa()
+        return fused_gqa, "enable_gqa"
+    except RuntimeError:  # no fused backend takes enable_gqa for these inputs
+        return fused_repeated, "repeat_kv"
+
+
+def llama_attention_rows(seq_lens: list[int], dtype: torch.dtype, tokens: int, device: str = "cuda",
+                         shapes: dict | None = None) -> list[dict]:
+    """Causal GQA attention, forward and forward+backward: Triton flash attention vs sdpa (enable_gqa), at
+    B = max(1, tokens // T) sequences of T; TFLOP/s on model FLOPs (forward 2 B H T^2 E causal, backward 2x)."""
+    from raydist.kernels import flash_attention
+
+    rows = []
+    for model, shape in (shapes or LLAMA_ATTENTION).items():
+        h, kv, e = shape["heads"], shape["kv_heads"], shape["head_dim"]
+        for t in seq_lens:
+            b = max(1, tokens // t)
+            g = torch.Generator(device=device).manual_seed(0)
+            q = torch.randn(b, h, t, e, device=device, dtype=dtype, generator=g).requires_grad_()
+            k, v = (torch.randn(b, kv, t, e, device=device, dtype=dtype, generator=g).requires_grad_()
+                    for _ in range(2))
+            grad = torch.randn_like(q)
+            sdpa, sdpa_gqa = _sdpa_gqa(q, k, v, device)
+            fns = {"triton": lambda: flash_attention(q, k, v, causal=True), "sdpa": sdpa}
+            flops = attention_flops(b, h, t, e, causal=True)
+            row = {"model": model, "T": t, "B": b, "H": h, "KV": kv, "E": e, "sdpa_gqa": sdpa_gqa,
+                   "max_rel_err": _rel_err(fns["triton"](), fns["sdpa"]())}
+            for name, fn in fns.items():
+                row[f"{name}_fwd_ms"] = bench_ms(fn, device)
+                row[f"{name}_fwdbwd_ms"] = bench_ms(lambda: torch.autograd.grad(fn(), (q, k, v), grad), device)
+                row[f"{name}_fwd_tflops"] = flops / row[f"{name}_fwd_ms"] / 1e9
+                row[f"{name}_fwdbwd_tflops"] = 3 * flops / row[f"{name}_fwdbwd_ms"] / 1e9
+            row["fwd_ratio"] = row["sdpa_fwd_ms"] / row["triton_fwd_ms"]  # > 1: Triton faster
+            row["fwdbwd_ratio"] = row["sdpa_fwdbwd_ms"] / row["triton_fwdbwd_ms"]
+            rows.append(row)
+            print(f"attention {model:10s} T={t:5d} B={b:2d} H={h}/{kv} E={e}  fwd+bwd TFLOP/s triton "
+                  f"{row['triton_fwdbwd_tflops']:7.1f} sdpa {row['sdpa_fwdbwd_tflops']:7.1f} "
+                  f"(triton x{row['fwdbwd_ratio']:.2f})  fwd x{row['fwd_ratio']:.2f}  err {row['max_rel_err']:.1e}",
+                  flush=True)
+            del q, k, v, grad
+    return rows
+
+
+def llama_gemm_rows(tokens: int, dtype: torch.dtype, device: str = "cuda", shapes: dict | None = None) -> list[dict]:
+    """The MLP GEMMs over `tokens` rows: up (T, d) x (d, ffn) and down (T, ffn) x (ffn, d), as nn.Linear
+    stores them (W (out, in), x W^T): Triton `linear` vs `torch.matmul(x, W.t())`, forward and
+    forward+backward (dX and dW: 3x the forward FLOPs)."""
+    from raydist.kernels import linear
+
+    rows = []
+    for model, shape in (shapes or LLAMA_GEMMS).items():
+        d, f = shape["d_model"], shape["ffn"]
+        for proj, (n_in, n_out) in (("up", (d, f)), ("down", (f, d))):
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(tokens, n_in, device=device, dtype=dtype, generator=g).requires_grad_()
+            w = (torch.randn(n_out, n_in, device=device, dtype=dtype, generator=g) / math.sqrt(n_in)).requires_grad_()
+            grad = torch.randn(tokens, n_out, device=device, dtype=dtype, generator=g)
+            fns = {"triton": lambda: linear(x, w), "torch": lambda: torch.matmul(x, w.t())}
+            flops = 2.0 * tokens * n_in * n_out
+            row = {"model": model, "proj": proj, "M": tokens, "K": n_in, "N": n_out,
+                   "max_rel_err": _rel_err(fns["triton"](), fns["torch"]())}
+            for name, fn in fns.items():
+                row[f"{name}_fwd_ms"] = bench_ms(fn, device)
+                row[f"{name}_fwdbwd_ms"] = bench_ms(lambda: torch.autograd.grad(fn(), (x, w), grad), device)
+                row[f"{name}_fwd_tflops"] = flops / row[f"{name}_fwd_ms"] / 1e9
+                row[f"{name}_fwdbwd_tflops"] = 3 * flops / row[f"{name}_fwdbwd_ms"] / 1e9
+            row["fwd_ratio"] = row["torch_fwd_ms"] / row["triton_fwd_ms"]
+            row["fwdbwd_ratio"] = row["torch_fwdbwd_ms"] / row["triton_fwdbwd_ms"]
+            rows.append(row)
+            print(f"gemm      {model:10s} {proj:4s} {tokens}x{n_in}x{n_out}  fwd TFLOP/s triton "
+                  f"{row['triton_fwd_tflops']:7.1f} torch {row['torch_fwd_tflops']:7.1f} (triton x{row['fwd_ratio']:.2f})"
+                  f"  fwd+bwd x{row['fwdbwd_ratio']:.2f}  err {row['max_rel_err']:.1e}", flush=True)
+            del x, w, grad
+    return rows
 
 
 def attention_rows(seq_lens: list[int], dtype: torch.dtype, heads: int, head_dim: int, tokens: int) -> list[dict]:
@@ -200,16 +333,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=16384, help="B*T per attention call (B >= 1)")
     parser.add_argument("--json", default="", help="also write the rows here")
+    parser.add_argument("--llama", action="store_true",
+                        help="Llama 3 8B/70B attention (T 2k-8k) and MLP GEMM shapes instead of the sweeps")
     args = parser.parse_args(argv)
     seq_lens = [int(s) for s in args.seq_lens.split(",")]
-    if not torch.cuda.is_available():
+    if args.llama and torch.cuda.is_available():
+        dtype = DTYPES[args.dtype]
+        print(f"{torch.cuda.get_device_name()}, {args.dtype}, Llama 3 shapes")
+        results = {"device": torch.cuda.get_device_name(), "dtype": args.dtype,
+                   "attention": llama_attention_rows([2048, 4096, 8192], dtype, args.tokens),
+                   "gemm": llama_gemm_rows(8192, dtype)}
+    elif not torch.cuda.is_available():
         print("No CUDA device: this run measures CORRECTNESS ONLY, not speed. The Triton kernels run on CPU "
               "through Triton's interpreter (TRITON_INTERPRET=1), whose timings mean nothing; TFLOP/s and "
               "memory need a GPU.")
         results = {"device": "cpu", "correctness": cpu_correctness()}
     else:
         dtype = DTYPES[args.dtype]
-        name = torch.cuda.get_device_name()
+        name = torch.cuda.get_device_name()  # (the sweeps)
         print(f"{name}, {args.dtype}, causal attention H={args.heads} E={args.head_dim}, B*T={args.tokens}")
         results = {"device": name, "dtype": args.dtype,
                    "attention": attention_rows(seq_lens, dtype, args.heads, args.head_dim, args.tokens),

@@ -48,7 +48,7 @@ def _measure(config_path: str, layouts: list[dict], wanted: int, rounds: int, st
     raise are skipped), plus every reference layout; then rounds of steps."""
     import torch.distributed as dist
 
-    from raydist.train_loop import Trainer
+    from raydist.trainer import Trainer
 
     trainers, skipped = {}, {}
     built_ranked = 0
@@ -58,9 +58,8 @@ def _measure(config_path: str, layouts: list[dict], wanted: int, rounds: int, st
         if item["key"] in trainers:
             continue
         try:
-            cfg = Config.load(config_path, item["overrides"] + ["train.eval_every=0", "train.steps=100000"])
-            # (the data path comes in the overrides)
-            trainers[item["key"]] = Trainer(cfg, torch.device("cpu"))
+            cfg = Config.load(config_path, [item["data"], "train.eval_every=0", "train.steps=100000"])
+            trainers[item["key"]] = Trainer(cfg, torch.device("cpu"), Layout.from_dict(item["layout"]))
             built_ranked += 0 if item["reference"] else 1
         except Exception as exc:  # a parallelism this checkout does not implement yet, or a bad layout
             skipped[item["key"]] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
@@ -113,9 +112,10 @@ def main(argv=None) -> int:
     from raydist.launcher import ensure_data
     from raydist.planner.enumerate import implemented_features
 
-    cfg = Config.load(args.config)
-    ensure_data(cfg)  # prepares the default corpus on first use
-    data_override = [f"data.path={cfg.data.path}"]
+    from raydist.elastic.policy import plan_layout
+
+    cfg = ensure_data(Config.load(args.config))  # prepares the default corpus on first use
+    data_override = f"data.path={cfg.data.path}"
     if not args.skip_calibrate:
         print(format_calibration(calibrate(args.world, config=cfg)), flush=True)
     hw = get_hardware("cpu", args.world, None, workload_signature(cfg.to_dict()["model"], cfg.data.seq_len))
@@ -128,8 +128,8 @@ def main(argv=None) -> int:
         by_key.setdefault(est.layout.describe(), est)
     references = []
     for mesh, micro_batch, policy in REFERENCES:
-        spec = Layout.from_config(Config.load(args.config, [f"parallel.{k}={v}" for k, v in mesh.items()]
-                                              + [f"train.micro_batch={micro_batch}"]), args.world)
+        spec = plan_layout(Config.load(args.config, [f"parallel.{k}={v}" for k, v in mesh.items()]
+                                       + [f"train.micro_batch={micro_batch}", data_override]), args.world)
         for est in ranked:
             lay = est.layout
             if (lay.mesh() == spec.mesh() and lay.micro_batch == micro_batch and lay.activation_checkpoint == policy
@@ -146,13 +146,9 @@ def main(argv=None) -> int:
         if features:
             print(f"  skipped {key}: {', '.join(features)} not implemented in this checkout")
     ranked_keys = [k for k in ranked_keys if not missing[k]]
-    layouts = [{"key": k, "reference": False,
-                "overrides": by_key[k].layout.config_overrides(by_key[k].num_microbatches)} for k in ranked_keys]
-    for item in layouts:
-        item["overrides"] = item["overrides"] + data_override
-    layouts += [{"key": k, "reference": True,
-                 "overrides": by_key[k].layout.config_overrides(by_key[k].num_microbatches) + data_override}
-                for k in references]
+    layouts = [{"key": k, "reference": k in references,
+                "layout": by_key[k].layout.to_dict(), "data": data_override}
+               for k in dict.fromkeys(ranked_keys + references)]
     start = time.time()
     result = spawn(_measure, args.world, args.config, layouts, args.measure, args.rounds, args.steps, args.warmup,
                    timeout_s=3000)[0]

@@ -1,6 +1,7 @@
 """`raydist` command line: train, data prepare, schedule, plan, report.
 
-Bad input exits with status 2 and one line `error: ...` on stderr; a failed run exits 1.
+Bad input exits with status 2 and one line `error: ...` on stderr; a failed run exits 1. Error lines are
+redacted (no credentials of a storage URI are printed).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from raydist.config import DEFAULT_WORKLOAD, Config, ConfigError
 from raydist.data.prepare import DataError
+from raydist.redact import redact
 
 
 def _default_config_path() -> str | None:
@@ -80,7 +82,8 @@ def _optional_commands():
     """Subcommands that live with their subsystem (each module has `register_cli(subparsers)`)."""
     import importlib
 
-    for module in ("raydist.schedule.cli", "raydist.planner.cli", "raydist.report.cli"):
+    for module in ("raydist.schedule.cli", "raydist.planner.cli", "raydist.report.cli",
+                   "raydist.checkpoint.verify"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {redact(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         failure = _training_failure(exc)
         if failure is not None:
-            print(f"error: {failure}", file=sys.stderr)
+            print(f"error: {redact(str(failure))}", file=sys.stderr)
             return 2 if isinstance(failure, (ConfigError, DataError)) else 1
         raise
 

@@ -5,36 +5,24 @@ field's annotation, unknown sections or keys are errors, and `validate()` checks
 fields. Every error is a `ConfigError` whose message names the offending value and the fix, so the CLI
 can print it as a single `error:` line before any worker starts.
 
-Each field carries a docstring (the string literal under it); `field_docs()` reads them back from this
-file's source so that the README's reference and error hints never drift from the code.
+Each field carries a docstring (the string literal under it); `field_docs()` (config_io.py) reads them back
+from this file's source so that the README's reference and error hints never drift from the code.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
-import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """Bad user input. The message is one line naming the value and the fix."""
+from raydist.errors import ConfigError
 
 
 DEFAULT_WORKLOAD = "gpt_tiny.toml"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     num_layers: int = 4
     """Transformer blocks."""
@@ -59,7 +47,7 @@ class ModelConfig:
     """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2*layers))."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     path: str = ""
     """Prepared shards (a directory or fsspec URI holding manifest.json). Empty: the default corpus,
@@ -86,7 +74,7 @@ class DataConfig:
     """Shards read ahead of the one being consumed."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     auto: bool = False
     """Let the planner choose the layout (degrees, micro-batch, recompute, ...) for the live worker count by
@@ -106,25 +94,29 @@ class ParallelConfig:
     cp_impl: str = "ring"
     """Context-parallel attention: `ring` (K/V passed around a ring) or `ulysses` (all-to-all to heads)."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule: `gpipe`, `1f1b` or `interleaved`."""
+    """Pipeline schedule: `gpipe`, `1f1b`, `interleaved`, or the zero-bubble `zbh1` (1F1B's memory, the
+    backward split into input and weight gradients) and `zbv` (two chunks per rank in a V); both need
+    num_microbatches >= pp."""
     num_microbatches: int = 0
     """Micro-batches per step in the pipeline (0: one per micro_batch of the per-rank batch)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved 1F1B needs >= 2)."""
+    """Model chunks per pipeline rank (interleaved 1F1B needs >= 2; zbv always uses 2)."""
     fsdp_reshard_after_forward: bool = True
     """FSDP: free the gathered parameters after forward (ZeRO-3) rather than keep them for backward."""
     fsdp_forward_prefetch: bool = True
     """FSDP: all-gather the next block's parameters while the current block computes."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     steps: int = 300
     """Optimizer steps."""
     global_batch: int = 16
     """Samples per optimizer step across all data-parallel ranks (kept fixed when the dp size changes)."""
-    micro_batch: int = 8
-    """Samples per forward/backward on one rank; gradient accumulation = global_batch / (dp * micro_batch)."""
+    micro_batch: int = 0
+    """Samples per forward/backward on one rank; gradient accumulation = global_batch / (dp * micro_batch).
+    0: derived for the layout (the largest divisor of the per-rank batch up to 8; with a pipeline, one that
+    gives at least pp micro-batches). In an elastic run it is an upper bound."""
     seed: int = 0
     """Seed for the weights, the data order and dropout-free RNG state."""
     lr: float = 3e-3
@@ -156,10 +148,11 @@ class TrainConfig:
     dtype: str = "auto"
     """Compute precision: `auto` (bf16 autocast on CUDA, fp32 on CPU), `fp32`, `bf16`."""
     deterministic: bool = False
-    """Use deterministic algorithms (slower on CUDA; CPU runs are deterministic already)."""
+    """`torch.use_deterministic_algorithms(True)` in every worker: an op without a deterministic
+    implementation raises instead of running (slower on CUDA; CPU runs here are deterministic already)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     storage: str = "./runs"
     """Where run directories go: a local path or any fsspec URI (s3://bucket/prefix, gs://...)."""
@@ -171,7 +164,7 @@ class CheckpointConfig:
     """Write checkpoints in the background while training continues."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class ElasticConfig:
     min_workers: int = 0
     """Smallest worker count an elastic run trains on (0 with max_workers 0: a fixed-size run)."""
@@ -182,10 +175,17 @@ class ElasticConfig:
     max_failures: int = 3
     """Restarts after worker or node failures before the run gives up (-1: unlimited)."""
     collective_timeout_s: float = 300.0
-    """A collective that waits longer than this fails (so a dead peer ends in a restart, not a hang)."""
+    """A collective that waits longer than this fails (so a dead peer ends in a restart, not a hang); it
+    applies to every process group. A training step, an evaluation or a report to Ray Train that makes no
+    progress for twice as long ends the worker (the step watchdog)."""
+    startup_timeout_s: float = 900.0
+    """The watchdog's limit for a worker's start: building and parallelizing the model, loading the
+    checkpoint, and the first step (which waits for the first data)."""
+    checkpoint_timeout_s: float = 1800.0
+    """The longest a checkpoint save (or waiting for one in flight) may take before the worker fails."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RayConfig:
     num_workers: int = 2
     """Workers for a fixed-size run (one per device)."""
@@ -199,7 +199,7 @@ class RayConfig:
     """How long to wait for the cluster to offer the workers' resources before failing."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class KernelsConfig:
     attention: str = "auto"
     """`auto` (Triton on CUDA, sdpa on CPU), `triton`, `sdpa`, `eager`."""
@@ -210,7 +210,7 @@ class KernelsConfig:
 CHOICES: dict[str, tuple[str, ...]] = {
     "data.reader": ("auto", "ray", "arrow"),
     "parallel.cp_impl": ("ring", "ulysses"),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved", "zbh1", "zbv"),
     "train.activation_checkpoint": ("none", "full", "every_k", "selective"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "ray.use_gpu": ("auto", "true", "false"),
@@ -230,7 +230,7 @@ SECTIONS: dict[str, type] = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -276,8 +276,10 @@ class Config:
         m, t, p, d = self.model, self.train, self.parallel, self.data
         for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_hidden", "vocab_size"):
             _positive(f"model.{key}", getattr(m, key))
-        for key in ("steps", "global_batch", "micro_batch"):
+        for key in ("steps", "global_batch"):
             _positive(f"train.{key}", getattr(t, key))
+        if t.micro_batch < 0:
+            raise ConfigError(f"train.micro_batch={t.micro_batch} must be >= 0 (0: derived for the layout)")
         _positive("data.seq_len", d.seq_len)
         _positive("data.shard_rows", d.shard_rows)
         _positive("checkpoint.keep", self.checkpoint.keep)
@@ -292,6 +294,16 @@ class Config:
                 raise ConfigError(f"train.{key}={getattr(t, key)} must be >= 0")
         if t.log_every == 0:
             raise ConfigError("train.log_every=0 must be >= 1")
+        if t.eval_every > 0 and t.eval_batches == 0:
+            raise ConfigError("train.eval_batches=0 must be >= 1 when train.eval_every > 0; set train.eval_batches "
+                              f">= 1, or train.eval_every=0 to skip validation (it is {t.eval_every})")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(t, key) < 1.0:
+                raise ConfigError(f"train.{key}={getattr(t, key)} must be in [0, 1) (AdamW's moment decay; "
+                                  f"the default is {getattr(TrainConfig, key)})")
+        if not t.weight_decay >= 0:
+            raise ConfigError(f"train.weight_decay={t.weight_decay} must be >= 0 (0: no decay; the default is "
+                              f"{TrainConfig.weight_decay})")
         if self.checkpoint.every_steps < 0:
             raise ConfigError(f"checkpoint.every_steps={self.checkpoint.every_steps} must be >= 0 (0: only at the end)")
         if not 0.0 <= d.val_fraction < 1.0:
@@ -309,7 +321,7 @@ class Config:
         if (m.d_model // m.num_heads) % 2:
             raise ConfigError(f"head dim d_model/num_heads={m.d_model // m.num_heads} must be even for RoPE; "
                               "change model.d_model or model.num_heads")
-        if t.global_batch % t.micro_batch:
+        if t.micro_batch and t.global_batch % t.micro_batch:
             raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch={t.micro_batch}")
         degrees = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
         for key, value in degrees.items():
@@ -321,8 +333,6 @@ class Config:
                               "set all but one explicitly")
         if p.sequence_parallel and p.tp == 1:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set tp or turn sequence_parallel off")
-        if p.pp_schedule == "interleaved" and p.pp > 1 and p.virtual_stages < 2:
-            raise ConfigError("parallel.pp_schedule='interleaved' needs parallel.virtual_stages >= 2")
         if p.num_microbatches < 0:
             raise ConfigError(f"parallel.num_microbatches={p.num_microbatches} must be >= 0 (0: automatic)")
         e = self.elastic
@@ -336,8 +346,9 @@ class Config:
         _positive("ray.num_workers", self.ray.num_workers)
         if not self.ray.cpus_per_worker > 0:
             raise ConfigError(f"ray.cpus_per_worker={self.ray.cpus_per_worker} must be > 0")
-        if not e.collective_timeout_s > 0:
-            raise ConfigError(f"elastic.collective_timeout_s={e.collective_timeout_s} must be > 0")
+        for key in ("collective_timeout_s", "startup_timeout_s", "checkpoint_timeout_s"):
+            if not getattr(e, key) > 0:
+                raise ConfigError(f"elastic.{key}={getattr(e, key)} must be > 0 (seconds)")
 
     @property
     def elastic_enabled(self) -> bool:
@@ -360,132 +371,10 @@ def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def read_toml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found; pass an existing TOML file "
-                          f"(e.g. workloads/{DEFAULT_WORKLOAD})")
-    try:
-        return tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+# TOML reading and writing, `--set` parsing, field docs (re-exported: callers import them from here)
+from raydist.config_io import (_build_section, dump_toml, field_docs, parse_override, read_toml,  # noqa: E402
+                               reference_markdown)
 
 
-def parse_override(item: str) -> tuple[str, str, Any]:
-    """`section.key=value` -> (section, key, value); the value is parsed as a TOML value when it can be,
-    else kept as a bare string (so `--set checkpoint.storage=/tmp/x` needs no quotes)."""
-    if "=" not in item or "." not in item.split("=", 1)[0]:
-        raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=100)")
-    dotted, text = item.split("=", 1)
-    section, key = dotted.strip().split(".", 1)
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    return section, key.strip(), value
-
-
-def _build_section(name: str, values: dict[str, Any]):
-    cls = SECTIONS[name]
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in values.items():
-        if key not in fields:
-            near = _closest(key, fields)
-            hint = f"; did you mean {name}.{near}?" if near else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown key {name}.{key}{hint}")
-        kwargs[key] = _coerce(f"{name}.{key}", value, fields[key].type)
-    return cls(**kwargs)
-
-
-def _coerce(dotted: str, value: Any, annotation: str) -> Any:
-    kind = {"int": int, "float": float, "bool": bool, "str": str}[annotation]
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false"):
-            return value.lower() == "true"
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    else:
-        if isinstance(value, bool) and dotted in CHOICES:  # use_gpu = true in TOML
-            value = str(value).lower()
-        if isinstance(value, str):
-            if dotted in CHOICES and value not in CHOICES[dotted]:
-                raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(CHOICES[dotted])}")
-            return value
-    example = {"int": "4", "float": "0.5", "bool": "true", "str": "'text'"}[annotation]
-    raise ConfigError(f"{dotted}={value!r} has the wrong type: expected {annotation} (e.g. {dotted}={example})")
-
-
-def _closest(key: str, options) -> str | None:
-    import difflib
-
-    match = difflib.get_close_matches(key, list(options), n=1, cutoff=0.6)
-    return match[0] if match else None
-
-
-def dump_toml(sections: dict[str, dict[str, Any]]) -> str:
-    """Writes the flat two-level tables this config uses (scalars only)."""
-    lines = []
-    for section, values in sections.items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isinf(value) or math.isnan(value):
-            return {math.inf: "inf", -math.inf: "-inf"}.get(value, "nan")
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
-@functools.lru_cache(maxsize=1)
-def field_docs() -> dict[str, str]:
-    """{'section.key': docstring} parsed from the attribute docstrings in this module."""
-    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
-    class_to_section = {cls.__name__: name for name, cls in SECTIONS.items()}
-    docs = {}
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name in class_to_section:
-            body = node.body
-            for stmt, nxt in zip(body, body[1:]):
-                if (isinstance(stmt, ast.AnnAssign) and isinstance(nxt, ast.Expr)
-                        and isinstance(getattr(nxt, "value", None), ast.Constant)):
-                    doc = " ".join(str(nxt.value.value).split())
-                    docs[f"{class_to_section[node.name]}.{stmt.target.id}"] = doc
-    return docs
-
-
-def reference_markdown() -> str:
-    """The README's config reference: one table per section, from the dataclasses and docstrings."""
-    docs = field_docs()
-    out = []
-    for name, cls in SECTIONS.items():
-        out.append(f"### [{name}]\n\n| key | default | meaning |\n| --- | --- | --- |")
-        for f in dataclasses.fields(cls):
-            default = _toml_value(f.default)
-            choices = CHOICES.get(f"{name}.{f.name}")
-            doc = docs[f"{name}.{f.name}"]
-            out.append(f"| `{f.name}` | `{default}` | {doc}" + (f" One of {', '.join(choices)}." if choices and
-                                                                  "`" not in doc else "") + " |")
-        out.append("")
-    return "\n".join(out)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # regenerates the README's reference: python -m raydist.config
     print(reference_markdown())

@@ -2,7 +2,10 @@
 
 Everything that can be checked without workers is checked here first (config relations, the data's
 manifest and shards, the mesh against the worker count, whether the cluster can ever hold the workers),
-so bad input ends in one `error:` line before any worker starts.
+so bad input ends in one `error:` line before any worker starts. Before anything is started or written,
+`launch` also stops at a run that already completed (one line, exit 0), probes that checkpoint.storage
+can be written, and takes the run's lease (raydist.lease: one driver per run directory). Every line it
+logs and the config.toml it writes are redacted (raydist.redact); the I/O uses the real URIs.
 """
 
 from __future__ import annotations
@@ -12,22 +15,29 @@ import secrets
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from raydist.atomic import probe_writable
+from raydist.checkpoint.compat import check_run_dir
 from raydist.config import Config, ConfigError
 from raydist.data.prepare import default_data_path, prepare, read_manifest
 from raydist.data.stream import Split
+from raydist.lease import RunLease
 from raydist.metrics.logger import join, read_json, read_metrics, write_text
+from raydist.redact import redact
+from raydist.elastic import failures
 from raydist.elastic.policy import plan_layout
+from raydist.layout import Layout
 
 
 @dataclass
 class LaunchPlan:
-    cfg: Config
+    cfg: Config  # resolved for this run: data path filled in, storage absolute, run name chosen
     run_name: str
     run_dir: str
     num_workers: int | tuple[int, int]
+    layout: Layout  # at the smallest worker count that has one (workers plan again at each start)
 
 
 def resolve_storage(uri: str) -> str:
@@ -38,10 +48,11 @@ def new_run_name() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> dict:
-    """Prepares the default corpus on first use; checks the manifest and every shard's footer."""
+def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
+    """Prepares the default corpus on first use; checks the manifest and every shard's footer. Returns the
+    config with data.path filled in (a new object: the user's config is not rewritten)."""
     if not cfg.data.path:
-        cfg.data.path = default_data_path(cfg.data)
+        cfg = replace(cfg, data=replace(cfg.data, path=default_data_path(cfg.data)))
         if read_manifest(cfg.data.path, missing_ok=True) is None:
             log(f"preparing {cfg.data.corpus} corpus at {cfg.data.path} (first use)")
             prepare(cfg.data, cfg.data.path, log=log)
@@ -54,13 +65,13 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> dict:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({vocab}); set model.vocab_size >= {vocab}")
     for split in ("train", "val") if cfg.train.eval_every else ("train",):
-        Split.open(cfg.data.path, split, manifest).check_files()
-    return manifest
+        Split.open(cfg.data.path, split, manifest).check_files(cfg.model.vocab_size)
+    return cfg
 
 
 def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     """All driver-side checks; returns where the run goes and how many workers it asks for."""
-    ensure_data(cfg, log)
+    cfg = ensure_data(cfg, log)
     if cfg.elastic_enabled:
         num_workers: int | tuple[int, int] = (cfg.elastic.min_workers, cfg.elastic.max_workers)
         sizes = range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1)
@@ -70,19 +81,24 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     errors = []
     for size in sizes:  # at least the smallest size must give a valid layout
         try:
-            plan_layout(cfg, size)
+            layout = plan_layout(cfg, size)
             break
         except ConfigError as exc:
             errors.append(exc)
     else:
         raise errors[0]
-    cfg.checkpoint.storage = resolve_storage(cfg.checkpoint.storage)
     run_name = cfg.train.run_name or new_run_name()
-    cfg.train.run_name = run_name
-    return LaunchPlan(cfg, run_name, join(cfg.checkpoint.storage, run_name), num_workers)
+    cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, storage=resolve_storage(cfg.checkpoint.storage)),
+                  train=replace(cfg.train, run_name=run_name))
+    run_dir = join(cfg.checkpoint.storage, run_name)
+    check_run_dir(run_dir, cfg, read_manifest(cfg.data.path))  # a resumed run's checkpoints must fit
+    return LaunchPlan(cfg, run_name, run_dir, num_workers, layout)
 
 
 # ---- Ray -------------------------------------------------------------------------------------------
+
+
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 
 
 def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
@@ -95,13 +111,22 @@ def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
     if ray.is_initialized():
         return False
+    # Ray Train's controller polls the worker group every 2 s by default: a dead worker would wait up to
+    # that long to be noticed. The job's runtime env carries the setting to the controller on any cluster.
+    env = {k: os.environ.get(k, v) for k, v in RAY_TRAIN_ENV.items()}
     kwargs = dict(logging_level=logging.WARNING, log_to_driver=True)
+    if not address:
+        os.environ.update(env)  # the embedded cluster's processes inherit the driver's environment
+    elif not os.environ.get("RAY_JOB_ID"):  # (a submitted job keeps the runtime env it was submitted with)
+        kwargs["runtime_env"] = {"env_vars": env}
     if address:
         ray.init(address=address, **kwargs)
         return False
     # Logical CPUs: at least one per worker plus headroom for Ray Data read tasks and the controller.
+    # address="local": a fresh instance even when another local cluster runs; no dashboard: nobody
+    # submits jobs to an embedded cluster, and its processes would compete with training for the cores.
     num_cpus = max(os.cpu_count() or 1, int(min_cpus + 2))
-    ray.init(num_cpus=num_cpus, include_dashboard=True, **kwargs)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
     return True
 
 
@@ -176,7 +201,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raydist.train_loop import ray_worker_entry
+    from raydist.elastic.ray_session import ray_worker_entry
 
     cfg = lp.cfg
     scaling = ScalingConfig(num_workers=lp.num_workers, use_gpu=use_gpu,
@@ -271,14 +296,67 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+# ---- safety: before anything is started or written -----------------------------------------------
+
+
+def redacting(log: Callable[[str], None]) -> Callable[[str], None]:
+    """`log` with the credentials of every URI in the line masked (the I/O keeps the real URIs)."""
+    return lambda line: log(redact(line))
+
+
+def completed_summary(cfg: Config, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """summary.json of a finished run with this train.run_name that reached train.steps (then says so in
+    one line), else None. Reads only: no Ray, no writes. An unreadable storage or a torn summary reads as
+    not finished (the storage probe and the run itself then say what is wrong)."""
+    if not cfg.train.run_name:
+        return None
+    run_dir = join(resolve_storage(cfg.checkpoint.storage), cfg.train.run_name)
+    try:
+        summary = read_json(join(run_dir, "summary.json"))
+    except Exception:
+        return None
+    if not isinstance(summary, dict) or summary.get("status") != "completed":
+        return None
+    steps = summary.get("steps")
+    if not isinstance(steps, int) or steps < cfg.train.steps:
+        return None
+    log(f"run {cfg.train.run_name} already completed at step {steps} ({run_dir}); nothing to do")
+    return summary
+
+
+def check_storage(storage: str) -> None:
+    """A ConfigError unless a small file can be written and deleted under checkpoint.storage (on the
+    driver, before Ray starts: an unreachable, read-only or wrongly authorised storage would otherwise
+    fail in every worker, after the cluster was set up)."""
+    try:
+        probe_writable(storage)
+    except Exception as exc:
+        detail = (str(exc).strip().splitlines() or [""])[0]
+        raise ConfigError(redact(f"checkpoint.storage={storage} cannot be written ({type(exc).__name__}: {detail}); "
+                                 "point it at a writable directory or bucket, or fix its permissions or "
+                                 "credentials")) from None
+
+
 # ---- entry -----------------------------------------------------------------------------------------
 
 
 def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs a training job to completion; returns summary.json's content."""
     start_time = time.time()
+    log = redacting(log)
+    done = completed_summary(cfg, log)
+    if done is not None:
+        return done
     lp = plan(cfg, log)
-    write_text(join(lp.run_dir, "config.toml"), cfg.to_toml())
+    cfg = lp.cfg
+    check_storage(cfg.checkpoint.storage)
+    with RunLease(lp.run_dir, lp.run_name, log=log):
+        return _launch(cfg, lp, address, start_time, log)
+
+
+def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
+            log: Callable[[str], None]) -> dict[str, Any]:
+    write_text(join(lp.run_dir, "config.toml"), redact(cfg.to_toml()))
     import ray
 
     needed = cfg.elastic.min_workers if cfg.elastic_enabled else cfg.ray.num_workers
@@ -295,8 +373,14 @@ def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] =
         log(f"run {lp.run_name}: {lp.num_workers} worker(s), {'GPU/nccl' if use_gpu else 'CPU/gloo'}, "
             f"run directory {lp.run_dir}")
         trainer = build_trainer(lp, use_gpu, start_time)
-        with Progress(lp.run_dir, cfg.train.steps):
-            trainer.fit()
+        try:
+            with Progress(lp.run_dir, cfg.train.steps):
+                trainer.fit()
+        finally:
+            fatal = failures.recorded(lp.run_dir, start_time)
+            if fatal is not None:  # a deterministic failure: its message, not Ray Train's retry story
+                raise failures.DeterministicFailure(f"{fatal['error']} (rank {fatal['rank']}; not retried: a "
+                                                    "restart would fail the same way)")
     finally:
         if embedded:
             ray.shutdown()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from raydist.config import ConfigError, ParallelConfig
+from raydist.errors import ConfigError
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -33,7 +33,8 @@ class MeshSpec:
     tp: int = 1
 
     @classmethod
-    def from_config(cls, p: ParallelConfig) -> "MeshSpec":
+    def from_config(cls, p) -> "MeshSpec":
+        """From `[parallel]` (a ParallelConfig): the configured degrees, -1 still unresolved."""
         return cls(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp)
 
     def degrees(self) -> dict[str, int]:

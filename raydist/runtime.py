@@ -2,7 +2,26 @@
 
 Under Ray Train the process group already exists when the worker function starts. Everywhere else
 (`torch.multiprocessing` tests and benchmarks) `spawn()` starts `world_size` processes on this machine,
-initialises gloo (or NCCL with one GPU per process) and returns each rank's result.
+initialises a process group and returns each rank's result. Which devices, explicitly:
+
+- `device="cpu"` (spawn's default): gloo, every rank on the CPU;
+- `device="cuda"`: NCCL, rank r on cuda:r (one GPU per rank; fewer GPUs than ranks is an error);
+- `device="auto"`: cuda when this machine has at least `world_size` GPUs, else cpu.
+
+Never gloo with CUDA tensors, never several ranks on one GPU. `pick_device()` in a rank then answers from
+the process group it runs under. The equivalence harness (raydist.testing) asks for `harness_device()`:
+$RAYDIST_TEST_DEVICE (auto, cpu or cuda; default auto).
+
+Groups have one of two purposes, and the backend follows from the purpose and the device:
+
+    DEVICE  tensors on the training device: the default group and every DeviceMesh group (NCCL on CUDA,
+            gloo on CPU). NCCL rejects CPU tensors, so nothing created on the host may go here.
+    HOST    CPU bookkeeping (agreeing on a committed step, object collectives, the checkpoint writer's
+            barriers): always gloo, whatever the device.
+
+`new_group(ranks, HOST | DEVICE, device_type)` is how raydist makes groups; `purpose_of(group)` answers for
+any group (DeviceMesh's and the default group are DEVICE). Every group gets the run's collective timeout:
+explicitly here, and for the groups DeviceMesh creates itself through `set_default_timeout`.
 """
 
 from __future__ import annotations
@@ -21,32 +40,108 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+HOST, DEVICE = "host", "device"
+_HOST_GROUPS: set[str] = set()  # group names of the HOST groups this process created
+
+
+def group_backend(purpose: str, device_type: str) -> str:
+    if purpose == HOST:
+        return "gloo"
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def new_group(ranks: list[int], purpose: str, device_type: str, timeout_s: float | None = None,
+              use_local_synchronization: bool = True) -> dist.ProcessGroup:
+    """A group of `ranks` for `purpose`; `use_local_synchronization` lets ranks outside it (idle workers)
+    skip the call."""
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    group = dist.new_group(ranks=ranks, timeout=timeout, backend=group_backend(purpose, device_type),
+                           use_local_synchronization=use_local_synchronization)
+    if purpose == HOST and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        _HOST_GROUPS.add(group.group_name)
+    return group
+
+
+def purpose_of(group: dist.ProcessGroup | None) -> str:
+    group = group if group is not None else dist.group.WORLD
+    return HOST if group.group_name in _HOST_GROUPS else DEVICE
+
+
+def set_default_timeout(timeout_s: float) -> None:
+    """The timeout of groups created without one from now on in this process. DeviceMesh creates its
+    per-dimension and flattened groups through `new_group` without a timeout, which torch then takes from
+    these module defaults (30 min for gloo, 10 min for NCCL): a hung peer would block pipeline receives and
+    FSDP collectives for that long instead of `elastic.collective_timeout_s`."""
+    from torch.distributed import distributed_c10d
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def pick_device(local_rank: int = 0, use_gpu: bool | None = None) -> torch.device:
+DEVICES = ("cpu", "cuda", "auto")
+HARNESS_DEVICE_ENV = "RAYDIST_TEST_DEVICE"
+
+
+def harness_device(world_size: int, device: str | None = None) -> str:
+    """'cuda' (NCCL, rank r on cuda:r) or 'cpu' (gloo) for `world_size` local ranks.
+
+    device: 'cpu', 'cuda' or 'auto' (cuda when this machine has >= world_size GPUs, else cpu); None reads
+    $RAYDIST_TEST_DEVICE (default auto). Asks torch how many GPUs there are; creates no CUDA context."""
+    choice = (device or os.environ.get(HARNESS_DEVICE_ENV, "") or "auto").strip().lower()
+    if choice not in DEVICES:
+        raise ValueError(f"device {choice!r} (or ${HARNESS_DEVICE_ENV}) is not one of {', '.join(DEVICES)}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "cuda" and gpus < world_size:
+        raise ValueError(f"device 'cuda' needs one GPU per rank: {world_size} ranks but {gpus} GPU(s) visible; "
+                         "use device 'auto' or 'cpu' (gloo on CPU), or fewer ranks")
+    if choice == "auto":
+        return "cuda" if gpus >= world_size else "cpu"
+    return choice
+
+
+def pick_device(local_rank: int | None = None, use_gpu: bool | None = None) -> torch.device:
+    """This rank's device: cuda:local_rank when the process group's backend is NCCL, else the CPU (gloo is
+    never paired with CUDA tensors). `use_gpu` overrides; local_rank defaults to $LOCAL_RANK."""
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if use_gpu is None:
-        use_gpu = torch.cuda.is_available()
+        use_gpu = dist.is_initialized() and "nccl" in str(dist.get_backend())
     if use_gpu:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA through pinned (page-locked) memory with a non-blocking copy, so
+    the copy is a DMA that overlaps the host's work instead of a staged synchronous one (the caching host
+    allocator keeps the pinned block until the copy has finished); elsewhere a plain `.to(device)`, which
+    on the CPU returns the tensor itself."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
-           threads: int) -> None:
+           threads: int, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
     try:
-        if backend == "nccl":
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device == "cuda":  # NCCL, one GPU per rank, initialised eagerly on it
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=timeout,
+                                    device_id=torch.device("cuda", rank))
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
         # Plain pickle, not the queue's tensor-sharing pickler: shared-memory handles would die with
         # this process before the parent reads them.
         results.put((rank, True, pickle.dumps(fn(*args))))
@@ -57,15 +152,18 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, threads: int = 1) -> list[Any]:
+def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, threads: int = 1,
+          device: str = "cpu") -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes with a process group; return results by rank.
 
     `fn` must be importable (a module-level function). A failure on any rank raises with its traceback.
+    device: 'cpu' (gloo), 'cuda' (NCCL, rank r on cuda:r) or 'auto' (see `harness_device`).
     """
+    device = harness_device(world_size, device)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout_s, threads),
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout_s, threads, device),
                          daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()

@@ -1,20 +1,25 @@
 """The equivalence harness: run a layout on N gloo processes and the same config on one, compare.
 
-Every parallel feature is proven the same way (ARCHITECTURE.md's correctness bar): same seed, same data,
-fp32 on CPU, losses within 1e-4 relative after N steps and gradients close. Tests and benchmarks use
-`run_layout`, which spawns the ranks with `raydist.runtime.spawn`.
+Every parallel feature is proven the same way: same seed, same data, fp32 on CPU, losses within 1e-4
+relative at every step, the last step's gradients and the parameters after the last step close, and every
+parameter of the model received a gradient. Tests and benchmarks use `run_layout`, which spawns the ranks
+with `raydist.runtime.spawn` and plans the layout through a `LocalSession` (rank 0 plans, all receive).
+
+Devices, explicitly (`raydist.runtime.harness_device`, $RAYDIST_TEST_DEVICE = auto | cpu | cuda): with at
+least one GPU per rank the ranks run NCCL with rank r on cuda:r, otherwise gloo on the CPU; never gloo with
+CUDA tensors, never two ranks on one GPU. `tiny_config` asks for fp32 so that a GPU run keeps the contract.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from raydist.config import Config
-from raydist.runtime import spawn
+from raydist.runtime import harness_device, spawn
 
 TINY_MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=320)
 
@@ -25,7 +30,7 @@ def tiny_config(data_path: str, seq_len: int = 32, **sections: dict[str, Any]) -
         "model": dict(TINY_MODEL),
         "data": {"path": data_path, "seq_len": seq_len, "reader": "arrow"},
         "train": {"steps": 10, "global_batch": 8, "micro_batch": 2, "lr": 3e-3, "warmup_steps": 2,
-                  "eval_every": 0, "log_every": 1, "seed": 0},
+                  "eval_every": 0, "log_every": 1, "seed": 0, "dtype": "fp32"},
         "parallel": {"dp_replicate": 1, "dp_shard": 1},
     }
     for name, values in sections.items():
@@ -39,15 +44,21 @@ class LayoutResult:
     grad_norms: list[float]
     grads: dict[str, torch.Tensor]  # the last step's full gradients, by parameter name
     sample_ids: list[np.ndarray]  # per step, this rank's samples (batch leaders only, when recorded)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # full parameters after the last step
+    covered: frozenset[str] = frozenset()  # parameter names held by any rank of the layout
 
 
 def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> LayoutResult:
+    import torch.distributed as dist
+
+    from raydist.elastic.session import LocalSession
     from raydist.runtime import pick_device
     from raydist.trainer import Trainer, TrainerOptions
 
     cfg = Config.from_dict(raw)
-    trainer = Trainer(cfg, pick_device(), options=TrainerOptions(record_samples=record_samples,
-                                                                 capture_grads=capture_grads))
+    layout = LocalSession().start(cfg)
+    trainer = Trainer(cfg, pick_device(), layout, options=TrainerOptions(record_samples=record_samples,
+                                                                         capture_grads=capture_grads))
     losses, norms = [], []
     try:
         for _ in range(steps):
@@ -57,19 +68,24 @@ def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> La
     finally:
         trainer.close()
     grads = getattr(trainer, "last_grads", {}) if capture_grads else {}
-    return LayoutResult(losses, norms, grads, trainer.sample_log)
+    params = trainer.full_parameters() if capture_grads else {}
+    names: list = [None] * dist.get_world_size()
+    dist.all_gather_object(names, sorted(params))
+    return LayoutResult(losses, norms, grads, trainer.sample_log, params, frozenset(n for part in names for n in part))
 
 
 def run_layout(raw: dict, world_size: int, steps: int = 10, *, record_samples: bool = False,
                capture_grads: bool = True) -> list[LayoutResult]:
     """Train `steps` steps of config `raw` on `world_size` processes; one LayoutResult per rank."""
-    return spawn(_run, world_size, raw, steps, record_samples, capture_grads)
+    return spawn(_run, world_size, raw, steps, record_samples, capture_grads, device=harness_device(world_size))
 
 
 def assert_equivalent(reference: LayoutResult, candidate: LayoutResult, rtol: float = 1e-4,
                       grad_rtol: float = 1e-4, grad_atol: float = 1e-6) -> None:
     """Losses within rtol (relative) at every step; every gradient the candidate holds close to the
-    reference's."""
+    reference's; every parameter it holds within rtol of the reference's after the last step (relative
+    norm of the difference) and with a gradient; the layout's ranks together hold every parameter of the
+    reference model."""
     ref, got = np.asarray(reference.losses), np.asarray(candidate.losses)
     assert len(ref) == len(got), (len(ref), len(got))
     rel = np.abs(got - ref) / np.abs(ref)
@@ -80,6 +96,19 @@ def assert_equivalent(reference: LayoutResult, candidate: LayoutResult, rtol: fl
         assert name in reference.grads, f"{name} not in the reference model"
         torch.testing.assert_close(grad, reference.grads[name], rtol=grad_rtol, atol=grad_atol,
                                    msg=lambda m, n=name: f"gradient of {n}: {m}")
+    if not reference.params:  # a reference run without parameters (capture_grads=False): nothing more
+        return
+    assert candidate.params, "the candidate captured no parameters"
+    missing = sorted(set(candidate.params) - set(candidate.grads))
+    assert not missing, f"parameters that received no gradient in the last step: {missing}"
+    assert candidate.covered == frozenset(reference.params), \
+        f"the layout's ranks hold {sorted(candidate.covered ^ frozenset(reference.params))} differently"
+    for name, param in candidate.params.items():
+        # Relative to the whole tensor: AdamW moves an element with a near-zero gradient by about lr whatever
+        # its sign, so single elements may differ by reduction-order noise; a wrong update moves whole tensors.
+        want = reference.params[name]
+        error = float((param - want).norm() / want.norm().clamp_min(1e-12))
+        assert error <= rtol, f"parameter {name} after the last step differs by {error:.2e} (relative norm)"
 
 
 # ---- whole runs with checkpoints, crashes and resumes --------------------------------------------
@@ -121,13 +150,26 @@ def _fit(raw: dict, run_dir: str, crash_after_step: int | None, before_commit_ex
     return FitResult(summary, trainer.sample_log, losses)
 
 
+def _fit_after_imports(imports: tuple[str, ...], *args) -> FitResult:
+    import importlib
+
+    for module in imports:
+        importlib.import_module(module)
+    return _fit(*args)
+
+
 def run_fit(raw: dict, world_size: int, run_dir: str, *, crash_after_step: int | None = None,
-            crash_before_commit_of: int | None = None) -> list[FitResult] | None:
+            crash_before_commit_of: int | None = None, imports: tuple[str, ...] = ()) -> list[FitResult] | None:
     """`fit` on `world_size` processes with run directory `run_dir` (resuming from it if it holds
     checkpoints). `crash_after_step=s` kills every rank right after step s; `crash_before_commit_of=s`
-    kills them while checkpoint s is written but not committed. Returns None after a crash."""
+    kills them while checkpoint s is written but not committed. `imports` are modules each process
+    imports first (e.g. one registering a test fsspec protocol). Returns None after a crash."""
     try:
-        return spawn(_fit, world_size, raw, run_dir, crash_after_step, crash_before_commit_of)
+        device = harness_device(world_size)
+        if imports:
+            return spawn(_fit_after_imports, world_size, tuple(imports), raw, run_dir, crash_after_step,
+                         crash_before_commit_of, device=device)
+        return spawn(_fit, world_size, raw, run_dir, crash_after_step, crash_before_commit_of, device=device)
     except RuntimeError as exc:
         if (crash_after_step is not None or crash_before_commit_of is not None) and "exited with status" in str(exc):
             return None
@@ -139,15 +181,14 @@ def logits_after_load(raw: dict, run_dir: str | None, tokens: torch.Tensor, step
     `run_dir` (unless None: the untrained model), and return the full logits of `tokens` (checks that the
     checkpoint was at `step`, when given)."""
     from raydist.checkpoint import CheckpointManager
+    from raydist.runtime import pick_device
     from raydist.trainer import Trainer
 
-    trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
+    trainer = Trainer(Config.from_dict(raw), pick_device())
     if run_dir is not None:
         manager = CheckpointManager(run_dir, keep=3, group=trainer.checkpoint_group, log=lambda *_: None)
-        tensors, _ = trainer.checkpoint_state()
-        extra = manager.load(manager.latest(), tensors)
-        trainer.load_checkpoint_state(tensors, extra)
+        manager.load(manager.latest(), trainer.state_parts())
         assert step is None or trainer.step == step, (trainer.step, step)
     with torch.no_grad():
-        out = trainer.pm.module(tokens)
-    return out.full_tensor() if hasattr(out, "full_tensor") else out
+        out = trainer.pm.module(tokens.to(trainer.device))
+    return (out.full_tensor() if hasattr(out, "full_tensor") else out).cpu()

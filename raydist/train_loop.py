@@ -5,7 +5,8 @@
     steps: train; evaluate every eval_every; log every log_every; checkpoint every checkpoint.every_steps
     end: final checkpoint, summary.json (with goodput across restarts)
 
-`ray_worker_entry` is what each Ray Train worker runs; tests call `fit` under `raydist.runtime.spawn`.
+`fit` talks to whatever runs the workers through a `Session` (raydist.elastic.session): Ray Train
+(`elastic.ray_session.ray_worker_entry`) or plain processes (`LocalSession`, the tests); it imports no Ray.
 """
 
 from __future__ import annotations
@@ -18,20 +19,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from raydist.checkpoint import CheckpointManager
-from raydist.config import Config
-from raydist.elastic.control import ControlChannel, Watchdog
-from raydist.elastic.policy import plan_layout
+from raydist.checkpoint import CheckpointManager, compat
+from raydist.checkpoint.manager import read_extra
+from raydist.elastic.session import LocalSession, Session
 from raydist.metrics.flops import peak_flops
 from raydist.metrics.goodput import EventLog, Goodput
 from raydist.metrics.logger import MetricsWriter, join, write_json
 from raydist.metrics.tensorboard import open_tensorboard
 from raydist.models.gpt import flops_per_token
 from raydist.trainer import StepStats, Trainer, TrainerOptions, peak_memory_mb
-
-# report(metrics, checkpoint_uri or None): called at the same points on every active rank.
-Reporter = Callable[[dict, "str | None"], None]
-
 
 # ---- logging ------------------------------------------------------------------------------------
 
@@ -47,7 +43,7 @@ class RunLogger:
         cfg = trainer.cfg
         self.run_start = run_start
         self.attempt = attempt
-        self.tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
+        self.tokens_per_step = trainer.layout.global_batch * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
         # The peak is taken after training has started (start-up work such as Ray Data's first read
         # tasks competes for the CPU and would understate it), and on CPU re-measured every few logged
@@ -60,8 +56,9 @@ class RunLogger:
 
     def base(self) -> dict[str, Any]:
         t = self.trainer
-        return {"step": t.step, "world_size": t.world_size, "mesh": t.spec.degrees(),
-                "elapsed_s": round(time.time() - self.run_start, 3), "attempt": self.attempt, "kernels": t.kernels}
+        return {"step": t.step, "world_size": t.world_size, "mesh": t.layout.degrees(),
+                "elapsed_s": round(time.time() - self.run_start, 3), "attempt": self.attempt,
+                "kernels": t.kernels_ran(), "kernels_selected": t.kernels}
 
     def add_step(self, stats: StepStats) -> None:
         self.interval_time += stats.step_time_s
@@ -109,30 +106,37 @@ class RunLogger:
 
 
 class _Checkpoints:
-    """Saving on schedule, agreeing on what is committed, and reporting it (Ray Train, events)."""
+    """Saving on schedule, agreeing on what is committed, and telling the session and the event log."""
 
     def __init__(self, trainer: Trainer, run_dir: str, events: EventLog | None, goodput: Goodput | None,
-                 report: Reporter | None, log: Callable[[str], None]):
-        self.trainer, self.events, self.goodput, self.report = trainer, events, goodput, report
-        self.manager = CheckpointManager(run_dir, trainer.cfg.checkpoint.keep, trainer.checkpoint_group, log=log)
+                 session: Session, log: Callable[[str], None], tensorboard=None):
+        self.trainer, self.events, self.goodput, self.session = trainer, events, goodput, session
+        self.manager = CheckpointManager(run_dir, trainer.cfg.checkpoint.keep, trainer.checkpoint_group, log=log,
+                                         timeout_s=trainer.cfg.elastic.checkpoint_timeout_s)
+        self.tensorboard = tensorboard  # rank 0's TensorBoard writer, flushed with each checkpoint
         self.reported = -1
-        self.tensorboard = None  # set by fit when rank 0 writes TensorBoard files
 
     def resume(self) -> dict | None:
-        found = self.manager.latest()
+        """Loads the newest valid checkpoint into the trainer; returns its parts' JSON state (or None)."""
+        newest = self.manager.latest()
+        if newest is None:
+            return None
+        saved = (read_extra(newest.uri).get("run") or {}).get("compat")
+        if saved:  # the driver checked too; this catches a checkpoint committed since
+            problems = compat.differences(saved, compat.compat_record(self.trainer.cfg, self.trainer.manifest))
+            if problems:
+                raise compat.refuse(self.manager.root.rsplit("/checkpoints", 1)[0], newest.step, problems)
+        found, state = self.manager.load_newest(self.trainer.state_parts())
         if found is None:
             return None
         for message in found.skipped:
             if self.events:
                 self.events.event("checkpoint_skipped", found.step, reason=message)
-        tensors, _ = self.trainer.checkpoint_state()
-        extra = self.manager.load(found, tensors)
-        self.trainer.load_checkpoint_state(tensors, extra)
         self.reported = found.step
-        return extra
+        return state
 
     def save(self, blocking: bool) -> None:
-        stall = self.manager.save(self.trainer.step, *self.trainer.checkpoint_state(), blocking=blocking)
+        stall = self.manager.save(self.trainer.step, self.trainer.state_parts(), blocking=blocking)
         if self.goodput:
             self.goodput.add_checkpoint_stall(stall)
 
@@ -149,40 +153,41 @@ class _Checkpoints:
                 self.events.event("checkpoint", step, path=uri, write_s=round(self.manager.last_write_s, 3))
             if self.tensorboard:
                 self.tensorboard.flush()  # object stores: copy the event files up with each checkpoint
-            if self.report:
-                self.report(metrics, uri)
+            self.session.commit(step, uri, metrics)
             self.reported = step
 
 
-def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
-        on_progress: Callable[[int], None] | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
     """Resume, train to cfg.train.steps, evaluate, log, checkpoint; returns the summary (rank 0 writes it).
-    `report` is called whenever a new checkpoint is committed and at the end; `on_progress(step)` at every
-    logged step."""
+    The session hears every step (`heartbeat`), every newly committed checkpoint (`commit`, also the final
+    one) and the end (`finish`)."""
+    session = session or LocalSession()
     cfg, t = trainer.cfg, trainer.cfg.train
     rank0 = dist.get_rank() == 0
     goodput = Goodput(run_dir, trainer.options.start_time) if run_dir and rank0 else None
     run_start = goodput.run_start if goodput else trainer.options.start_time
     tensorboard = open_tensorboard(run_dir) if run_dir and rank0 else None
     events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None) if run_dir and rank0 else None
-    ckpt = _Checkpoints(trainer, run_dir, events, goodput, report, log) if run_dir else None
-    extra = ckpt.resume() if ckpt else None  # restores trainer.step, position, notes
+    ckpt = _Checkpoints(trainer, run_dir, events, goodput, session, log, tensorboard) if run_dir else None
+    session.phase("resume")
+    resumed = ckpt.resume() if ckpt else None  # restores trainer.step, position, notes
     attempt = goodput.on_start(trainer.step) if goodput else {"attempt": 1}
     workers = [None] * trainer.world_size  # where each rank runs, for operators (and failure tests)
     dist.all_gather_object(workers, {"host": socket.gethostname(), "pid": os.getpid()}, group=trainer.group)
     if events:
         kind = "start" if attempt["attempt"] == 1 else "restart"
-        events.event(kind, trainer.step, world_size=trainer.world_size, mesh=trainer.spec.degrees(),
-                     idle_workers=trainer.decision.idle_workers, layout=trainer.decision.reason, workers=workers,
-                     **attempt)
-        if extra is not None and extra["world_size"] != trainer.world_size:
-            events.event("resize", trainer.step, from_world_size=extra["world_size"], world_size=trainer.world_size,
-                         mesh=trainer.spec.degrees())
+        events.event(kind, trainer.step, world_size=trainer.world_size, mesh=trainer.layout.degrees(),
+                     idle_workers=dist.get_world_size() - trainer.world_size, layout=trainer.layout.reason,
+                     workers=workers, **attempt)
+        previous = (resumed or {}).get("run", {}).get("world_size")
+        if previous is not None and previous != trainer.world_size:
+            events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,
+                         mesh=trainer.layout.degrees())
     logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard)
-    if ckpt:
-        ckpt.tensorboard = tensorboard
     first_val = last_val = None
     pending = None
+    session.phase("first_step")  # the first data, and the untrained model's evaluation
     if trainer.step == 0:
         # Step 0: the untrained model's validation loss and its loss on the first training batch.
         pending = trainer.next_batch()
@@ -190,33 +195,33 @@ def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
         trainer.notes["first_val_loss"] = first_val
         logger.record(None, val_loss=first_val, loss=trainer.loss_on(pending[0]))
     wall_start, start_step = time.perf_counter(), trainer.step
-    watchdog = Watchdog(cfg.elastic.collective_timeout_s * 2).start() if report else None
     every = cfg.checkpoint.every_steps
     while trainer.step < t.steps:
         stats = trainer.train_step(pending)
+        if trainer.step == start_step + 1:  # the first step of this attempt is done
+            session.phase("step")
         pending = None
-        if watchdog:
-            watchdog.beat()
+        session.heartbeat(trainer.step)
         logger.add_step(stats)
         done = trainer.step == t.steps
         logged = trainer.step % t.log_every == 0 or done
         val = None
         if t.eval_every and (trainer.step % t.eval_every == 0 or done):
+            session.phase("evaluate")
             val = last_val = trainer.evaluate()
+            session.phase("step")
         if ckpt and every and trainer.step % every == 0 and not done:
+            session.phase("save")  # waits for the save in flight, stages (and writes, when blocking)
             ckpt.save(blocking=not cfg.checkpoint.async_save)
+            session.phase("step")
         if goodput:
             goodput.on_progress(trainer.step, logged)
         if stats.pipeline_timeline is not None and run_dir and rank0:
             write_json(join(run_dir, "pipeline_timeline.json"), stats.pipeline_timeline)
         if logged or val is not None:
             record = logger.record(stats, val_loss=val)
-            if on_progress:
-                on_progress(trainer.step)
             if ckpt and not done:
                 ckpt.sync(_numbers(record))
-    if watchdog:
-        watchdog.stop()
     wall = time.perf_counter() - wall_start
     trainer.close()
     summary = {
@@ -226,9 +231,11 @@ def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
         "train_wall_s": round(wall, 3),
         "tokens_per_s": round((trainer.step - start_step) * logger.tokens_per_step / max(wall, 1e-9), 2),
         "mfu": logger.last.get("mfu"), "mfu_peak_source": logger.peak_source, "world_size": trainer.world_size,
-        "mesh": trainer.spec.degrees(), "elapsed_s": round(time.time() - run_start, 3), "kernels": trainer.kernels,
+        "mesh": trainer.layout.degrees(), "elapsed_s": round(time.time() - run_start, 3),
+        "kernels": trainer.kernels_ran(), "kernels_selected": trainer.kernels,
     }
     if ckpt:
+        session.phase("save")
         ckpt.save(blocking=True)
     if goodput:
         summary.update(goodput.summary(trainer.step, logger.tokens_per_step))
@@ -238,57 +245,9 @@ def fit(trainer: Trainer, run_dir: str | None, report: Reporter | None = None,
         write_json(join(run_dir, "summary.json"), summary)
         events.event("end", trainer.step, status="completed")
     logger.close()
+    session.finish(summary)
     return summary
 
 
 def _numbers(record: dict) -> dict:
     return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-# ---- Ray Train entry point -------------------------------------------------------------------------
-
-
-def ray_worker_entry(payload: dict[str, Any]) -> None:
-    """What each Ray Train worker runs; the process group is already initialised by TorchTrainer."""
-    import ray.train
-    from ray.train import Checkpoint
-    from ray.train.v2.api.report_config import CheckpointUploadMode
-
-    cfg = Config.from_dict(payload["config"])
-    ctx = ray.train.get_context()
-    threads = max(1, int(cfg.ray.cpus_per_worker))
-    torch.set_num_threads(threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    device = torch.device("cuda", ctx.get_local_rank()) if payload["use_gpu"] else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    decision = plan_layout(cfg, dist.get_world_size())
-    channel = ControlChannel(dist.distributed_c10d._get_default_store(), dist.get_rank())
-
-    def report(metrics: dict, uri: str | None) -> None:
-        channel.publish({"kind": "report", "metrics": metrics, "checkpoint": uri})
-        checkpoint = Checkpoint(uri) if uri and dist.get_rank() == 0 else None
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
-
-    if dist.get_rank() >= decision.active_workers:  # fits no layout: follow the active workers' reports
-        print(f"worker {dist.get_rank()} is idle: {decision.reason}", flush=True)
-        channel.follow(lambda m: ray.train.report(m["metrics"], checkpoint=None), cfg.elastic.collective_timeout_s)
-        return
-    run_dir, rank = payload["run_dir"], dist.get_rank()
-    if rank == 0:  # the attempt's worker group is up (restart timing: detection -> restart -> load)
-        run_event(run_dir, payload["start_time"], "launch", world_size=dist.get_world_size())
-    try:
-        trainer = Trainer(cfg, device, decision, TrainerOptions(start_time=payload["start_time"]))
-        fit(trainer, run_dir, report=report, on_progress=channel.heartbeat)
-    except BaseException as exc:  # a peer died, a collective timed out, ...: say so before Ray Train restarts
-        run_event(run_dir, payload["start_time"], "worker_error", rank=rank, error=str(exc).strip()[:300])
-        raise
-    channel.publish({"kind": "done"})
-
-
-def run_event(run_dir: str, driver_start: float, kind: str, **fields: Any) -> None:
-    """One events.jsonl line from outside `fit` (any rank; local storage appends atomically per line)."""
-    try:
-        EventLog(run_dir, Goodput(run_dir, driver_start).run_start).event(kind, None, **fields)
-    except Exception:  # bookkeeping must never mask the real failure
-        pass

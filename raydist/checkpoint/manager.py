@@ -1,23 +1,33 @@
 """Save, commit, find and load checkpoints; every rank calls every method (they are collectives).
 
-Save (optionally in a background thread, overlapping training):
-    stage   copy the state to CPU (the only part that stalls training)
-    write   torch.distributed.checkpoint.save -> step_N/ (each rank writes its shards), rank 0 writes extra.json
-    commit  every rank hashes a share of the files, rank 0 gathers the digests and writes COMMIT.json last
-    prune   rank 0 deletes committed checkpoints beyond the newest `keep` and partial leftovers
+A checkpoint is a dict of stateful parts (`raydist.checkpoint.state`): their tensors go to DCP, the rest
+to extra.json ({"format": 2, "step": N, "parts": {name: JSON state}}).
+
+Save:
+    stage   blocking: none, the live tensors are written (training waits anyway); async: a host copy (the
+            only part that stalls training), then the rest in a background thread
+    write   torch.distributed.checkpoint.save -> step_N/: each rank writes raw chunk files with parallel
+            threads, checksummed while written (rawio.py); rank 0 writes extra.json
+    commit  the ranks' file and chunk checksums are gathered to rank 0, which writes COMMIT.json last: no
+            listing and no reading back
+    prune   rank 0, in the background: verified checkpoints beyond the newest `keep`, and partial or corrupt
+            ones older than the newest verified one (see `_prune`; a committed one is never overwritten)
 The background work runs on a process group of its own (gloo), so its collectives never interleave with
 training's.
 
-Find: the newest directory with a COMMIT.json whose files all match their sizes and hashes; a partial or
-corrupt one is skipped with a warning naming what is wrong, and the previous one is used.
+Find (rank 0, broadcast to all): the newest directory with a COMMIT.json whose files all have their
+committed sizes. Load: every chunk is checked against its checksum as it is read; a mismatch falls back to
+the previous checkpoint (`load_newest`). A partial or corrupt checkpoint is skipped with a warning naming
+what is wrong.
 """
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import fsspec
@@ -26,7 +36,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from raydist.checkpoint import storage
+from raydist.checkpoint.rawio import ChecksumMismatch
+from raydist.checkpoint.state import Stateful, merge_state, split_state
 from raydist.checkpoint.storage import COMMIT, EXTRA, join, step_dir_name
+from raydist.errors import ConfigError
+from raydist.redact import redact
+
+EXTRA_FORMAT = 2
+METADATA = ".metadata"
 
 
 @dataclass
@@ -34,46 +51,105 @@ class Found:
     step: int
     uri: str
     skipped: list[str]  # warnings about newer checkpoints that could not be used
+    commit: dict = field(default_factory=dict)  # its COMMIT.json
 
 
-def _stage(tree: Any) -> Any:
-    """A CPU copy of a nested state dict (DTensors stay DTensors, with CPU local shards)."""
+def _union(trees: list[dict]) -> dict:
+    """Nested dicts merged key by key; the first tree holding a leaf wins."""
+    out: dict = {}
+    for tree in trees:
+        for key, value in tree.items():
+            if key not in out:
+                out[key] = value
+            elif isinstance(out[key], dict) and isinstance(value, dict):
+                out[key] = _union([out[key], value])
+    return out
+
+
+def _stage(tree: Any, pinned: bool = False) -> Any:
+    """A CPU copy of a nested state dict (DTensors stay DTensors, with CPU local shards).
+
+    pinned: CUDA tensors are copied into page-locked host memory with non-blocking copies (DMA transfers,
+    all in flight at once), and the caller waits once for them (`_wait_for_copies`) before the writer
+    thread reads them. Without it each tensor is a synchronous copy through pageable memory."""
     if isinstance(tree, dict):
-        return {k: _stage(v) for k, v in tree.items()}
+        return {k: _stage(v, pinned) for k, v in tree.items()}
     if isinstance(tree, torch.Tensor):
+        if pinned and tree.device.type == "cuda":
+            return _pinned_copy(tree.detach())
         return tree.detach().to("cpu", copy=True)
     return tree
 
 
+def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (a CUDA tensor, or a DTensor with a CUDA local shard) copied to the host, not yet
+    synchronised. A non-blocking CUDA-to-CPU `_to_copy` allocates its output in pinned memory, and on a
+    DTensor it copies the local shard and keeps the mesh, placements and global shape (as the blocking
+    path's `.to("cpu")` does; `DTensor.from_local` would move a CPU shard back to the mesh's device)."""
+    return tensor.to("cpu", non_blocking=True, copy=True)
+
+
+def _cuda_devices(tree: Any) -> set[torch.device]:
+    if isinstance(tree, dict):
+        return set().union(*(_cuda_devices(v) for v in tree.values()))
+    return {tree.device} if isinstance(tree, torch.Tensor) and tree.device.type == "cuda" else set()
+
+
+def _wait_for_copies(devices: set[torch.device]) -> None:
+    """The staged copies were queued on each device's current stream: wait for those streams (only the
+    devices the state lives on, so no CUDA context is created on any other)."""
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
 class CheckpointManager:
-    # Test hook: called in the writer thread after the shards are written and before the commit.
+    # Test hook: called on every rank after the files are written and before the commit.
     before_commit: Callable[[int], None] | None = None
 
     def __init__(self, run_dir: str, keep: int, group: dist.ProcessGroup | None = None,
-                 log: Callable[[str], None] = print):
+                 log: Callable[[str], None] = print, timeout_s: float | None = None, write_threads: int = 2):
+        """`timeout_s`: the longest `wait()` waits for a save in flight (None: no bound); `write_threads`:
+        files each rank writes in parallel."""
         self.root = join(run_dir, "checkpoints")
+        self.timeout_s = timeout_s
         self.keep = keep
         self.group = group
         self.log = log
+        self.write_threads = write_threads
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self._thread: threading.Thread | None = None
+        self._pruner: threading.Thread | None = None
         self._error: BaseException | None = None
         self.committed_step: int | None = None  # newest step this manager committed
         self.last_write_s = 0.0
 
     # ---- save ----------------------------------------------------------------------------------
-    def save(self, step: int, tensors: dict, extra: dict, blocking: bool) -> float:
-        """Starts saving `tensors` (DCP) and `extra` (JSON) as step `step`; returns the seconds training
-        was stalled (waiting for the previous save + staging)."""
+    def save(self, step: int, parts: dict[str, Stateful], blocking: bool) -> float:
+        """Saves `parts` as step `step` (in the background unless `blocking`); returns the seconds training
+        was stalled (waiting for the previous save, staging, and the whole write when blocking)."""
         start = time.perf_counter()
         self.wait()
-        staged = _stage(tensors)
-        self._thread = threading.Thread(target=self._write_guarded, args=(step, staged, dict(extra)),
-                                        name=f"raydist-checkpoint-{step}", daemon=True)
-        self._thread.start()
-        if blocking:
+        tensors, json_state, _ = split_state(parts)
+        if self.world > 1:
+            # JSON leaves only some ranks hold (a pipeline stage's optimizer hyper-parameters, keyed by its
+            # own parameters' names) join rank 0's, which rank 0 writes: the union over ranks, rank 0's
+            # value wherever several hold one key.
+            gathered: list = [None] * self.world
+            dist.all_gather_object(gathered, json_state, group=self.group)
+            json_state = _union(gathered)
+        extra = {"format": EXTRA_FORMAT, "step": step, "parts": json_state}
+        if blocking:  # no staging copy: the training thread writes the live tensors and waits
+            self._write_guarded(step, tensors, extra)
             self.wait()
+        else:
+            devices = _cuda_devices(tensors)  # on CUDA: stage through pinned memory, one wait per device
+            staged = _stage(tensors, pinned=bool(devices))
+            if devices:
+                _wait_for_copies(devices)
+            self._thread = threading.Thread(target=self._write_guarded, args=(step, staged, extra),
+                                            name=f"raydist-checkpoint-{step}", daemon=True)
+            self._thread.start()
         return time.perf_counter() - start
 
     def poll(self) -> int | None:
@@ -83,10 +159,16 @@ class CheckpointManager:
         return self.committed_step
 
     def wait(self) -> int | None:
-        """Blocks until the save in flight (if any) committed; re-raises its failure."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Blocks until the save in flight (if any) committed and old checkpoints are pruned; re-raises a
+        failure."""
+        for attr in ("_thread", "_pruner"):
+            thread = getattr(self, attr)
+            if thread is not None:
+                thread.join(self.timeout_s)
+                if thread.is_alive():
+                    raise TimeoutError(f"checkpoint thread {thread.name} did not finish within {self.timeout_s:g}s "
+                                       "(elastic.checkpoint_timeout_s): a hung storage or a peer that stopped")
+                setattr(self, attr, None)
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"checkpoint save failed: {error}") from error
@@ -99,76 +181,200 @@ class CheckpointManager:
             self._error = exc
 
     def _write(self, step: int, tensors: dict, extra: dict) -> None:
+        """No-loss rules: a committed checkpoint is never removed or overwritten here. If step_N is
+        already committed and intact (a resumed run's final save at the step it resumed from; the step
+        fixes the state, since an attempt only reaches N again while a valid step_N exists by loading it)
+        it is kept as it is and this save is skipped, so there is no window without it on any storage;
+        only a partial or corrupt step_N is replaced. A full disk ends in an ENOSPC error naming the
+        checkpoint kept, after removing this attempt's files."""
         start = time.perf_counter()
         uri = join(self.root, step_dir_name(step))
-        fs, path = fsspec.core.url_to_fs(uri)
-        if self.rank == 0 and fs.exists(path):  # a partial write of an earlier attempt
-            fs.rm(path, recursive=True)
+        if self._broadcast(lambda: self._problem(uri)) is None:
+            self.committed_step = step  # already committed and intact: nothing to write
+            return
+        if self.rank == 0 and fsspec.core.url_to_fs(uri)[0].exists(fsspec.core.url_to_fs(uri)[1]):
+            storage.remove_dir(uri)  # partial or corrupt, never a usable checkpoint
         dist.barrier(group=self.group)
-        dcp.save(tensors, storage_writer=storage.writer(uri), process_group=self.group)
-        if self.rank == 0:
-            storage.write_json(join(uri, EXTRA), extra)
-        dist.barrier(group=self.group)
-        if CheckpointManager.before_commit is not None:
-            CheckpointManager.before_commit(step)
-        names = [n for n in storage.list_files(uri) if n != COMMIT]
-        mine = storage.file_digests(uri, names[self.rank::self.world])
-        gathered: list[dict | None] = [None] * self.world
-        dist.all_gather_object(gathered, mine, group=self.group)
-        if self.rank == 0:
-            files = {k: v for part in gathered for k, v in part.items()}
-            storage.write_commit(uri, step, files)  # last: from here on the checkpoint counts
-            self._prune(step)
-        dist.barrier(group=self.group)
-        self.committed_step = step
+        try:
+            writer = storage.writer(uri, self.write_threads)
+            dcp.save(tensors, storage_writer=writer, process_group=self.group)
+            if self.rank == 0:
+                storage.write_json(join(uri, EXTRA), extra)
+            gathered: list | None = [None] * self.world if self.rank == 0 else None
+            dist.gather_object((writer.files, writer.chunks), gathered, dst=self._rank0(), group=self.group)
+            if CheckpointManager.before_commit is not None:
+                CheckpointManager.before_commit(step)
+            if self.rank == 0:
+                files = {name: info for part in gathered for name, info in part[0].items()}
+                chunks = {name: c for part in gathered for name, c in part[1].items()}
+                files.update(storage.file_digests(uri, [METADATA, EXTRA]))
+                storage.write_commit(uri, step, files, chunks)  # last: from here on the checkpoint counts
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            full = _disk_full(exc)
+            if full is None:
+                raise
+            if self.rank == 0:  # free what this attempt took; committed checkpoints stay
+                try:
+                    storage.remove_dir(uri)
+                except Exception:
+                    pass
+            kept = [s for s, u in storage.list_step_dirs(self.root) if s != step and storage.read_commit(u)]
+            raise OSError(errno.ENOSPC, f"no space left on checkpoint.storage while writing checkpoint step "
+                          f"{step} to {redact(uri)} ({redact(_first_line(full))}); "
+                          + (f"the committed checkpoint step {kept[-1]} is kept and loadable" if kept
+                             else "no committed checkpoint exists yet")
+                          + "; free space (the storage must hold checkpoint.keep + 1 checkpoints while "
+                          "a new one is written)") from exc
+        if self.rank == 0:  # off the critical path; wait() joins it before the next save
+            self._pruner = threading.Thread(target=self._prune, args=(step,), daemon=True,
+                                            name=f"raydist-prune-{step}")
+            self._pruner.start()
+        self.committed_step = step  # rank 0 only after COMMIT.json: the ranks agree on the minimum
         self.last_write_s = time.perf_counter() - start
 
-    def _prune(self, newest: int) -> None:
-        """Rank 0: keep the newest `keep` committed checkpoints; drop partial directories."""
-        dirs = storage.list_step_dirs(self.root)
-        committed = [(s, u) for s, u in dirs if storage.read_commit(u) is not None]
-        doomed = committed[:-self.keep] + [(s, u) for s, u in dirs if s != newest and storage.read_commit(u) is None]
-        for _, uri in doomed:
-            fs, path = fsspec.core.url_to_fs(uri)
-            fs.rm(path, recursive=True)
+    def _rank0(self) -> int:
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
-    # ---- find and load -------------------------------------------------------------------------
-    def latest(self) -> Found | None:
-        """The newest valid committed checkpoint (same answer on every rank), or None."""
-        skipped: list[str] = []
-        candidates = storage.list_step_dirs(self.root) if self.rank == 0 else []
-        box = [candidates]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        for step, uri in reversed(box[0]):
-            problem = self._verify(uri)
-            if problem is None:
-                for message in skipped:
-                    warnings.warn(message, stacklevel=2)
-                    if self.rank == 0:
-                        self.log(f"warning: {message}")
-                return Found(step, uri, skipped)
-            skipped.append(f"checkpoint {uri} is unusable ({problem}); trying the previous one")
-        for message in skipped:
-            warnings.warn(message, stacklevel=2)
-            if self.rank == 0:
-                self.log(f"warning: {message}")
-        return None
+    def _broadcast(self, compute: Callable[[], Any]) -> Any:
+        """`compute()` on rank 0 (a storage read), its result on every rank."""
+        box = [compute() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=self._rank0(), group=self.group)
+        return box[0]
 
-    def _verify(self, uri: str) -> str | None:
-        """None if `uri` is committed and intact (sizes everywhere, hashes split across ranks)."""
+    @staticmethod
+    def _problem(uri: str) -> str | None:
+        """None if `uri` is committed with every file at its size (and, for commits of earlier versions
+        without chunk checksums, every file's hash), else what is wrong. Rank 0 only."""
         commit = storage.read_commit(uri)
         if commit is None:
-            problem = "no commit marker: the write did not finish"
-        else:
-            problem = storage.check_sizes(uri, commit)
-            if problem is None:
-                names = sorted(commit["files"])
-                problem = storage.check_hashes(uri, commit, names[self.rank::self.world])
-        problems: list[str | None] = [None] * self.world
-        dist.all_gather_object(problems, problem, group=self.group)
-        return next((p for p in problems if p is not None), None)
+            return "no commit marker: the write did not finish"
+        problem = storage.check_sizes(uri, commit)
+        if problem is None and "chunks" not in commit:
+            problem = storage.check_hashes(uri, commit, sorted(commit["files"]))
+        return problem
 
-    def load(self, found: Found, tensors: dict) -> dict:
-        """Loads `found` into `tensors` in place (resharding to their layout); returns extra.json."""
-        dcp.load(tensors, storage_reader=storage.SafeReader(found.uri), process_group=self.group)
-        return storage.read_json(join(found.uri, EXTRA))
+    def _prune(self, newest: int) -> None:
+        """Rank 0: keep the newest `keep` verified checkpoints (COMMIT.json present, every file at its
+        committed size); a corrupt one never holds a slot. Delete older verified ones beyond `keep`, and
+        partial or corrupt directories only when they are older than the newest verified checkpoint (a
+        newer one may be a write still in flight, and until something newer commits they cost only space).
+        Nothing is deleted when no checkpoint verifies. Directories newer than `newest` (left by an
+        earlier attempt and skipped on resume) are neither counted nor deleted until training passes them."""
+        dirs = [(s, u) for s, u in storage.list_step_dirs(self.root) if s <= newest]
+        verified, unusable = [], []
+        for step, uri in dirs:
+            commit = storage.read_commit(uri)
+            ok = commit is not None and storage.check_sizes(uri, commit) is None
+            (verified if ok else unusable).append((step, uri))
+        if not verified:
+            return
+        newest_good = verified[-1][0]
+        doomed = verified[:-self.keep] + [(s, u) for s, u in unusable if s < newest_good]
+        for _, uri in doomed:
+            storage.remove_dir(uri)
+
+    # ---- find and load -------------------------------------------------------------------------
+    def latest(self, before: int | None = None) -> Found | None:
+        """The newest committed checkpoint with every file at its size (older than step `before` when
+        given), the same answer on every rank, or None."""
+
+        def search() -> tuple[Found | None, list[str]]:
+            skipped = []
+            for step, uri in reversed(storage.list_step_dirs(self.root)):
+                if before is not None and step >= before:
+                    continue
+                problem = self._problem(uri)
+                if problem is None:
+                    return Found(step, uri, [], storage.read_commit(uri)), skipped
+                skipped.append(redact(f"checkpoint {uri} is unusable ({problem}); trying the previous one"))
+            return None, skipped
+
+        found, skipped = self._broadcast(search)
+        self._warn(skipped)
+        if found is not None:
+            found.skipped = skipped
+        return found
+
+    def _warn(self, messages: list[str]) -> None:
+        for message in messages:
+            warnings.warn(message, stacklevel=3)
+            if self.rank == 0:
+                self.log(f"warning: {message}")
+
+    def load(self, found: Found, parts: dict[str, Stateful]) -> dict:
+        """Loads `found` into `parts` (tensors resharded to their current layout, each chunk checked against
+        its checksum as it is read); returns the parts' JSON state as saved ({part name: dict})."""
+        tensors, _, owners = split_state(parts)
+        reader = storage.SafeReader(found.uri, chunks=found.commit.get("chunks"))
+        dcp.load(tensors, storage_reader=reader, process_group=self.group)
+        json_state = read_extra(found.uri)
+        merge_state(parts, tensors, owners, json_state)
+        return json_state
+
+    def load_newest(self, parts: dict[str, Stateful]) -> tuple[Found, dict] | tuple[None, None]:
+        """Loads the newest checkpoint that loads intact, falling back past ones whose chunks fail their
+        checksums; (found, its JSON state) or (None, None)."""
+        found = self.latest()
+        skipped: list[str] = []
+        while found is not None:
+            try:
+                state = self.load(found, parts)
+                found.skipped = skipped + found.skipped
+                return found, state
+            except BaseException as exc:
+                bad = _corrupt(exc)
+                if bad is None:
+                    raise
+                message = redact(f"checkpoint {found.uri} is unusable ({_first_line(bad)}); trying the previous one")
+                self._warn([message])
+                skipped += found.skipped + [message]
+                found = self.latest(before=found.step)
+        if skipped:  # chunks were already loaded: without an older checkpoint nothing restores the init
+            raise ConfigError(f"{skipped[0].split(' is unusable')[0]} is corrupt and no older checkpoint loads; "
+                              "check it with `raydist verify RUN_DIR`, move it away to start over, or pick another "
+                              "train.run_name")
+        return None, None
+
+
+def read_extra(ckpt_uri: str) -> dict:
+    """The parts' JSON state of a checkpoint ({part name: dict}); the format before stateful parts (one
+    flat dict) is read too."""
+    extra = storage.read_json(join(ckpt_uri, EXTRA))
+    if "parts" in extra:
+        return extra["parts"]
+    return {"model_optim": {"optim": extra["optimizer_hyper"]}, "schedule": extra["scheduler"],
+            "data": {k: extra[k] for k in ("step", "position", "global_batch")}, "rng": extra["rng"],
+            "run": {"world_size": extra["world_size"], "mesh": extra["mesh"], "notes": extra.get("notes", {})}}
+
+
+def _find(exc: BaseException, match: Callable[[BaseException], bool]) -> BaseException | None:
+    """The first error in `exc` or what it wraps (DCP gathers every rank's failure) that `match`es."""
+    seen, stack = set(), [exc]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if match(e):
+            return e
+        if isinstance(e, tuple):  # DCP's (exception, traceback summary) per failed rank
+            stack.extend(x for x in e if isinstance(x, BaseException))
+            continue
+        stack.extend([e.__cause__, e.__context__])
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(failures.values())
+    return None
+
+
+def _disk_full(exc: BaseException) -> BaseException | None:
+    return _find(exc, lambda e: getattr(e, "errno", None) == errno.ENOSPC)
+
+
+def _corrupt(exc: BaseException) -> BaseException | None:
+    return _find(exc, lambda e: isinstance(e, ChecksumMismatch))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

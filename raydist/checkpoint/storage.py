@@ -1,30 +1,45 @@
 """Checkpoint files on any fsspec URI: the DCP reader/writer, the commit marker and its checksums.
 
-A checkpoint directory `step_NNNNNNNN/` holds DCP's shard files (`__R_I.distcp`, tensors only, read back
-with `torch.load(weights_only=True)`), DCP's `.metadata`, our `extra.json` (step, data position, LR
-schedule, RNG, optimizer hyper-parameters) and, written last, `COMMIT.json`:
+A checkpoint directory `step_NNNNNNNN/` holds raw chunk files (`__R_I.raw`, rawio.py; `__R_I.distcp` in
+checkpoints of earlier versions, read back with `torch.load(weights_only=True)`), DCP's `.metadata`, our
+`extra.json` (the stateful parts' JSON) and, written last, `COMMIT.json`:
 
-    {"step": 100, "files": {"<name>": {"size": bytes, "sha256": hex}, ...}, "time": unix seconds}
+    {"step": 100, "files": {"<name>": {"size": bytes, "crc32": int}, ...},
+     "chunks": {"<raw file>": {"<offset>": crc32, ...}}, "time": unix seconds}
 
 A directory without COMMIT.json is partial (a crash during the write) and never loaded. A file whose size
-or hash differs from COMMIT.json is corrupt (e.g. truncated); loading falls back to an older checkpoint.
+differs from COMMIT.json is corrupt (e.g. truncated) and skipped when looking for the newest checkpoint; a
+chunk whose bytes changed fails its checksum while it is read, and loading falls back to an older
+checkpoint. `raydist verify RUN_DIR` checks every file in full. extra.json and COMMIT.json are written
+atomically (`raydist.atomic`), and a directory is deleted COMMIT.json first (`remove_dir`), so no crash
+leaves a directory that looks committed but is not.
 
-DCP writes `.metadata` with pickle. We only unpickle it after its checksum matched, and then through an
-unpickler that admits nothing but DCP's metadata classes, torch.Size and dtypes.
+DCP writes `.metadata` with pickle. A checksum proves integrity, not authorship (whoever can write the
+storage can rewrite COMMIT.json too), so `.metadata` is read through an unpickler that resolves only an
+exact list of (module, name) pairs: DCP's metadata dataclasses, torch.Size, the dtypes and torch's layout
+helper. Nothing else, and no dotted names (pickle protocol 4 resolves `os.system` inside any module that
+imports `os`). A metadata that lists a non-tensor (bytes) entry is refused too: DCP reads those with
+`torch.load(weights_only=False)`, and raydist never writes one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import pickle
 import re
 import time
+import zlib
 
 import fsspec
 import torch
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+from raydist.atomic import write_json_atomic
+from raydist.checkpoint.rawio import RawReader, RawWriter
+from raydist.redact import redact
 
 COMMIT = "COMMIT.json"
 EXTRA = "extra.json"
@@ -71,9 +86,7 @@ def list_step_dirs(checkpoints_uri: str) -> list[tuple[int, str]]:
 
 
 def write_json(uri: str, obj) -> None:
-    fs, path = fsspec.core.url_to_fs(uri)
-    with fs.open(path, "w") as f:
-        json.dump(obj, f, indent=1)
+    write_json_atomic(uri, obj)  # a reader never sees half a COMMIT.json or extra.json
 
 
 def read_json(uri: str):
@@ -82,13 +95,31 @@ def read_json(uri: str):
         return json.load(f)
 
 
+def crc32_file(fs, path: str, chunk: int = 8 << 20) -> tuple[int, int]:
+    """(size, CRC-32) of a file, read once."""
+    crc, size = 0, 0
+    with fs.open(path, "rb") as f:
+        while block := f.read(chunk):
+            crc, size = zlib.crc32(block, crc), size + len(block)
+    return size, crc
+
+
 def file_digests(ckpt_uri: str, names: list[str]) -> dict[str, dict]:
+    """{name: {size, crc32}} of small files written outside the tensor writer (.metadata, extra.json)."""
     fs, root = fsspec.core.url_to_fs(ckpt_uri)
-    return {name: {"size": fs.size(f"{root}/{name}"), "sha256": sha256_file(fs, f"{root}/{name}")} for name in names}
+    out = {}
+    for name in names:
+        size, crc = crc32_file(fs, f"{root}/{name}")
+        out[name] = {"size": size, "crc32": crc}
+    return out
 
 
-def write_commit(ckpt_uri: str, step: int, files: dict[str, dict]) -> None:
-    write_json(join(ckpt_uri, COMMIT), {"step": step, "files": files, "time": time.time()})
+def write_commit(ckpt_uri: str, step: int, files: dict[str, dict], chunks: dict | None = None) -> None:
+    """COMMIT.json, written last: {step, files: {name: {size, crc32}}, chunks: {file: {offset: crc32}}, time}."""
+    record = {"step": step, "files": files, "time": time.time()}
+    if chunks is not None:
+        record["chunks"] = chunks
+    write_json(join(ckpt_uri, COMMIT), record)
 
 
 def read_commit(ckpt_uri: str) -> dict | None:
@@ -103,32 +134,107 @@ def read_commit(ckpt_uri: str) -> dict | None:
 
 
 def check_sizes(ckpt_uri: str, commit: dict) -> str | None:
-    """None if every committed file exists with its size, else what is wrong."""
+    """None if every committed file exists with its size, else what is wrong (one listing, not a request
+    per file: on object stores this runs for every kept checkpoint at each save)."""
     fs, root = fsspec.core.url_to_fs(ckpt_uri)
+    fs.invalidate_cache(root)
+    try:
+        listed = {p["name"].rstrip("/").rsplit("/", 1)[-1]: p.get("size") for p in fs.ls(root, detail=True)}
+    except FileNotFoundError:
+        listed = {}
     for name, info in commit["files"].items():
-        path = f"{root}/{name}"
-        if not fs.exists(path):
+        if name not in listed:
             return f"{name} is missing"
-        size = fs.size(path)
+        size = listed[name]
         if size != info["size"]:
             return f"{name} has {size} bytes, the commit says {info['size']} (truncated or overwritten)"
     return None
 
 
 def check_hashes(ckpt_uri: str, commit: dict, names: list[str]) -> str | None:
+    """None if every file in `names` matches its recorded CRC-32 (or SHA-256, in commits of earlier
+    versions), else what is wrong. Reads the files in full: `raydist verify`, not the load path."""
     fs, root = fsspec.core.url_to_fs(ckpt_uri)
     for name in names:
-        if sha256_file(fs, f"{root}/{name}") != commit["files"][name]["sha256"]:
+        info = commit["files"][name]
+        if "crc32" in info:
+            ok = crc32_file(fs, f"{root}/{name}")[1] == info["crc32"]
+        else:
+            ok = sha256_file(fs, f"{root}/{name}") == info["sha256"]
+        if not ok:
             return f"{name} does not match its checksum"
     return None
 
 
-def writer(ckpt_uri: str) -> FsspecWriter:
-    return FsspecWriter(ckpt_uri, sync_files=True, thread_count=1, overwrite=True)
+def remove_dir(uri: str) -> None:
+    """Deletes a checkpoint directory, its COMMIT.json first: a crash half-way through leaves a partial
+    directory (skipped quietly, deleted later), never a committed one with files missing."""
+    fs, root = fsspec.core.url_to_fs(uri)
+    if fs.exists(f"{root}/{COMMIT}"):
+        fs.rm(f"{root}/{COMMIT}")
+    if fs.exists(root):
+        fs.rm(root, recursive=True)
 
 
-class SafeReader(FsspecReader):
-    """DCP's fsspec reader, reading `.metadata` with the allowlist unpickler and refusing bytes entries."""
+class _StreamErrors(FileSystem):
+    """DCP's fsspec file system, with write streams that keep the OSError a `write` raised: torch.save's
+    zip writer swallows it and fails later with "unexpected pos N vs M", so a full disk (ENOSPC) would
+    surface as that. The kept error is raised instead (DCP then reports it from every rank)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as stream:
+            if not any(c in mode for c in "wa+"):
+                yield stream
+                return
+            recording = _RecordingStream(stream)
+            try:
+                yield recording
+            except Exception as exc:
+                if recording.error is not None and recording.error is not exc:
+                    raise recording.error from exc
+                raise
+
+
+class _RecordingStream:
+    def __init__(self, stream):
+        self._stream, self.error = stream, None
+
+    def write(self, data):
+        try:
+            return self._stream.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+class _Writer(RawWriter):
+    """DCP's fsspec writer: write errors kept (`_StreamErrors`), and the checkpoint id it records in
+    `.metadata` redacted (the real URI may carry credentials, and `.metadata` is written to storage)."""
+
+    def __init__(self, path: str, **kwargs):
+        super().__init__(path, **kwargs)
+        self.fs = _StreamErrors()
+        self.path = self.fs.init_path(path)
+
+    def storage_meta(self) -> StorageMeta | None:
+        meta = super().storage_meta()
+        if meta is not None and isinstance(meta.checkpoint_id, str):
+            meta.checkpoint_id = redact(meta.checkpoint_id)
+        return meta
+
+
+def writer(ckpt_uri: str, thread_count: int = 2) -> RawWriter:
+    """Raw chunk files written by `thread_count` threads per rank (rawio.py)."""
+    return _Writer(ckpt_uri, thread_count=thread_count)
+
+
+class SafeReader(RawReader):
+    """The raw-chunk reader (checksums checked while reading when the commit's `chunks` are given), reading
+    `.metadata` with the allowlist unpickler and refusing bytes entries."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
@@ -141,12 +247,7 @@ class SafeReader(FsspecReader):
 
 
 def load_metadata(stream, path: str) -> Metadata:
-    """DCP `Metadata` from `stream`, resolving only `_ALLOWED`; raises `UnsafeCheckpointError`.
-
-    COMMIT.json's checksums prove integrity, not authorship: whoever can write the storage can rewrite
-    them too, so the loader itself admits exactly DCP's metadata classes, torch dtypes and `torch.Size`.
-    A name-prefix rule is not enough: under pickle protocol 4 a global may be dotted, and
-    `torch.distributed.checkpoint.filesystem` imports `os`, so `os.system` would resolve through it."""
+    """DCP `Metadata` from `stream`, resolving only `_ALLOWED`; raises `UnsafeCheckpointError`."""
     try:
         metadata = _MetadataUnpickler(stream).load()
     except UnsafeCheckpointError:

@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raydist.atomic import write_json_atomic
 from raydist.config import ConfigError, DataConfig
 from raydist.data.tokenizer import get_tokenizer
 
@@ -218,8 +219,7 @@ def prepare(cfg: DataConfig, out: str, *, log=print) -> dict:
         "splits": splits,
         "created_unix": time.time(),
     }
-    with fs.open(_join(root, MANIFEST), "w") as f:  # last: its presence marks the dataset complete
-        json.dump(manifest, f, indent=1)
+    write_json_atomic(_join(out, MANIFEST), manifest)  # last, whole: its presence marks the dataset complete
     log(f"prepared {out}: {splits['train']['rows']} train / {splits['val']['rows']} val sequences of "
         f"{window} tokens from {docs['train'] + docs['val']} documents ({source_bytes / 1e6:.1f} MB) "
         f"in {time.time() - start:.1f}s")
@@ -241,6 +241,10 @@ def read_manifest(path: str, *, missing_ok: bool = False) -> dict | None:
     for key in ("version", "seq_len", "window", "splits", "tokenizer"):
         if key not in manifest:
             raise DataError(f"{_join(path, MANIFEST)}: missing field {key!r}; prepare the data again")
+    if manifest["window"] != manifest["seq_len"] + 1:
+        raise DataError(f"{_join(path, MANIFEST)}: window={manifest['window']} but seq_len={manifest['seq_len']}; "
+                        f"each row must hold seq_len + 1 = {manifest['seq_len'] + 1} tokens (inputs and shifted "
+                        "targets); prepare the data again")
     return manifest
 
 

@@ -43,6 +43,7 @@ class Split:
     name: str
     shards: list[dict]
     window: int
+    vocab_size: int | None = None  # the tokenizer's, from the manifest: every token id is below it
 
     @classmethod
     def open(cls, path: str, name: str, manifest: dict | None = None) -> "Split":
@@ -50,7 +51,8 @@ class Split:
         split = manifest["splits"].get(name)
         if split is None or not split["shards"]:
             raise DataError(f"{path}: the {name!r} split is empty; prepare more data or lower data.val_fraction")
-        return cls(path, name, split["shards"], manifest["window"])
+        vocab = manifest.get("tokenizer", {}).get("vocab_size")
+        return cls(path, name, split["shards"], manifest["window"], vocab if isinstance(vocab, int) else None)
 
     @property
     def shard_rows(self) -> list[int]:
@@ -59,9 +61,11 @@ class Split:
     def uri(self, index: int) -> str:
         return shard_uri(self.path, self.shards[index])
 
-    def check_files(self) -> None:
+    def check_files(self, model_vocab_size: int | None = None) -> None:
         """Cheap whole-dataset check before training: every shard exists, has a readable footer, the
-        expected columns and types, and the manifest's row count."""
+        expected columns and types, and the manifest's row count; with `model_vocab_size`, the footer's
+        min/max statistics of the token column (written by `prepare`, covering every value) show no id
+        outside [0, model_vocab_size)."""
         for i in range(len(self.shards)):
             uri = self.uri(i)
             try:
@@ -76,6 +80,23 @@ class Split:
             if meta.num_rows != self.shards[i]["rows"]:
                 raise DataError(f"{uri}: has {meta.num_rows} rows but the manifest says {self.shards[i]['rows']}; "
                                 "the manifest does not match its shards, prepare the data again")
+            if model_vocab_size is not None:
+                _check_token_range(uri, meta, model_vocab_size)
+
+
+def _check_token_range(uri: str, meta, vocab_size: int) -> None:
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            column = group.column(c)
+            stats = column.statistics
+            if not column.path_in_schema.startswith("tokens.") or stats is None or not stats.has_min_max:
+                continue  # no statistics: the per-row check when the shard is read still applies
+            if stats.max >= vocab_size or stats.min < 0:
+                bad = stats.max if stats.max >= vocab_size else stats.min
+                raise DataError(f"{uri}: row group {g} holds token id {bad}, outside model.vocab_size={vocab_size} "
+                                f"(ids 0..{vocab_size - 1}); set model.vocab_size > {stats.max} if the data is "
+                                "right, or prepare the data again with the tokenizer the model is meant for")
 
 
 def _check_schema(uri: str, schema: pa.Schema) -> None:
@@ -107,7 +128,15 @@ def table_to_shard(uri: str, index: int, table: pa.Table, split: Split) -> Shard
     if len(ids) and (ids[0] != first or ids[-1] != first + expected - 1):
         raise DataError(f"{uri}: sample ids {ids[0]}..{ids[-1]} do not match the manifest's {first}.."
                         f"{first + expected - 1}")
-    return Shard(index, ids, flat.astype(np.int64).reshape(-1, split.window))
+    tokens = flat.astype(np.int64).reshape(-1, split.window)
+    if split.vocab_size is not None:
+        bad = np.argwhere((tokens < 0) | (tokens >= split.vocab_size))
+        if len(bad):
+            row, col = (int(x) for x in bad[0])
+            raise DataError(f"{uri}: row {row} (sample id {int(ids[row])}) holds token id {int(tokens[row, col])} at "
+                            f"position {col}, outside the tokenizer's vocabulary (0..{split.vocab_size - 1}) the "
+                            "manifest records; the shard does not match its manifest, prepare the data again")
+    return Shard(index, ids, tokens)
 
 
 # ---- readers: iterate shards (by index) in a given order, reading ahead ------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from raydist.config import ConfigError
+from raydist.errors import ConfigError
 
 
 class ByteTokenizer:

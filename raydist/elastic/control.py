@@ -6,8 +6,10 @@ exactly when the active ones do. Rank 0 publishes each report in the process gro
 give up, with an error, if the heartbeat stops for longer than the collective timeout (so a dead rank 0
 ends in a restart, not a hang).
 
-`Watchdog` ends this process if no training step completes within its timeout: a hang that no
-collective notices (a stuck read, a deadlocked thread) becomes a worker failure that Ray Train restarts.
+`Watchdog` ends this process if the current phase of the worker's life (construction, resume, the first
+step, a step, evaluation, a save, a report to Ray Train) makes no progress within that phase's limit: a hang
+that no collective notices (a stuck read, a deadlocked thread, Ray Train's report barrier waiting for a dead
+peer) becomes a worker failure that Ray Train restarts.
 """
 
 from __future__ import annotations
@@ -71,12 +73,14 @@ class ControlChannel:
 
 
 class Watchdog:
-    """Calls `on_hang` (default: exit the process with status 86) when `beat()` stops for `timeout_s`."""
+    """Calls `on_hang` (default: exit the process with status 86) when `beat()` stops for the current
+    phase's `timeout_s`; `phase(name, timeout_s)` starts a phase (and counts as a beat)."""
 
     EXIT_CODE = 86
 
-    def __init__(self, timeout_s: float, on_hang: Callable[[], None] | None = None):
+    def __init__(self, timeout_s: float, on_hang: Callable[[], None] | None = None, phase: str = "step"):
         self.timeout_s = timeout_s
+        self.name = phase
         self.on_hang = on_hang or self._exit
         self._last = time.monotonic()
         self._stop = threading.Event()
@@ -89,16 +93,20 @@ class Watchdog:
     def beat(self) -> None:
         self._last = time.monotonic()
 
+    def phase(self, name: str, timeout_s: float) -> None:
+        self.name, self.timeout_s = name, timeout_s
+        self.beat()
+
     def stop(self) -> None:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(min(5.0, self.timeout_s / 4)):
+        while not self._stop.wait(min(5.0, max(0.05, self.timeout_s / 4))):
             if time.monotonic() - self._last > self.timeout_s:
                 self.on_hang()
                 return
 
     def _exit(self) -> None:
-        print(f"error: no training step completed for {self.timeout_s:.0f}s; ending this worker so the run restarts",
-              file=sys.stderr, flush=True)
+        print(f"error: no progress in phase '{self.name}' for {self.timeout_s:.0f}s; ending this worker so the run "
+              "restarts", file=sys.stderr, flush=True)
         os._exit(self.EXIT_CODE)

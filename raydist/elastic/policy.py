@@ -1,56 +1,102 @@
-"""The layout policy: live worker count -> a valid mesh, global batch fixed.
+"""The layout policy: (the user's config, the live worker count) -> one `Layout`, global batch fixed.
 
-An elastic run keeps the configured tensor, pipeline and context degrees (a model's split does not
-change with the cluster); the data-parallel degree absorbs the change. Among the dp sizes that fit the
-live workers, the largest one that divides the global batch wins; the micro-batch is then the largest
-divisor of the per-rank batch not above train.micro_batch, so
+`plan_layout(cfg, world_size)` is the only place a layout is decided. The driver calls it before any
+worker starts (bad input fails there), and at every worker-group start rank 0 calls it and broadcasts the
+result (`raydist.elastic.session`), so all workers run the same layout even when the planner's choice
+depends on a live measurement.
 
-    global_batch = dp x micro_batch x accumulation_steps
+- A fixed-size run (no [elastic] range) uses every worker exactly as configured.
+- An elastic run keeps the configured tensor, pipeline and context degrees (a model's split does not
+  change with the cluster); the data-parallel degree absorbs the change. Among the dp sizes that fit the
+  live workers, the largest one that divides the global batch wins; the micro-batch is then the largest
+  divisor of the per-rank batch not above train.micro_batch, so
 
-holds at every size and the loss curve is the same function of the step. Workers that fit no layout
-(e.g. the 5th worker when tp = 2) stay idle and are reported.
+      global_batch = dp x micro_batch x num_microbatches
 
-A fixed-size run (no [elastic] range) must use every worker exactly as configured.
+  holds at every size and the loss curve is the same function of the step. Workers that fit no layout
+  (e.g. the 5th worker when tp = 2) stay idle and are reported.
+- `parallel.auto`: the planner's best layout for the live worker count.
+
+A micro-batch left unset (train.micro_batch = 0) is derived: the largest divisor of the per-rank batch
+not above `AUTO_MICRO_BATCH_LIMIT` (with a pipeline: one that also gives at least pp micro-batches).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
-from raydist.config import Config, ConfigError
+from raydist.config import Config
+from raydist.errors import ConfigError
+from raydist.layout import Layout, chunks_per_rank, stage_partition, validate
 from raydist.mesh import MeshSpec
-from raydist.parallel.validate import check_layout
 
-
-@dataclass(frozen=True)
-class LayoutDecision:
-    spec: MeshSpec  # over the active workers (ranks 0 .. spec.world_size - 1)
-    micro_batch: int
-    accum_steps: int
-    idle_workers: int
-    reason: str
-    config: Config | None = None  # the whole config to train with, when the planner chose it (parallel.auto)
-
-    @property
-    def active_workers(self) -> int:
-        return self.spec.world_size
+AUTO_MICRO_BATCH_LIMIT = 8
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-def plan_layout(cfg: Config, world_size: int) -> LayoutDecision:
+def _auto_micro_batch(per_rank: int, limit: int, pp: int, schedule: str) -> int:
+    """The largest divisor of `per_rank` not above `limit`; with a pipeline, one giving M >= pp micro-batches
+    (a multiple of pp when interleaved), when such a divisor exists."""
+    candidates = [d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0]
+    if pp > 1:
+        fitting = [d for d in candidates if per_rank // d >= pp and
+                   (schedule != "interleaved" or (per_rank // d) % pp == 0)]
+        candidates = fitting or candidates
+    return max(candidates)
+
+
+def resolve_layout(cfg: Config, spec: MeshSpec, *, micro_batch_limit: int | None = None,
+                   reason: str = "") -> Layout:
+    """The Layout of `cfg` on the resolved degrees `spec`, or a ConfigError naming the value and the fix.
+
+    The micro-batch: with a pipeline and parallel.num_microbatches set, per-rank batch / M; else
+    train.micro_batch, which must divide the per-rank batch; unset (0) or under `micro_batch_limit`
+    (elastic runs), the largest fitting divisor up to the limit."""
+    p, t = cfg.parallel, cfg.train
+    if t.global_batch % spec.dp:
+        micro = f" x train.micro_batch ({t.micro_batch})" if t.micro_batch else ""
+        raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by dp ({spec.dp}){micro}; change "
+                          "global_batch, micro_batch or the layout (the worker count)")
+    per_rank = t.global_batch // spec.dp
+    if spec.pp > 1 and p.num_microbatches:
+        if per_rank % p.num_microbatches:
+            raise ConfigError(f"parallel.num_microbatches={p.num_microbatches} does not divide the per-rank batch "
+                              f"{per_rank} (train.global_batch / dp); pick a divisor of it")
+        micro = per_rank // p.num_microbatches
+    elif t.micro_batch and micro_batch_limit is None:
+        micro = t.micro_batch
+        if per_rank % micro:
+            raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by dp ({spec.dp}) x "
+                              f"train.micro_batch ({micro}); change global_batch, micro_batch or the layout")
+    else:
+        micro = _auto_micro_batch(per_rank, micro_batch_limit or AUTO_MICRO_BATCH_LIMIT, spec.pp, p.pp_schedule)
+    stages = spec.pp * chunks_per_rank(p.pp_schedule, p.virtual_stages)
+    layout = Layout(
+        pp=spec.pp, dp_replicate=spec.dp_replicate, dp_shard=spec.dp_shard, cp=spec.cp, tp=spec.tp,
+        micro_batch=micro, num_microbatches=per_rank // micro,
+        activation_checkpoint=t.activation_checkpoint, activation_checkpoint_k=t.activation_checkpoint_k,
+        sequence_parallel=p.sequence_parallel, cp_impl=p.cp_impl, pp_schedule=p.pp_schedule,
+        virtual_stages=p.virtual_stages,
+        stage_layers=stage_partition(cfg.model, stages) if 1 < spec.pp and stages <= cfg.model.num_layers else (),
+        fsdp_reshard_after_forward=p.fsdp_reshard_after_forward, fsdp_forward_prefetch=p.fsdp_forward_prefetch,
+        reason=reason)
+    problems = validate(layout, cfg.model, cfg.data.seq_len)
+    if problems:
+        raise ConfigError(problems[0])
+    return layout
+
+
+def plan_layout(cfg: Config, world_size: int) -> Layout:
+    """The layout this config trains with on `world_size` live workers (ranks beyond its world_size idle)."""
     p, t = cfg.parallel, cfg.train
     if p.auto:
         return _planned(cfg, world_size)
     if not cfg.elastic_enabled:
-        spec = MeshSpec.from_config(p).resolve(world_size)
-        accum = check_layout(cfg, spec)
-        return LayoutDecision(spec, t.micro_batch, accum, 0, "fixed-size run: the configured layout")
-    fixed = {"pp": p.pp, "cp": p.cp, "tp": p.tp}
-    for name, value in fixed.items():
-        if value == -1:
+        return resolve_layout(cfg, MeshSpec.from_config(p).resolve(world_size),
+                              reason="fixed-size run: the configured layout")
+    for name in ("pp", "cp", "tp"):
+        if getattr(p, name) == -1:
             raise ConfigError(f"parallel.{name}=-1 is not allowed in an elastic run: set it; the data-parallel "
                               "degrees absorb changes of the worker count")
     model_parallel = p.pp * p.cp * p.tp
@@ -60,50 +106,31 @@ def plan_layout(cfg: Config, world_size: int) -> LayoutDecision:
         grow, unit = "dp_replicate", max(p.dp_shard, 1)
     else:
         grow, unit = "dp_shard", max(p.dp_replicate, 1)
-    best = None
     for count in range(world_size // (model_parallel * unit), 0, -1):
         dp = count * unit
         if t.global_batch % dp == 0:
-            micro = _largest_divisor_at_most(t.global_batch // dp, t.micro_batch)
             replicate, shard = (count, unit) if grow == "dp_replicate" else (unit, count)
-            best = (MeshSpec(p.pp, replicate, shard, p.cp, p.tp), micro)
+            spec = MeshSpec(p.pp, replicate, shard, p.cp, p.tp)
             break
-    if best is None:
+    else:
         raise ConfigError(f"no layout of {world_size} worker(s) keeps train.global_batch={t.global_batch} with "
                           f"tp={p.tp} x pp={p.pp} x cp={p.cp}; raise elastic.min_workers or pick a global batch "
                           "with more divisors")
-    spec, micro = best
-    accum = check_layout(_with_micro_batch(cfg, micro), spec)
-    idle = world_size - spec.world_size
+    layout = resolve_layout(cfg, spec, micro_batch_limit=t.micro_batch or AUTO_MICRO_BATCH_LIMIT)
+    idle = world_size - layout.world_size
     reason = (f"{world_size} workers -> {spec.describe()} ({spec.world_size} active"
-              + (f", {idle} idle: no valid layout uses them" if idle else "") + f"), micro_batch {micro} x "
-              f"{accum} accumulation steps x dp {spec.dp} = global batch {t.global_batch}")
-    return LayoutDecision(spec, micro, accum, idle, reason)
+              + (f", {idle} idle: no valid layout uses them" if idle else "") + f"), micro_batch "
+              f"{layout.micro_batch} x {layout.num_microbatches} micro-batches x dp {layout.dp} = global batch "
+              f"{t.global_batch}")
+    return layout.replace(reason=reason)
 
 
-def _planned(cfg: Config, world_size: int) -> LayoutDecision:
+def _planned(cfg: Config, world_size: int) -> Layout:
     """parallel.auto: the planner's best layout for this many workers (elastic runs ask at each start)."""
-    from raydist.planner import auto_config
+    from raydist.planner import choose_layout
 
-    planned, settings = auto_config(cfg, world_size)
-    planned = replace(planned, parallel=replace(planned.parallel, auto=False))
-    spec = MeshSpec.from_config(planned.parallel).resolve(world_size)
-    accum = check_layout(planned, spec)
-    estimate = settings.get("estimate", {})
-    reason = (f"planner: {spec.describe()} on {world_size} workers, micro_batch {planned.train.micro_batch}, "
-              f"recompute {planned.train.activation_checkpoint}; estimated step {estimate.get('step_time_s', '?')} s, "
+    layout, estimate = choose_layout(cfg, world_size)
+    reason = (f"planner: {layout.spec.describe()} on {world_size} workers, micro_batch {layout.micro_batch}, "
+              f"recompute {layout.activation_checkpoint}; estimated step {estimate.get('step_time_s', '?')} s, "
               f"MFU {estimate.get('mfu', '?')}")
-    return LayoutDecision(spec, planned.train.micro_batch, accum, 0, reason, planned)
-
-
-def _with_micro_batch(cfg: Config, micro_batch: int) -> Config:
-    return replace(cfg, train=replace(cfg.train, micro_batch=micro_batch))
-
-
-def apply_decision(cfg: Config, decision: LayoutDecision) -> Config:
-    """The config the active workers train with (micro-batch re-derived; layout degrees resolved)."""
-    if decision.config is not None:
-        return decision.config
-    s = decision.spec
-    parallel = replace(cfg.parallel, pp=s.pp, dp_replicate=s.dp_replicate, dp_shard=s.dp_shard, cp=s.cp, tp=s.tp)
-    return replace(cfg, parallel=parallel, train=replace(cfg.train, micro_batch=decision.micro_batch))
+    return layout.replace(reason=reason)

@@ -13,6 +13,9 @@ Layout: any strides; a tensor whose head dim is not unit-stride is copied to con
 documented fallback; the model's (B, T, H, E)-viewed-as-(B, H, T, E) tensors need no copy).
 fp32 inputs multiply in full fp32 precision unless torch.set_float32_matmul_precision allows TF32.
 
+`flash_attention` calls the torch custom operator `raydist::flash_attention` (autograd formula registered,
+backward `raydist::flash_attention_backward`): an operator, unlike an autograd.Function, is visible to
+dispatcher-level machinery, so selective activation checkpointing keeps its output instead of re-running it.
 `attention_forward` / `attention_backward` are the raw kernels without autograd, for ring attention's
 own backward (which needs the backward with the *global* out and lse of each query block).
 The kernels themselves live in triton_attention.py, imported on first call (see runtime.py).
@@ -21,6 +24,7 @@ The kernels themselves live in triton_attention.py, imported on first call (see 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -131,24 +135,58 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     return dq, dk, dv
 
 
-class FlashAttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, out and lse (O(T) beyond the inputs); the backward recomputes the probabilities."""
+# ---- the kernels as torch custom operators -----------------------------------------------------------
+# `raydist::flash_attention` (forward: out, lse) and `raydist::flash_attention_backward` (dq, dk, dv), with
+# the autograd formula registered on the forward op. As operators (not autograd.Functions) they are what
+# torch's dispatcher-level machinery sees: selective activation checkpointing's policy can keep their
+# outputs (raydist.parallel.checkpointing.SAVE_OPS), and torch.compile treats them as opaque calls.
+# Registration touches no device and imports no Triton: the kernels load on the first call.
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float | None):
-        out, lse = attention_forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
-        ctx.set_materialize_grads(False)
-        return out, lse
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv = attention_backward(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, grad_lse)
-        return dq, dk, dv, None, None
+@torch.library.custom_op("raydist::flash_attention", mutates_args=())
+def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        scale: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_forward(q, k, v, causal, scale)
+
+
+@_flash_attention_op.register_fake
+def _(q, k, v, causal, scale):
+    b, h, t, e = q.shape
+    return q.new_empty((b, h, t, e)), q.new_empty((b, h, t), dtype=torch.float32)
+
+
+@torch.library.custom_op("raydist::flash_attention_backward", mutates_args=())
+def _flash_attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: Optional[float],
+                                 grad_lse: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_backward(grad_out, q, k, v, out, lse, causal, scale, grad_lse)
+
+
+@_flash_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, causal, scale, grad_lse):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves q, k, v, out and lse (O(T) beyond the inputs); the backward recomputes the probabilities.
+    Gradients that no caller produced stay None (no zero tensors are materialised for them)."""
+    q, k, v, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dk, dv = _flash_attention_backward_op(grad_out, q, k, v, out, lse, ctx.causal, ctx.scale, grad_lse)
+    return dq, dk, dv, None, None
+
+
+_flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
+FLASH_ATTENTION_OP = torch.ops.raydist.flash_attention.default  # what checkpointing policies look for
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -160,8 +198,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     cast = runtime.autocast_dtype(q.device.type)
     if cast is not None:
         q, k, v = q.to(cast), k.to(cast), v.to(cast)
+    check_flash_inputs(q, k, v, causal)  # errors name the value here, not inside the operator
     runtime.count_call("attention.triton")
-    out, lse = FlashAttentionFunction.apply(q, k, v, causal, scale)
+    out, lse = _flash_attention_op(q, k, v, bool(causal), None if scale is None else float(scale))
     return (out, lse) if return_lse else out
 
 

@@ -9,9 +9,13 @@ is applied in torch from the pre-activation the forward kernel stored alongside 
 no matmul is recomputed. Supported: fp32, fp16, bf16 (all operands one dtype); activation none, gelu
 (exact erf), silu. Any strides (a transposed weight is just a stride view, never copied). Under
 torch.autocast the operands are cast to the autocast dtype first, as autocast does for F.linear.
+The functions call the torch custom operators `raydist::matmul` and `raydist::swiglu` (autograd formulas
+registered), so selective activation checkpointing sees and keeps their outputs.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -89,47 +93,105 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])  # (..., K) -> (M, K)
 
 
-class MatmulFunction(torch.autograd.Function):
-    """act(a @ b + bias) for a (..., D), b (D, N) -> (..., N)."""
-
-    @staticmethod
-    def forward(ctx, a, b, bias, activation: str):
-        save_pre = activation != "none" and any(ctx.needs_input_grad[:3])  # z, for act'(z) in backward
-        out, pre, _ = _launch(a, b, bias, activation, save_pre=save_pre)
-        ctx.save_for_backward(a, b, pre)
-        ctx.activation, ctx.has_bias = activation, bias is not None
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        a, b, pre = ctx.saved_tensors
-        grad = grad if pre is None else _activation_grad(grad, pre, ctx.activation)
-        grad_a = _launch(grad, b.t())[0] if ctx.needs_input_grad[0] else None  # (..., N) @ (N, D)
-        grad2 = _rows(grad)  # (M, N)
-        grad_b = _launch(_rows(a).t(), grad2)[0] if ctx.needs_input_grad[1] else None  # (D, M) @ (M, N)
-        grad_bias = grad2.float().sum(0).to(grad.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_a, grad_b, grad_bias, None
+# ---- the kernel as torch custom operators -------------------------------------------------------------
+# `raydist::matmul` (act(a @ b + bias), and the pre-activation when asked) and `raydist::swiglu` (the fused
+# SwiGLU product and both pre-activations), with their autograd formulas registered. As operators (not
+# autograd.Functions) they are visible to torch's dispatcher-level machinery: selective activation
+# checkpointing's policy keeps their outputs (raydist.parallel.checkpointing.SAVE_OPS) as it keeps aten.mm's,
+# and torch.compile treats them as opaque calls. The backward calls `raydist::matmul` itself (no epilogue).
+# Registration touches no device and imports no Triton: the kernel loads on the first call.
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    """silu(x @ w_gate_t) * (x @ w_up_t) for x (..., D), w_*_t (D, F) -> (..., F)."""
+@torch.library.custom_op("raydist::matmul", mutates_args=())
+def _matmul_op(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], activation: str,
+               save_pre: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(act(a @ b + bias) (..., N), the pre-activation a @ b + bias (..., N), or an empty tensor unless
+    save_pre) for a (..., D), b (D, N)."""
+    out, pre, _ = _launch(a, b, bias, activation, save_pre=save_pre)
+    return out, (pre if pre is not None else a.new_empty(0))
 
-    @staticmethod
-    def forward(ctx, x, w_gate_t, w_up_t):
-        out, h1, h2 = _launch(x, w_gate_t, b2=w_up_t, save_pre=True)  # (..., F) each
-        ctx.save_for_backward(x, w_gate_t, w_up_t, h1, h2)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad):
-        x, w_gate_t, w_up_t, h1, h2 = ctx.saved_tensors
-        g, z1, z2 = grad.float(), h1.float(), h2.float()
-        s = torch.sigmoid(z1)
-        grad_up = (g * z1 * s).to(grad.dtype)  # d/dz2 [silu(z1) z2] = silu(z1)
-        grad_gate = (g * z2 * s * (1.0 + z1 * (1.0 - s))).to(grad.dtype)  # z2 silu'(z1)
-        grad_x = _launch(grad_gate, w_gate_t.t())[0] + _launch(grad_up, w_up_t.t())[0]  # (..., D)
-        x_t = _rows(x).t()  # (D, M)
-        return grad_x, _launch(x_t, _rows(grad_gate))[0], _launch(x_t, _rows(grad_up))[0]
+@_matmul_op.register_fake
+def _(a, b, bias, activation, save_pre):
+    shape = (*a.shape[:-1], b.shape[1])
+    return a.new_empty(shape), a.new_empty(shape if save_pre else 0)
+
+
+def _matmul_setup(ctx, inputs, output):
+    a, b, bias, activation, save_pre = inputs
+    pre = output[1]
+    ctx.mark_non_differentiable(pre)  # an internal output: the backward's act'(z), never a result
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(a, b, pre if save_pre else None)
+    ctx.activation, ctx.has_bias = activation, bias is not None
+
+
+def _plain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _matmul_op(a, b, None, "none", False)[0]
+
+
+def _matmul_backward(ctx, grad, _grad_pre):
+    if grad is None:
+        return None, None, None, None, None
+    a, b, pre = ctx.saved_tensors
+    grad = grad if pre is None else _activation_grad(grad, pre, ctx.activation)
+    grad_a = _plain(grad, b.t()) if ctx.needs_input_grad[0] else None  # (..., N) @ (N, D)
+    grad2 = _rows(grad)  # (M, N)
+    grad_b = _plain(_rows(a).t(), grad2) if ctx.needs_input_grad[1] else None  # (D, M) @ (M, N)
+    grad_bias = grad2.float().sum(0).to(grad.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_a, grad_b, grad_bias, None, None
+
+
+_matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
+@torch.library.custom_op("raydist::swiglu", mutates_args=())
+def _swiglu_op(x: torch.Tensor, w_gate_t: torch.Tensor, w_up_t: torch.Tensor,
+               save_pre: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(silu(x @ w_gate_t) * (x @ w_up_t), x @ w_gate_t, x @ w_up_t) for x (..., D), w_*_t (D, F): each
+    (..., F); the two pre-activations are empty tensors unless save_pre."""
+    out, h1, h2 = _launch(x, w_gate_t, b2=w_up_t, save_pre=save_pre)
+    if not save_pre:
+        h1 = h2 = None
+    return out, (h1 if h1 is not None else x.new_empty(0)), (h2 if h2 is not None else x.new_empty(0))
+
+
+@_swiglu_op.register_fake
+def _(x, w_gate_t, w_up_t, save_pre):
+    shape = (*x.shape[:-1], w_gate_t.shape[1])
+    pre = shape if save_pre else 0
+    return x.new_empty(shape), x.new_empty(pre), x.new_empty(pre)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    x, w_gate_t, w_up_t, save_pre = inputs
+    _, h1, h2 = output
+    if not save_pre:  # (the wrapper asks for them whenever a gradient can be needed)
+        raise RuntimeError("raydist::swiglu was called with save_pre=False on inputs that need gradients")
+    ctx.mark_non_differentiable(h1, h2)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, w_gate_t, w_up_t, h1, h2)
+
+
+def _swiglu_backward(ctx, grad, _grad_h1, _grad_h2):
+    if grad is None:
+        return None, None, None, None
+    x, w_gate_t, w_up_t, h1, h2 = ctx.saved_tensors
+    g, z1, z2 = grad.float(), h1.float(), h2.float()
+    s = torch.sigmoid(z1)
+    grad_up = (g * z1 * s).to(grad.dtype)  # d/dz2 [silu(z1) z2] = silu(z1)
+    grad_gate = (g * z2 * s * (1.0 + z1 * (1.0 - s))).to(grad.dtype)  # z2 silu'(z1)
+    grad_x = _plain(grad_gate, w_gate_t.t()) + _plain(grad_up, w_up_t.t())  # (..., D)
+    x_t = _rows(x).t()  # (D, M)
+    return grad_x, _plain(x_t, _rows(grad_gate)), _plain(x_t, _rows(grad_up)), None
+
+
+_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+MATMUL_OPS = (torch.ops.raydist.matmul.default, torch.ops.raydist.swiglu.default)  # for checkpointing policies
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _autocast(*tensors):
@@ -147,7 +209,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
     a, b, bias = _autocast(a, b, bias)
     _check([("a", a), ("b", b)] + ([("bias", bias)] if bias is not None else []), activation)
     runtime.count_call("matmul.triton")
-    return MatmulFunction.apply(a, b, bias, activation)
+    save_pre = activation != "none" and _needs_grad(a, b, bias)  # z, for act'(z) in backward
+    return _matmul_op(a, b, bias, activation, save_pre)[0]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -159,7 +222,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x, weight, bias = _autocast(x, weight, bias)
     _check([("x", x), ("weight", weight)] + ([("bias", bias)] if bias is not None else []), activation)
     runtime.count_call("matmul.triton")
-    return MatmulFunction.apply(x, weight.t(), bias, activation)
+    save_pre = activation != "none" and _needs_grad(x, weight, bias)
+    return _matmul_op(x, weight.t(), bias, activation, save_pre)[0]
 
 
 def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:
@@ -170,7 +234,7 @@ def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.T
                          "must be (..., D), (F, D), (F, D)")
     _check([("x", x), ("w_gate", w_gate), ("w_up", w_up)])
     runtime.count_call("swiglu.triton")
-    return SwiGLUFunction.apply(x, w_gate.t(), w_up.t())
+    return _swiglu_op(x, w_gate.t(), w_up.t(), _needs_grad(x, w_gate, w_up))[0]
 
 
 def torch_swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,9 @@ from types import ModuleType
 
 import torch
 
-from raydist.config import ConfigError
+from raydist.errors import ConfigError
+# which kernel ran: counts per path (raydist.metrics.kernels, importable by the model without this package)
+from raydist.metrics.kernels import count_call, kernel_calls  # noqa: F401
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -107,19 +109,3 @@ def autocast_dtype(device_type: str) -> torch.dtype | None:
         return torch.get_autocast_dtype(device_type)
     return None
 
-
-# ---- which kernel ran: counts per path, so metrics can say what actually executed ----------------------
-_CALLS: dict[str, int] = {}
-
-
-def count_call(path: str) -> None:
-    """Count one call of `path` (e.g. 'attention.triton', 'matmul.torch_fallback')."""
-    _CALLS[path] = _CALLS.get(path, 0) + 1
-
-
-def kernel_calls(reset: bool = False) -> dict[str, int]:
-    """{path: calls} since the last reset (a copy)."""
-    out = dict(_CALLS)
-    if reset:
-        _CALLS.clear()
-    return out

@@ -10,8 +10,9 @@ The Triton matmul is installed by changing the class of each plain `nn.Linear` t
 `FeedForward` to `TritonFeedForward` (same instance, same parameters, same names: checkpoints and
 tensor-parallel plans that key on `feed_forward.w1` etc. are unaffected, and isinstance(m, nn.Linear)
 still holds). Where a parallel plan has turned a weight or input into a DTensor, those modules fall back to
-the torch path (counted as `matmul.torch_fallback` in `runtime.kernel_calls()`), since the kernel works on
-local tensors only.
+the torch path (counted as `matmul.torch_fallback` / `swiglu.torch_fallback` in `runtime.kernel_calls()`),
+since the kernel works on local tensors only. On the torch path plain `nn.Linear`s become `TorchLinear`
+(F.linear, counted as `matmul.torch`) in the same way, so the metrics can report what ran on every path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raydist.config import ConfigError, KernelsConfig
+from raydist.errors import ConfigError
 from raydist.kernels import runtime
 from raydist.kernels.attention import SUPPORTED_HEAD_DIMS, triton_causal_attention
 from raydist.kernels.matmul import linear, swiglu
@@ -31,6 +32,15 @@ ATTENTION_FNS = {"triton": triton_causal_attention, "sdpa": sdpa_attention, "eag
 
 def _is_dtensor(*tensors) -> bool:
     return any(t is not None and type(t).__name__ == "DTensor" for t in tensors)
+
+
+class TorchLinear(nn.Linear):
+    """nn.Linear (F.linear) that counts its calls as `matmul.torch`: the torch path, installed so that the
+    run's metrics can report what ran on every path (`raydist.metrics.kernels`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        runtime.count_call("matmul.torch")
+        return F.linear(x, self.weight, self.bias)
 
 
 class TritonLinear(nn.Linear):
@@ -49,13 +59,14 @@ class TritonFeedForward(FeedForward):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w1, w3 = self.w1, self.w3
         if w1.bias is not None or w3.bias is not None or _is_dtensor(x, w1.weight, w3.weight):
-            runtime.count_call("matmul.torch_fallback")
+            runtime.count_call("swiglu.torch_fallback")  # (its three linears count as matmul calls)
             return super().forward(x)
         return self.w2(swiglu(x, w1.weight, w3.weight))  # (B, T, F) -> (B, T, D)
 
 
-def resolve_kernels(cfg: KernelsConfig, device: torch.device | str, head_dim: int) -> dict[str, str]:
-    """{"attention": ..., "matmul": ...}: what will run, or a ConfigError naming the setting and the fix."""
+def resolve_kernels(cfg, device: torch.device | str, head_dim: int) -> dict[str, str]:
+    """{"attention": ..., "matmul": ...}: what will run, or a ConfigError naming the setting and the fix.
+    `cfg` holds the choices (`.attention`, `.matmul`: the `[kernels]` section)."""
     device = torch.device(device)
     triton_ok = runtime.triton_unusable_reason(device) is None
     attention = cfg.attention
@@ -83,7 +94,7 @@ def install_triton_matmul(model: nn.Module) -> int:
     """Switch every plain nn.Linear and FeedForward in `model` to the Triton versions; returns how many."""
     changed = 0
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) in (nn.Linear, TorchLinear):
             module.__class__ = TritonLinear
             changed += 1
         elif type(module) is FeedForward:
@@ -92,7 +103,17 @@ def install_triton_matmul(model: nn.Module) -> int:
     return changed
 
 
-def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device | str) -> dict[str, str]:
+def install_torch_matmul(model: nn.Module) -> int:
+    """Switch every plain nn.Linear in `model` to the counting `TorchLinear`; returns how many."""
+    changed = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = TorchLinear
+            changed += 1
+    return changed
+
+
+def apply_kernels(model: nn.Module, cfg, device: torch.device | str) -> dict[str, str]:
     """Install the selected kernels into a GPT built by models.gpt.build_model; returns the selection.
 
     Call after building the model and before parallelizing it (the DTensor fallbacks above are a safety
@@ -103,4 +124,6 @@ def apply_kernels(model: nn.Module, cfg: KernelsConfig, device: torch.device | s
     model.set_attention(ATTENTION_FNS[chosen["attention"]])
     if chosen["matmul"] == "triton":
         install_triton_matmul(model)
+    else:
+        install_torch_matmul(model)
     return chosen

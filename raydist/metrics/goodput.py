@@ -9,7 +9,13 @@ max_step is time lost to the restart (detection, restart, checkpoint load and th
 Checkpoint stalls are the seconds training waited for staging or for a previous save.
 
 RUN_DIR/events.jsonl gets one line per event: launch (a worker group is up), start, restart, resize,
-checkpoint, checkpoint_skipped, worker_error (a worker saw a failure, e.g. a dead peer), end.
+checkpoint, checkpoint_skipped, worker_error (a worker saw a failure, e.g. a dead peer), end. Events come
+from several writers (rank 0 in `fit`, any rank outside it, each attempt); see logger.py for how their
+lines stay whole, and `read_events` for the merged, time-ordered view. Every string in an event is passed
+through `redact` (a checkpoint path or an error message may hold a storage URI with credentials).
+
+A progress.json that is empty or torn is treated as absent (with a warning): the accounting starts over
+from this attempt instead of stopping the run.
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from raydist.metrics.logger import MetricsWriter, join, read_json, write_json
+import fsspec
+
+from raydist.atomic import is_local, read_json_or_none
+from raydist.metrics.logger import MetricsWriter, join, read_jsonl, write_json
+from raydist.redact import redact_tree
 
 
 class EventLog(MetricsWriter):
@@ -30,19 +40,26 @@ class EventLog(MetricsWriter):
 
     def event(self, kind: str, step: int | None, **fields: Any) -> dict:
         now = time.time()
-        record = {"kind": kind, "step": step, "time": round(now, 3), "elapsed_s": round(now - self.run_start, 3),
-                  **fields}
+        record = redact_tree({"kind": kind, "step": step, "time": round(now, 3),
+                              "elapsed_s": round(now - self.run_start, 3), **fields})
         self.write(record)
         if self.mirror is not None:
             self.mirror(record)
         return record
 
 
+def read_events(run_dir: str, problems: list[str] | None = None) -> list[dict[str, Any]]:
+    """events.jsonl of every writer, ordered by time (see `read_jsonl` for torn lines)."""
+    events = read_jsonl(run_dir, "events.jsonl", problems) or []
+    return sorted(events, key=lambda e: e.get("time") or 0.0)
+
+
 class Goodput:
     def __init__(self, run_dir: str, driver_start: float):
         self.path = join(run_dir, "progress.json")
-        self.local = "://" not in run_dir or run_dir.startswith("file://")
-        state = read_json(self.path) or {}
+        self.local = is_local(fsspec.core.url_to_fs(run_dir)[0])
+        state = read_json_or_none(self.path, "restart accounting starts over from this attempt")
+        state = state if isinstance(state, dict) else {}
         self.state: dict[str, Any] = {
             "run_start_time": driver_start, "attempts": 0, "restarts": 0, "max_step": 0, "last_time": None,
             "steps_redone": 0, "time_lost_restart_s": 0.0, "time_lost_checkpoint_s": 0.0, "recovering": None,

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raydist.config import ModelConfig
+from raydist.metrics.kernels import count_call
 
 # attention_fn(q, k, v) -> out, with q (B, H, T, E), k/v (B, K, T, E) and out (B, H, T, E); causal.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -28,12 +29,14 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention through torch's fused kernel; K/V heads are repeated for grouped-query heads."""
+    count_call("attention.sdpa")
     k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The textbook formula: softmax(q k^T / sqrt(E) + causal mask) v, materialising (B, H, T, T)."""
+    count_call("attention.eager")
     k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     t = q.shape[2]
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])  # (B, H, T, T)

@@ -22,6 +22,7 @@ import math
 import torch
 
 from raydist.kernels.reference import attention_reference, repeat_kv
+from raydist.metrics.kernels import count_call
 
 BACKENDS = ("torch", "triton")
 
@@ -31,6 +32,7 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
 
 
 def torch_forward(q, k, v, causal: bool, scale: float | None = None):
+    count_call("attention.torch")
     with torch.no_grad():
         return attention_reference(q, k, v, causal=causal, return_lse=True, scale=scale)
 

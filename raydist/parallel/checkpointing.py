@@ -6,7 +6,13 @@
   round(sqrt(L)) by default, keeps L/k segment inputs plus one segment's activations during its
   recompute: O(sqrt(L)) memory for one extra forward).
 - `selective`: each block is a region, but outputs of matrix multiplies and attention are saved; only the
-  cheap elementwise ops (norms, RoPE, SiLU, products) are recomputed.
+  cheap elementwise ops (norms, RoPE, SiLU, products) are recomputed (Korthikanti et al., "Reducing
+  Activation Recomputation in Large Transformer Models", 2022). The policy sees operators at torch's
+  dispatcher, so it keeps the outputs of the kernels that actually run: aten's mm and fused attention on
+  the torch path, and raydist's Triton kernels, which are registered as custom operators
+  (`raydist::matmul`, `raydist::swiglu`, `raydist::flash_attention`; raydist.kernels) for that reason.
+  An autograd.Function would be invisible here: its ops would all be recomputed and `selective` would
+  silently equal `full`.
 
 The policy is installed as `model.run_layers`, which the model's forward calls with its blocks, so
 parameter names (and so checkpoints) do not change with the policy.
@@ -20,10 +26,13 @@ import math
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from raydist.config import ConfigError
+from raydist.errors import ConfigError
 
 _ops = torch.ops.aten
 # Ops whose outputs `selective` keeps (expensive to recompute); everything else is recomputed.
+# raydist's own kernels are named rather than imported, so this module does not load raydist.kernels (and
+# with it the model and config modules); the names are those of raydist/kernels/attention.py and matmul.py.
+SAVE_CUSTOM_OPS = frozenset({"raydist::matmul", "raydist::swiglu", "raydist::flash_attention"})
 SAVE_OPS = {
     _ops.mm.default,
     _ops.addmm.default,
@@ -35,8 +44,16 @@ SAVE_OPS = {
 }
 
 
+def keeps(op) -> bool:
+    """Whether `selective` keeps the output of operator `op` (an OpOverload) rather than recompute it."""
+    if op in SAVE_OPS:
+        return True
+    schema = getattr(op, "_schema", None)
+    return schema is not None and schema.name in SAVE_CUSTOM_OPS
+
+
 def _selective_policy(ctx, op, *args, **kwargs):
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if keeps(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _selective_context():

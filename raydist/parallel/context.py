@@ -1,6 +1,6 @@
 """Context parallelism: the sequence split across the cp mesh axis, attention made whole again.
 
-    shard_sequence = apply_context_parallel(model, mesh, cfg)   # parallelize() calls this when cp > 1
+    shard_sequence = apply_context_parallel(model, mesh, impl)   # parallelize() calls this when cp > 1
 
 installs a cp attention on every block and returns the `ParallelModel.shard_sequence` hook the trainer
 runs on each micro-batch: (inputs (B, T), targets (B, T)) -> (the rank's inputs (B, T/cp), its targets
@@ -29,7 +29,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from raydist.config import Config
 from raydist.mesh import Mesh
 
 IMPLEMENTATIONS = ("ring", "ulysses")
@@ -103,10 +102,9 @@ def ring_backend_for(attention_fn: Callable) -> str:
     return "triton" if attention_fn is triton_causal_attention else "torch"
 
 
-def apply_context_parallel(model, mesh: Mesh, cfg: Config) -> Callable:
-    """Install cp attention on every block of `model` (after tensor parallelism, before checkpointing and
-    FSDP); returns the sequence-sharding hook for the trainer."""
-    impl = cfg.parallel.cp_impl
+def apply_context_parallel(model, mesh: Mesh, impl: str) -> Callable:
+    """Install cp attention (`impl`: ring | ulysses) on every block of `model` (after tensor parallelism,
+    before checkpointing and FSDP); returns the sequence-sharding hook for the step runner."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     cp_mesh = mesh["cp"]

@@ -34,8 +34,3 @@ def apply_fsdp(model, mesh: DeviceMesh, compute_dtype: torch.dtype, *, reshard_a
             current.set_modules_to_forward_prefetch([following])
         for current, previous in zip(blocks[1:], blocks):
             current.set_modules_to_backward_prefetch([previous])
-
-
-def set_gradient_sync(model, enabled: bool) -> None:
-    """Skip reduce-scatter on all but the last micro-batch of an accumulation."""
-    model.set_requires_gradient_sync(enabled)

@@ -1,7 +1,9 @@
 """Split the decoder into pipeline stages, and the cross-stage gradient bookkeeping that splitting implies.
 
 Stages. With P pipeline ranks and V chunks per rank there are S = P V virtual stages; rank r holds
-chunks c = 0..V-1, chunk c being virtual stage c P + r (Megatron's interleaved assignment). Stage 0 owns
+chunks c = 0..V-1, chunk c being virtual stage c P + r (Megatron's interleaved assignment), or, under the
+ZB-V schedule's "v" placement (V = 2), stages r and 2P - 1 - r, so rank 0 holds the first and the last
+stage (`raydist.schedule.actions.stages_of_rank`). Stage 0 owns
 the token embedding, stage S - 1 the final norm and output head (and the loss), and the L blocks are cut
 into S contiguous runs (at least one block each) minimising the costliest stage:
 
@@ -12,75 +14,45 @@ into S contiguous runs (at least one block each) minimising the costliest stage:
 Each chunk is the model itself with the blocks it does not own removed: `layers` stays a ModuleDict with
 the original keys, so parameter names equal the unsharded model's (checkpoints need no renaming).
 
-Tied embeddings (Megatron's approach). When the embedding and the head are on different ranks, the
-last stage gets its own copy of the embedding matrix as `output.weight`, initialised identically. The
-true gradient of the shared matrix is the sum of both uses, so after backward `TiedEmbeddingSync`
-sums that gradient between the two ranks (a point-to-point swap over the pipeline group); both copies then take identical optimizer steps
-and stay equal. Gradient-norm clipping must count the matrix once: `clip_grad_norm_pipeline` skips the copy.
+Tied embeddings (Megatron's approach). When the embedding and the head are in different chunks of a
+pipeline, the last stage gets its own copy of the embedding matrix as `output.weight`, initialised
+identically. The true gradient of the shared matrix is the sum of both uses, so after backward
+`TiedEmbeddingSync` sums that gradient between the two ranks (a point-to-point swap over the pipeline
+group), or in memory when both chunks sit on one rank (ZB-V's rank 0: each chunk is wrapped by the
+data-parallel strategy on its own, which cannot share a parameter); both copies then take identical
+optimizer steps and stay equal. Gradient-norm clipping must count the matrix once: `clip_grad_norm_pipeline` skips the copy.
 """
 
 from __future__ import annotations
 
-import math
-from collections import defaultdict
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from raydist.config import ConfigError
-from raydist.models.gpt import param_counts
-
-BALANCES = ("params", "flops")
-
-
-def _costs(model: nn.Module, balance: str, seq_len: int) -> tuple[float, float, float]:
-    """(per block, embedding, norm + head) cost under `balance`."""
-    cfg = model.cfg
-    counts = param_counts(cfg)
-    head_params = cfg.vocab_size * cfg.d_model  # the last stage holds a head (its own copy if tied)
-    if balance == "params":
-        return float(counts["per_block"]), float(counts["embedding"]), float(head_params + cfg.d_model)
-    if balance == "flops":
-        block = 6.0 * counts["block_matmul"] + 12.0 * cfg.d_model * seq_len
-        return block, 0.0, 6.0 * head_params
-    raise ConfigError(f"pipeline balance={balance!r} is not one of {', '.join(BALANCES)}")
+from raydist.errors import ConfigError
+from raydist.layout import stage_partition
+from raydist.parallel.clip import clip_grad_norm
+from raydist.schedule.actions import stages_of_rank
 
 
 def partition_layers(model: nn.Module, num_stages: int, balance: str = "params",
                      seq_len: int | None = None) -> list[list[str]]:
-    """The block keys (ModuleDict keys, in order) of each of the `num_stages` virtual stages."""
+    """The block keys (ModuleDict keys, in order) of each of the `num_stages` virtual stages, partitioned
+    by `raydist.layout.stage_partition` (the planner prices the same split)."""
     keys = list(model.layers.keys())
     if len(keys) < num_stages:
         raise ConfigError(f"model.num_layers={len(keys)} is less than pp x virtual_stages={num_stages}: every "
                           f"pipeline stage needs at least one block; use fewer stages or more layers")
-    block, embed, head = _costs(model, balance, seq_len or model.max_seq_len)
-    n = len(keys)
+    return _cut(keys, stage_partition(model.cfg, num_stages, balance, seq_len or model.max_seq_len))
 
-    def cost(stage: int, count: int) -> float:
-        return count * block + (embed if stage == 0 else 0.0) + (head if stage == num_stages - 1 else 0.0)
 
-    # best[s][i]: (max stage cost, sum of squared costs) splitting the first i blocks into s stages.
-    inf = (math.inf, math.inf)
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    for s in range(1, num_stages + 1):
-        for i in range(s, n - (num_stages - s) + 1):
-            for j in range(s - 1, i):  # stage s-1 takes blocks j..i-1
-                prev = best[s - 1][j]
-                if prev == inf:
-                    continue
-                c = cost(s - 1, i - j)
-                candidate = (max(prev[0], c), prev[1] + c * c)
-                if candidate < best[s][i]:
-                    best[s][i], cut[s][i] = candidate, j
-    bounds, i = [], n
-    for s in range(num_stages, 0, -1):
-        bounds.append((cut[s][i], i))
-        i = cut[s][i]
-    return [keys[a:b] for a, b in reversed(bounds)]
+def _cut(keys: list[str], sizes: Sequence[int]) -> list[list[str]]:
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return [keys[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 def _chunk_of(model: nn.Module, layer_keys: list[str], first: bool, last: bool) -> nn.Module:
@@ -102,8 +74,10 @@ def _chunk_of(model: nn.Module, layer_keys: list[str], first: bool, last: bool) 
 
 
 def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: int = 1,
-                balance: str = "params", seq_len: int | None = None) -> list[nn.Module]:
-    """This pipeline rank's chunks of `model` (a GPT), by chunk index: chunk c is virtual stage c*P + r.
+                balance: str = "params", seq_len: int | None = None,
+                stage_layers: Sequence[int] = (), placement: str = "loop") -> list[nn.Module]:
+    """This pipeline rank's chunks of `model` (a GPT), by chunk index: chunk c is virtual stage c*P + r
+    (placement "loop"), or stages r and 2P - 1 - r (placement "v", the ZB-V schedule's).
 
     The chunks share parameters with `model` (drop `model` afterwards). With tied embeddings split across
     ranks, the last stage's `output.weight` becomes an identical copy (`chunk.tied_role` is "embedding" on
@@ -113,12 +87,17 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
     if not 0 <= pp_rank < pp_size:
         raise ConfigError(f"pp_rank={pp_rank} is outside 0..{pp_size - 1}")
     num_stages = pp_size * virtual_stages
-    parts = partition_layers(model, num_stages, balance, seq_len)
+    if stage_layers:  # the layout's partition
+        if len(stage_layers) != num_stages or sum(stage_layers) != len(model.layers):
+            raise ConfigError(f"stage partition {list(stage_layers)} does not split {len(model.layers)} blocks "
+                              f"into {num_stages} stages")
+        parts = _cut(list(model.layers.keys()), stage_layers)
+    else:
+        parts = partition_layers(model, num_stages, balance, seq_len)
     tied = bool(getattr(model, "tied", False))
     chunks = []
     split_tie = tied and pp_size > 1
-    for c in range(virtual_stages):
-        stage = c * pp_size + pp_rank
+    for stage in stages_of_rank(placement, pp_size, virtual_stages, pp_rank):
         first, last = stage == 0, stage == num_stages - 1
         chunk = _chunk_of(model, parts[stage], first, last)
         if first and split_tie:
@@ -155,18 +134,29 @@ class TiedEmbeddingSync:
     gradients point-to-point over the pipeline group (no group of their own, so no collective group
     creation that other ranks, such as idle workers, would have to join) and each adds the other's:
     a + b == b + a exactly, so the two copies stay bitwise equal. Under FSDP / TP both hold the same
-    shard of it (same coordinates off the pp axis), so the local shards are swapped."""
+    shard of it (same coordinates off the pp axis), so the local shards are swapped. When one rank holds
+    both halves (the V placement) it adds them in memory."""
 
     def __init__(self, chunks: Sequence[nn.Module], pp_group: dist.ProcessGroup | None):
         self.params = tied_weights(chunks)
         self.group = pp_group
-        if self.params:
+        self.local = len(self.params) == 2  # both halves on this rank (the V placement's rank 0)
+        if self.params and not self.local:
             if pp_group is None:
                 raise ConfigError("tied embeddings split across pipeline ranks need the pipeline group")
             me, size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
             self.peer = size - 1 if me == 0 else 0
 
     def __call__(self) -> None:
+        if self.local:
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            embedding, copy = (_local(p.grad) for p in self.params)
+            total = embedding + copy
+            embedding.copy_(total)
+            copy.copy_(total)
+            return
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -179,40 +169,13 @@ class TiedEmbeddingSync:
             mine.add_(theirs)
 
 
-def _layout(t: torch.Tensor):
-    """Gradients that can share one norm computation: plain tensors, or DTensors of one mesh + placements."""
-    return (t.device_mesh, tuple(t.placements)) if hasattr(t, "device_mesh") else None
-
-
 def clip_grad_norm_pipeline(chunks: Sequence[nn.Module], max_norm: float,
                             pp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Clip by the norm of the whole model's gradient and return that norm (the same on every rank).
-
-    ||g||^2 = sum over pipeline ranks of this rank's ||g_local||^2, tied copies counted once. Gradients
-    are grouped by layout (plain, FSDP-sharded, TP-sharded DTensors): each group's norm is a full norm
-    (`full_tensor()` reduces a sharded DTensor's over its shards), so mixed TP/FSDP layouts work.
-    """
-    counted: dict = defaultdict(list)
-    clipped: dict = defaultdict(list)
-    for chunk in chunks:
-        for name, param in chunk.named_parameters():
-            if param.grad is None:
-                continue
-            clipped[_layout(param.grad)].append(param)
-            if not (name == "output.weight" and getattr(chunk, "tied_role", None) == "output_copy"):
-                counted[_layout(param.grad)].append(param.grad)
-    squared = torch.zeros((), dtype=torch.float32)
-    for grads in counted.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        squared = squared.to(norm.device) + norm.float() ** 2
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
-    total = squared.sqrt()
-    if max_norm > 0:
-        for params in clipped.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
+    """Clip this rank's chunks by the whole model's gradient norm across the pipeline (`clip.py`), the tied
+    output copy counted once (on the first stage, as the embedding)."""
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    copies = [c.output.weight for c in chunks if getattr(c, "tied_role", None) == "output_copy"]
+    return clip_grad_norm(params, max_norm, uncounted=copies, pp_group=pp_group)
 
 
 def stage_view(model: nn.Module, chunks: Sequence[nn.Module]) -> nn.Module:

@@ -22,13 +22,13 @@ The residual stream between these regions is a plain local tensor:
 Grouped-query attention with K < tp kv heads: tp must be a multiple of K; the kv projections are then
 replicated and each rank computes the kv head its query heads use (rank * K // tp), and their gradients
 (partial sums over the ranks sharing a head) are summed across tp. Any other split is rejected by
-`validate.check_tensor_parallel` before workers start.
+`raydist.layout.validate` before workers start.
 
 Parameters become DTensors on the tp mesh (column: Shard(0), row: Shard(1), embedding and head: Shard(0),
 norms and replicated kv: Replicate), so FSDP2 shards them further over dp (a 2-D dp_shard x tp layout) and
 checkpoints keep the unsharded names and shapes. A tied head shares the embedding's Shard(0) matrix.
 
-`parallelize()` calls `loss_fn = apply_tensor_parallel(model, mesh, cfg)` first when tp > 1 and hands
+`parallelize()` calls `loss_fn = apply_tensor_parallel(model, mesh, sequence_parallel)` first when tp > 1 and hands
 `loss_fn` to the Trainer (`ParallelModel.loss_fn`). Measured bytes per block: benchmarks/comm_volume.py.
 """
 
@@ -44,10 +44,8 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
-from raydist.config import Config, ModelConfig
 from raydist.mesh import Mesh
 from raydist.models.gpt import cross_entropy
-from raydist.parallel.validate import check_tensor_parallel
 from raydist.parallel.vocab_loss import vocab_parallel_cross_entropy
 
 
@@ -134,7 +132,7 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
-def block_plan(cfg: ModelConfig, tp: int, layout: Placement) -> dict[str, ParallelStyle]:
+def block_plan(cfg, tp: int, layout: Placement) -> dict[str, ParallelStyle]:
     """The plan for one TransformerBlock (keys are module names inside the block)."""
     to_replicate = dict(input_layouts=(layout,), desired_input_layouts=(Replicate(),))
     head_dim = cfg.d_model // cfg.num_heads
@@ -204,23 +202,22 @@ def register_gradient_layout(module: nn.Module) -> None:
             param.register_post_accumulate_grad_hook(gradient_in_parameter_layout)
 
 
-def apply_tensor_parallel(model: nn.Module, mesh: Mesh, cfg: Config) -> Callable:
+def apply_tensor_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool = False) -> Callable:
     """Shard `model` (a raydist GPT, before FSDP) over `mesh["tp"]`; returns the loss function for its
     logits (vocabulary-parallel where this rank holds the head).
 
     Move the model to its device before (or let FSDP move it after): `Module.to()` replaces DTensor
     parameters with new objects (`swap_tensors`), which drops the gradient hooks installed here."""
-    check_tensor_parallel(cfg, mesh.spec)
     tp_mesh = mesh["tp"]
     tp = tp_mesh.size()
-    layout: Placement = Shard(1) if cfg.parallel.sequence_parallel else Replicate()
+    layout: Placement = Shard(1) if sequence_parallel else Replicate()
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(model.cfg, tp, layout))
     tied = model.tied
     parallelize_module(model, tp_mesh, root_plan(model, layout))
     if tied:  # both Shard(0) over the vocabulary: share the embedding's matrix again
         model.output.register_parameter("weight", model.tok_embeddings.weight)
-    if cfg.parallel.sequence_parallel:
+    if sequence_parallel:
         model.register_forward_pre_hook(_fill_positions(tp, model.tok_embeddings is not None), with_kwargs=True)
     register_gradient_layout(model)
     return vocab_parallel_cross_entropy if model.output is not None else cross_entropy

@@ -73,9 +73,12 @@ def cmd_plan(args) -> int:
     w = Workload.from_config(cfg, hw.compute_dtype_bytes, name=args.config)
     features = implemented_features() if args.implemented_only else ALL_FEATURES
     plans, counts = plan(w, args.world, hw, top=args.top, features=features)
+    configured = configured_estimate(cfg, w, args.world, hw)
     if args.json:
         print(json.dumps({"plans": [e.to_dict() for e in plans], "world_size": args.world, "device": args.device,
-                          "hardware": hw.to_dict(), "counts": counts}, indent=1))
+                          "hardware": hw.to_dict(), "counts": counts,
+                          "configured": configured if isinstance(configured, str) else configured.to_dict()},
+                         indent=1))
         return 0 if plans else 1
     print(f"{args.config}: {w.model.num_layers} layers, d_model {w.model.d_model}, seq {w.seq_len}, "
           f"global batch {w.global_batch}, {'bf16' if w.compute_dtype_bytes == 2 else 'fp32'}")
@@ -84,6 +87,12 @@ def cmd_plan(args) -> int:
     print(f"searched {counts['considered']} layouts: {counts['fit']} fit, {counts['too_big']} too big, "
           f"{counts['invalid']} invalid" + ("" if features == ALL_FEATURES else
                                             f" (parallelisms limited to DP/FSDP + {sorted(features)})"))
+    if isinstance(configured, str):
+        print(f"    the config's own layout on {args.world}: {configured}")
+    else:
+        print(f"    the config's own layout: {configured.layout.describe()}, {configured.memory_gb:.3g} GB, step "
+              f"{_seconds(configured.step_time_s)}, MFU {configured.mfu:.2%}: "
+              + ("fits" if configured.fits else f"DOES NOT FIT in {configured.memory_limit_bytes / 1e9:.3g} GB"))
     if not plans:
         print("no layout fits: add devices, shrink the model or sequence, or lower train.global_batch")
         return 1
@@ -99,6 +108,21 @@ def cmd_plan(args) -> int:
         if missing:
             print(f"      needs {', '.join(missing)}: not implemented in this checkout yet (--implemented-only)")
     return 0
+
+
+def configured_estimate(cfg: Config, w: Workload, world: int, hw):
+    """The estimate for the layout the config itself trains with on `world` ranks (its [parallel] section,
+    resolved as the runtime resolves it), or why it has none (a one-line reason)."""
+    from raydist.elastic.policy import plan_layout
+    from raydist.planner.cost_model import estimate
+
+    if cfg.parallel.auto:
+        return "parallel = \"auto\": the planner's first choice above"
+    try:
+        layout = plan_layout(cfg, world)
+    except ConfigError as exc:
+        return f"invalid ({exc})"
+    return estimate(w, layout, hw)
 
 
 def _published(args) -> int:

@@ -5,14 +5,15 @@ seconds). MFU = model FLOPs per rank per step / (step time * device peak), the s
 002: "what fraction of the GPU's theoretical peak FLOPs are used for forward/backward of the model";
 recompute and communication count against it).
 
-`check_layout` says why a layout cannot run a workload (a degree that does not divide a dimension, a
-batch that does not split), in the house's error style, or returns None.
+`layout_problems` says why a layout cannot run a workload: the batch does not split, or the runtime's own
+validator (`raydist.layout.validate`) refuses it, so the planner and the runtime accept the same layouts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from raydist.layout import stage_partition, validate
 from raydist.planner.hardware import Hardware
 from raydist.planner.layout import Layout, Workload
 from raydist.planner.memory import rank_memory
@@ -68,34 +69,23 @@ def num_microbatches(w: Workload, lay: Layout) -> int:
     return w.global_batch // (lay.dp * lay.micro_batch)
 
 
-def check_layout(w: Workload, lay: Layout) -> str | None:
-    """Why `lay` cannot run `w`, or None."""
-    m = w.model
-    if lay.tp > 1:
-        for name, value in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads),
-                            ("ffn_hidden", m.ffn_hidden)):
-            if value % lay.tp:
-                return f"tp={lay.tp} does not divide {name}={value}"
-    if lay.cp > 1:
-        if w.seq_len % (2 * lay.cp):
-            return f"cp={lay.cp}: seq_len={w.seq_len} must split into 2*cp load-balanced chunks"
-        if lay.cp_impl == "ulysses":
-            heads, kv = m.num_heads // lay.tp, m.num_kv_heads // lay.tp
-            if heads % lay.cp or kv % lay.cp:
-                return f"ulysses cp={lay.cp} must divide the per-rank heads ({heads} query, {kv} kv)"
-    if lay.pp > m.num_layers:
-        return f"pp={lay.pp} exceeds num_layers={m.num_layers}"
-    if lay.pp_schedule == "interleaved" and lay.pp > 1 and lay.pp * lay.virtual_stages > m.num_layers:
-        return f"pp={lay.pp} x virtual_stages={lay.virtual_stages} exceeds num_layers={m.num_layers}"
+def complete(w: Workload, lay: Layout) -> Layout:
+    """`lay` with what follows from the workload filled in, as the runtime resolves it: the micro-batch
+    count and the pipeline's stage partition."""
+    changes = {}
+    if w.global_batch % (lay.dp * lay.micro_batch) == 0 and lay.num_microbatches != num_microbatches(w, lay):
+        changes["num_microbatches"] = num_microbatches(w, lay)
+    if lay.pp > 1 and not lay.stage_layers and lay.num_stages <= w.model.num_layers:
+        changes["stage_layers"] = stage_partition(w.model, lay.num_stages)
+    return lay.replace(**changes) if changes else lay
+
+
+def layout_problems(w: Workload, lay: Layout) -> list[str]:
+    """Why `lay` cannot run `w` (empty: it can)."""
     if w.global_batch % (lay.dp * lay.micro_batch):
-        return (f"global_batch={w.global_batch} is not divisible by dp ({lay.dp}) x micro_batch "
-                f"({lay.micro_batch})")
-    mb = num_microbatches(w, lay)
-    if lay.pp > 1 and lay.pp_schedule != "gpipe" and mb < lay.pp:
-        return f"{lay.pp_schedule} with pp={lay.pp} needs at least pp micro-batches, got {mb}"
-    if lay.pp > 1 and lay.pp_schedule == "interleaved" and mb % lay.pp:
-        return f"interleaved 1F1B needs micro-batches ({mb}) divisible by pp={lay.pp}"
-    return None
+        return [f"train.global_batch={w.global_batch} must be divisible by dp ({lay.dp}) x train.micro_batch "
+                f"({lay.micro_batch}); change global_batch, micro_batch or the layout"]
+    return validate(complete(w, lay), w.model, w.seq_len)
 
 
 def estimate(w: Workload, lay: Layout, hw: Hardware) -> Estimate:
@@ -142,8 +132,9 @@ def _memory_hint(term: str, lay: Layout) -> str:
 def _time_hint(term: str, est: Estimate) -> str:
     lay = est.layout
     if term == "bubble":
-        v = lay.virtual_stages if lay.pp_schedule == "interleaved" else 1
-        return (f" (p={lay.pp}, m={est.num_microbatches}, v={v}: (p-1)/(v m+p-1) = "
+        v = lay.virtual_stages
+        formula = {"zbh1": "(p-1)/(3m+p-1)", "zbv": "(p-1)/(6m+p-1)"}.get(lay.pp_schedule, "(p-1)/(v m+p-1)")
+        return (f" ({lay.pp_schedule}, p={lay.pp}, m={est.num_microbatches}, v={v}: {formula} = "
                 f"{est.time['bubble_fraction']:.1%})")
     if term == "dp_comm_exposed":
         return f" ({lay.data_parallel_kind} over {lay.dp * lay.cp} ranks, {est.time['dp_comm']:.3g} s before overlap)"

@@ -3,12 +3,14 @@
 Search space (seed 002: "whenever you are lost in the knobs, maximize MFU"):
     tp        divisors of the world that divide num_heads, num_kv_heads and ffn_hidden, within a node
     cp        divisors with seq_len % (2 cp) == 0;   cp_impl ring | ulysses
-    pp        divisors up to num_layers;             pp_schedule 1f1b | interleaved (2 or 4 chunks)
+    pp        divisors up to num_layers;             pp_schedule 1f1b | interleaved (2 or 4 chunks) | zbh1 | zbv
+              (pipelines compose with tp + sp and cp: the 4-D and 5-D meshes)
     dp        what is left, split every way into dp_replicate x dp_shard (DDP, FSDP, HSDP)
     micro_batch  divisors of the per-rank batch (global_batch / dp), smallest first
     activation_checkpoint  none | selective | every_k | full;  FSDP reshard after forward or not
-Sequence parallelism is always on with tp > 1: it moves the same bytes as plain TP (a reduce-scatter +
-all-gather pair is one all-reduce) and keeps less activation memory.
+Sequence parallelism is always on with tp > 1: it moves the same bytes as plain TP (a reduce-scatter + all-gather pair is one all-reduce) and keeps less
+activation memory. Validity is the runtime's own (`cost_model.layout_problems` -> `raydist.layout.validate`):
+the planner proposes exactly the layouts `raydist train` accepts.
 
 Plans are ranked by estimated step time (equivalently MFU: every layout does the same model FLOPs);
 ties go to the smaller memory footprint. `choose_layout` is the entry point for `parallel = "auto"`.
@@ -16,14 +18,14 @@ ties go to the smaller memory footprint. `choose_layout` is the entry point for 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from typing import Iterable, Iterator
 
 from raydist.config import Config, ConfigError, divisors
-from raydist.mesh import MeshSpec
-from raydist.planner.cost_model import Estimate, check_layout, estimate
+from raydist.planner.cost_model import Estimate, complete, estimate, layout_problems
 from raydist.planner.hardware import Hardware, get_hardware
-from raydist.planner.layout import Layout, Workload, stage_layer_counts
+from raydist.planner.layout import Layout, Workload, rank_layer_counts
 
 ALL_FEATURES = frozenset({"tp", "cp", "pp"})
 CHECKPOINT_POLICIES = ("none", "selective", "every_k", "full")
@@ -57,14 +59,33 @@ def layout_shapes(w: Workload, world: int, hw: Hardware, features: Iterable[str]
                     for cp_impl in (("ring", "ulysses") if cp > 1 else ("ring",)):
                         schedules = [("1f1b", 1)]
                         schedules += [("interleaved", v) for v in (2, 4) if pp > 1 and pp * v <= m.num_layers]
+                        schedules += [("zbh1", 1)] if pp > 1 else []
+                        schedules += [("zbv", 2)] if pp > 1 and 2 * pp <= m.num_layers else []
                         for schedule, v in schedules:
                             for reshard in ((True, False) if base.fsdp_size > 1 else (True,)):
                                 yield Layout(**{**base.to_dict(), "cp_impl": cp_impl, "pp_schedule": schedule,
                                                 "virtual_stages": v, "fsdp_reshard_after_forward": reshard})
 
 
-def _with(lay: Layout, **changes) -> Layout:
-    return Layout(**{**lay.to_dict(), **changes})
+def valid_layouts(w: Workload, world: int, hw: Hardware, features: Iterable[str] = ALL_FEATURES,
+                  policies: Iterable[str] = CHECKPOINT_POLICIES,
+                  micro_batches: Iterable[int] | None = None) -> Iterator[tuple[Layout, bool]]:
+    """Every candidate (shape x recompute policy x micro-batch) with whether the runtime accepts it;
+    accepted ones come completed (micro-batch count, stage partition), in increasing micro-batch order
+    per shape and policy."""
+    for shape in layout_shapes(w, world, hw, features):
+        shape = complete(w, shape)  # the stage partition, once per shape
+        per_rank = w.global_batch // shape.dp
+        sizes = sorted(micro_batches) if micro_batches is not None else divisors(per_rank)
+        layers = max(rank_layer_counts(w, shape)) if shape.num_stages <= w.model.num_layers else 0
+        for policy in policies:
+            if policy == "every_k" and layers < 4:  # segments of round(sqrt(L)) = 1 block: same as full
+                continue
+            for size in sizes:
+                divides = per_rank % size == 0
+                lay = dataclasses.replace(shape, micro_batch=size, activation_checkpoint=policy,
+                                          num_microbatches=per_rank // size if divides else 1)
+                yield lay, divides and not layout_problems(w, lay)
 
 
 def enumerate_estimates(w: Workload, world: int, hw: Hardware, features: Iterable[str] = ALL_FEATURES,
@@ -73,25 +94,22 @@ def enumerate_estimates(w: Workload, world: int, hw: Hardware, features: Iterabl
     """(estimates of the layouts that fit, counts: considered / invalid / too big)."""
     counts = {"considered": 0, "invalid": 0, "too_big": 0, "fit": 0}
     fits: list[Estimate] = []
-    for shape in layout_shapes(w, world, hw, features):
-        per_rank = w.global_batch // shape.dp
-        sizes = sorted(micro_batches) if micro_batches is not None else divisors(per_rank)
-        layers = max(stage_layer_counts(w.model.num_layers, shape.pp))
-        for policy in policies:
-            if policy == "every_k" and layers < 4:  # segments of round(sqrt(L)) = 1 block: same as full
-                continue
-            for size in sizes:
-                lay = _with(shape, micro_batch=size, activation_checkpoint=policy)
-                counts["considered"] += 1
-                if per_rank % size or check_layout(w, lay):
-                    counts["invalid"] += 1
-                    continue
-                est = estimate(w, lay, hw)
-                if not est.fits:
-                    counts["too_big"] += 1
-                    break  # larger micro-batches only need more memory
-                counts["fit"] += 1
-                fits.append(est)
+    too_big: set = set()  # (shape, policy) whose smaller micro-batch already did not fit
+    for lay, ok in valid_layouts(w, world, hw, features, policies, micro_batches):
+        counts["considered"] += 1
+        if not ok:
+            counts["invalid"] += 1
+            continue
+        group = (lay.replace(micro_batch=1, num_microbatches=1), lay.activation_checkpoint)
+        if group in too_big:  # larger micro-batches only need more memory
+            continue
+        est = estimate(w, lay, hw)
+        if not est.fits:
+            counts["too_big"] += 1
+            too_big.add(group)
+            continue
+        counts["fit"] += 1
+        fits.append(est)
     fits.sort(key=lambda e: (e.step_time_s, e.memory["total"]))
     return fits, counts
 
@@ -102,15 +120,12 @@ def plan(w: Workload, world: int, hw: Hardware, top: int = 5, **kwargs) -> tuple
 
 
 def choose_layout(cfg: Config, world_size: int, gpus_per_node: int | None = None,
-                  device: str = "auto") -> tuple[MeshSpec, dict]:
+                  device: str = "auto") -> tuple[Layout, dict]:
     """The best layout the planner finds for `cfg` on `world_size` ranks, among the parallelisms this
-    checkout implements.
+    checkout implements: (the Layout, ready to train with, and its estimate as a dict: memory_gb,
+    step_time_s, mfu, reasons, ...). Raises ConfigError when no layout fits.
 
     device: 'h100' | 'a100' | 'h200' | 'cpu' | 'auto' (CUDA device name when CUDA is visible, else cpu).
-    Returns (MeshSpec, settings) where settings holds `overrides` (a list of `section.key=value` strings
-    that set micro_batch, activation_checkpoint, SP, cp_impl, pp_schedule, num_microbatches, ...), the
-    `estimate` dict (memory_gb, step_time_s, mfu, reasons), and the same knobs as plain keys.
-    Raises ConfigError when no layout fits.
     """
     import dataclasses
 
@@ -126,29 +141,7 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int | None = None
                           f"considered, {counts['too_big']} too big for {hw.usable_memory_bytes / 1e9:.3g} GB); "
                           "add workers, shrink the model or the sequence, or lower train.global_batch")
     best = fits[0]
-    lay = best.layout
-    settings = {
-        "micro_batch": lay.micro_batch,
-        "num_microbatches": best.num_microbatches,
-        "activation_checkpoint": lay.activation_checkpoint,
-        "activation_checkpoint_k": lay.activation_checkpoint_k,
-        "sequence_parallel": lay.sequence_parallel,
-        "cp_impl": lay.cp_impl,
-        "pp_schedule": lay.pp_schedule,
-        "virtual_stages": lay.virtual_stages,
-        "fsdp_reshard_after_forward": lay.fsdp_reshard_after_forward,
-        "overrides": lay.config_overrides(best.num_microbatches),
-        "estimate": best.to_dict(),
-        "device": device,
-    }
-    return lay.spec, settings
-
-
-def auto_config(cfg: Config, world_size: int, gpus_per_node: int | None = None,
-                device: str = "auto") -> tuple[Config, dict]:
-    """`cfg` with the planner's layout applied (a new, validated Config), and choose_layout's settings."""
-    _, settings = choose_layout(cfg, world_size, gpus_per_node, device)
-    return Config.from_dict(cfg.to_dict(), settings["overrides"]), settings
+    return best.layout, {**best.to_dict(), "device": device}
 
 
 def _resolve_device(device: str) -> str:

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from raydist.config import ConfigError
+from raydist.errors import ConfigError
 
 GB = 1e9
 GIB = 2**30

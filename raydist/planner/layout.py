@@ -1,104 +1,22 @@
-"""What the planner chooses (`Layout`) and what it is given (`Workload`): plain data, no torch.
+"""What the planner is given (`Workload`) and how it reads a `Layout` (raydist.layout: the one layout
+class, the same the runtime trains with): plain data, no torch.
 
-A `Layout` is one point of the search space: the five mesh degrees plus the knobs that change memory
-and time without changing the math (micro-batch size, activation recompute, sequence parallelism, the
-context-parallel and pipeline algorithms, FSDP resharding). `config_overrides()` spells it as
-`--set section.key=value` strings, so a plan can be handed to `raydist train` verbatim.
+A planner layout is a `raydist.layout.Layout`: the five mesh degrees plus the knobs that change memory and
+time without changing the math (micro-batch size, activation recompute, sequence parallelism, the
+context-parallel and pipeline algorithms, FSDP resharding), and the pipeline's stage partition.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from raydist.config import Config, ModelConfig
-from raydist.mesh import MeshSpec
+from raydist.layout import Layout, stage_partition
+from raydist.schedule.actions import placement_of, stages_of_rank
 
-
-@dataclass(frozen=True)
-class Layout:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-    micro_batch: int = 1  # samples per forward/backward on one rank
-    activation_checkpoint: str = "none"  # none | full | every_k | selective
-    activation_checkpoint_k: int = 0  # every_k: blocks per segment (0: round(sqrt(layers per stage)))
-    sequence_parallel: bool = False
-    cp_impl: str = "ring"
-    pp_schedule: str = "1f1b"
-    virtual_stages: int = 1
-    fsdp_reshard_after_forward: bool = True
-
-    @property
-    def spec(self) -> MeshSpec:
-        return MeshSpec(self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-
-    @property
-    def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp_size(self) -> int:
-        """Ranks one parameter is sharded over: dp_shard x cp (context-parallel ranks share weights)."""
-        return self.dp_shard * self.cp
-
-    @property
-    def data_parallel_kind(self) -> str:
-        """As raydist.parallel.data_parallel_kind decides it from the mesh."""
-        if self.fsdp_size > 1 or (self.tp > 1 and self.dp_replicate > 1):
-            return "hsdp" if self.dp_replicate > 1 else "fsdp"
-        return "ddp" if self.dp_replicate > 1 else "none"
-
-    def mesh(self) -> dict[str, int]:
-        return self.spec.degrees()
-
-    def describe(self) -> str:
-        parts = [f"{k}{v}" for k, v in self.mesh().items() if v > 1] or ["single"]
-        parts.append(f"mb{self.micro_batch}")
-        if self.activation_checkpoint != "none":
-            parts.append(f"ac:{self.activation_checkpoint}")
-        if self.tp > 1 and self.sequence_parallel:
-            parts.append("sp")
-        if self.cp > 1:
-            parts.append(self.cp_impl)
-        if self.pp > 1:
-            parts.append(self.pp_schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else ""))
-        if self.fsdp_size > 1 and not self.fsdp_reshard_after_forward:
-            parts.append("no-reshard")
-        return " ".join(parts)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def config_overrides(self, num_microbatches: int | None = None) -> list[str]:
-        """`section.key=value` strings that make a Config use this layout."""
-        out = [f"parallel.{k}={v}" for k, v in self.mesh().items()]
-        out += [f"train.micro_batch={self.micro_batch}",
-                f"train.activation_checkpoint={self.activation_checkpoint}",
-                f"train.activation_checkpoint_k={self.activation_checkpoint_k}",
-                f"parallel.sequence_parallel={'true' if self.sequence_parallel else 'false'}",
-                f"parallel.cp_impl={self.cp_impl}",
-                f"parallel.pp_schedule={self.pp_schedule}",
-                f"parallel.virtual_stages={self.virtual_stages}",
-                f"parallel.fsdp_reshard_after_forward={'true' if self.fsdp_reshard_after_forward else 'false'}"]
-        if num_microbatches is not None and self.pp > 1:
-            out.append(f"parallel.num_microbatches={num_microbatches}")
-        return out
-
-    @classmethod
-    def from_config(cls, cfg: Config, world_size: int) -> "Layout":
-        p, t = cfg.parallel, cfg.train
-        spec = MeshSpec.from_config(p).resolve(world_size)
-        return cls(spec.pp, spec.dp_replicate, spec.dp_shard, spec.cp, spec.tp, t.micro_batch,
-                   t.activation_checkpoint, t.activation_checkpoint_k, p.sequence_parallel, p.cp_impl,
-                   p.pp_schedule, p.virtual_stages if p.pp_schedule == "interleaved" else 1,
-                   p.fsdp_reshard_after_forward)
+__all__ = ["Layout", "Workload", "rank_layer_counts", "holds_stage", "every_k_segment"]
 
 
 @dataclass(frozen=True)
@@ -129,10 +47,29 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
-def stage_layer_counts(num_layers: int, pp: int) -> list[int]:
-    """Blocks per pipeline stage, as even as possible (earlier stages take the remainder)."""
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if i < extra else 0) for i in range(pp)]
+def rank_layer_counts(w: Workload, lay: Layout) -> list[int]:
+    """Blocks each pipeline rank holds, from the layout's stage partition (computed as the runtime does
+    when the layout does not carry one): rank r holds the virtual stages `lay.stages_of(r)` (c x pp + r,
+    or r and 2 pp - 1 - r under zbv's V)."""
+    stages = lay.stage_layers
+    if not stages:
+        stages = stage_partition(w.model, lay.num_stages) if lay.pp > 1 else (w.model.num_layers,)
+    return list(_per_rank(stages, lay.pp, lay.virtual_stages, placement_of(lay.pp_schedule)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _per_rank(stages: tuple[int, ...], pp: int, virtual_stages: int, placement: str) -> tuple[int, ...]:
+    if pp == 1:
+        return (sum(stages),)
+    return tuple(sum(stages[s] for s in stages_of_rank(placement, pp, virtual_stages, r)) for r in range(pp))
+
+
+def holds_stage(lay: Layout, rank: int, stage: str) -> bool:
+    """Whether pipeline rank `rank` holds the "first" stage (embedding) or the "last" (final norm, head,
+    loss): ranks 0 and pp - 1, both rank 0 under zbv."""
+    if lay.pp == 1:
+        return True
+    return (0 if stage == "first" else lay.num_stages - 1) in lay.stages_of(rank)
 
 
 def every_k_segment(layers: int, k: int) -> int:

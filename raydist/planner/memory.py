@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from raydist.planner.layout import Layout, Workload, every_k_segment, stage_layer_counts
+from raydist.planner.layout import Layout, Workload, every_k_segment, holds_stage, rank_layer_counts
 
 STATE_BYTES_PER_ELEMENT = {"params": 4, "grads": 4, "optimizer": 8}
 
@@ -61,15 +61,16 @@ def block_tensors(w: Workload) -> list[Tensor2D]:
             Tensor2D(f, d, 0), Tensor2D(f, d, 0), Tensor2D(d, f, 1)]  # w1, w3, w2
 
 
-def root_tensors(w: Workload, pp: int, stage: int) -> list[Tensor2D]:
-    """Embedding / final norm / output head held by `stage` (FSDP's root unit)."""
+def root_tensors(w: Workload, lay: Layout, rank: int) -> list[Tensor2D]:
+    """Embedding / final norm / output head held by pipeline rank `rank` (FSDP's root unit); a tied head
+    is a copy of its own whenever there is a pipeline (zbv's rank 0 holds both, in two chunks)."""
     m = w.model
     out = []
-    if stage == 0:
+    if holds_stage(lay, rank, "first"):
         out.append(Tensor2D(m.vocab_size, m.d_model, 0))
-    if stage == pp - 1:
+    if holds_stage(lay, rank, "last"):
         out.append(Tensor2D(m.d_model, 1, None))
-        if not (m.tie_embeddings and pp == 1):
+        if not (m.tie_embeddings and lay.pp == 1):
             out.append(Tensor2D(m.vocab_size, m.d_model, 0))
     return out
 
@@ -93,17 +94,17 @@ def local_elements(t: Tensor2D, tp: int, fsdp_size: int, fsdp_index: int | None 
 
 def stage_units(w: Workload, lay: Layout, stage: int) -> list[list[Tensor2D]]:
     """FSDP units of a stage: one per block, then the root (embedding / norm / head)."""
-    layers = stage_layer_counts(w.model.num_layers, lay.pp)[stage]
-    return [block_tensors(w) for _ in range(layers)] + [root_tensors(w, lay.pp, stage)]
+    layers = rank_layer_counts(w, lay)[stage]
+    return [block_tensors(w) for _ in range(layers)] + [root_tensors(w, lay, stage)]
 
 
 def unit_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
                   sharded: bool = True) -> tuple[int, int, int]:
     """(blocks on the stage, elements of one block, elements of the root unit) held by one rank."""
     fsdp = lay.fsdp_size if sharded else 1
-    layers = stage_layer_counts(w.model.num_layers, lay.pp)[stage]
+    layers = rank_layer_counts(w, lay)[stage]
     block = sum(local_elements(t, lay.tp, fsdp, fsdp_index) for t in block_tensors(w))
-    root = sum(local_elements(t, lay.tp, fsdp, fsdp_index) for t in root_tensors(w, lay.pp, stage))
+    root = sum(local_elements(t, lay.tp, fsdp, fsdp_index) for t in root_tensors(w, lay, stage))
     return layers, block, root
 
 
@@ -158,12 +159,17 @@ def block_input_bytes(w: Workload, lay: Layout) -> float:
 
 
 def in_flight_microbatches(lay: Layout, num_microbatches: int, stage: int = 0) -> float:
-    """Micro-batches whose activations a stage holds at its peak (in units of the stage's blocks)."""
+    """Micro-batches whose activations a stage holds at its peak (in units of the stage's blocks), as
+    `raydist.schedule.validate` measures them; zero-bubble schedules hold a micro-batch until its W."""
     p, m, v = lay.pp, num_microbatches, lay.virtual_stages
     if p == 1:
         return 1
     if lay.pp_schedule == "gpipe":
         return m
+    if lay.pp_schedule in ("zbh1", "zbv"):
+        # ZB-H1 delays rank r's Ws by r micro-batches, so every rank holds 1F1B's first-stage peak;
+        # ZB-V's greedy keeps 2P chunk activations (half a rank's blocks each) = P whole micro-batches.
+        return min(m, p)
     if lay.pp_schedule == "interleaved" and v > 1:
         # Megatron: warm-up chunks = (p - stage - 1) * 2 + (v - 1) * p, plus the one in flight; a chunk
         # holds 1/v of the stage's blocks.
@@ -206,7 +212,7 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
     """Peak bytes on the worst pipeline stage, by term; 'total' is the estimate that must fit."""
     a = w.compute_dtype_bytes
     worst: dict[str, float] = {}
-    for stage in sorted({0, lay.pp - 1}):  # the first stage holds most activations, the last the head
+    for stage in range(lay.pp):  # the first stages hold more micro-batches in flight, the last the head
         layers, block_local, root_local = unit_elements(w, lay, stage)
         n_local = layers * block_local + root_local
         _, block_full, root_full = unit_elements(w, lay, stage, sharded=False)
@@ -214,7 +220,7 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
         acts = activation_bytes(w, lay, layers, num_microbatches, stage)
         terms["activations"] = acts["saved"]
         transient = acts["recompute"]
-        if stage == lay.pp - 1:
+        if holds_stage(lay, stage, "last"):
             head = head_bytes(w, lay)
             terms["activations"] += head["saved"]
             transient = max(transient, head["transient"])

@@ -97,7 +97,7 @@ def megatron_accounting(pub: Published) -> float:
 
     w, lay = pub.workload, pub.layout
     params = stage_elements(w, lay, 0)
-    v = lay.virtual_stages if lay.pp_schedule == "interleaved" else 1
+    v = lay.virtual_stages
     factor = 1 + (lay.pp - 1) / (lay.pp * v) if v > 1 else 1.0
     acts = 34 * w.seq_len * lay.micro_batch * w.model.d_model / lay.tp * w.model.num_layers * factor
     return 18.0 * params + acts

@@ -27,9 +27,11 @@ Per step, per rank (the busiest pipeline stage), with m micro-batches of b sampl
 - context parallel: ring passes the local K/V block to the next rank cp-1 times in forward and twice as
   much (K/V and their gradients) in backward, overlapped with the attention it feeds; Ulysses all-to-alls
   q, k, v and the output in forward and backward, not overlapped.
-- pipeline: one activation send per micro-batch per boundary each way; bubble fraction
-  (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1) interleaved with v chunks per rank (seed 001/003:
-  "idle p/(p+k)" counts the same bubble from the other side).
+- pipeline: one activation send per micro-batch per boundary each way (T / cp tokens, a tp-th of them
+  under sequence parallelism); bubble fraction (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1)
+  interleaved with v chunks per rank (seed 001/003: "idle p/(p+k)" counts the same bubble from the other
+  side), and for the zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
+  at F = B = W: (p-1)/(3m+p-1) for ZB-H1, (p-1)/(6m+p-1) for ZB-V (`schedule.timeline`).
 - optimizer: AdamW and the gradient clip read and write ~36 bytes per locally held element, bound by
   memory bandwidth.
 """
@@ -40,7 +42,8 @@ import math
 
 from raydist.models.gpt import flops_per_token, param_counts
 from raydist.planner.hardware import Hardware, Link
-from raydist.planner.layout import Layout, Workload, stage_layer_counts
+from raydist.planner.layout import Layout, Workload, holds_stage, rank_layer_counts
+from raydist.schedule.timeline import theoretical_bubble
 from raydist.planner.memory import block_activation_bytes, block_selective_bytes, stage_elements
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -69,11 +72,11 @@ def crosses_nodes(degree: int, stride: int, hw: Hardware) -> bool:
 
 
 def bubble_fraction(lay: Layout, num_microbatches: int) -> float:
-    p, m = lay.pp, num_microbatches
-    if p == 1:
+    """Idle / step on each rank: `raydist.schedule.timeline.theoretical_bubble` (exact for the executor's
+    schedules at F = B = W, a transformer's split backward: B + W = 2 F)."""
+    if lay.pp == 1:
         return 0.0
-    v = lay.virtual_stages if lay.pp_schedule == "interleaved" else 1
-    return (p - 1) / (v * m + p - 1)
+    return float(theoretical_bubble(lay.pp_schedule, lay.pp, num_microbatches, lay.virtual_stages))
 
 
 def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> dict[str, float]:
@@ -83,14 +86,15 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     tokens = lay.micro_batch * w.seq_len / lay.cp  # per micro-batch on this rank
     h, tp, cp = m_cfg.d_model, lay.tp, lay.cp
     counts = param_counts(m_cfg)
-    stage_layers = stage_layer_counts(m_cfg.num_layers, lay.pp)
+    stage_layers = rank_layer_counts(w, lay)
     layers = max(stage_layers)
     rate = hw.peak_flops * hw.compute_efficiency
 
     # ---- compute per micro-batch on the busiest stage ----------------------------------------------------
     block_fwd = 2 * tokens * counts["block_matmul"] / tp + 4 * tokens * w.seq_len * h / tp
     head_fwd = 2 * tokens * m_cfg.vocab_size * h / tp
-    fwd = max(stage_layers[0] * block_fwd, stage_layers[-1] * block_fwd + head_fwd)  # the head: last stage
+    # the busiest rank's forward: its blocks, plus the head on the rank holding the last stage
+    fwd = max(n * block_fwd + (head_fwd if holds_stage(lay, r, "last") else 0.0) for r, n in enumerate(stage_layers))
     compute_mb = 3 * fwd / rate + (layers + 1) * hw.block_overhead_s
     recompute_mb = 0.0
     policy = lay.activation_checkpoint
@@ -132,7 +136,7 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     if lay.pp > 1:
         sp = tp if lay.sequence_parallel and tp > 1 else 1
         link = hw.link(crosses_nodes(lay.pp, lay.world_size // lay.pp, hw))
-        v = lay.virtual_stages if lay.pp_schedule == "interleaved" else 1
+        v = lay.virtual_stages
         pp_mb = 2 * v * p2p_s(a * tokens * h / sp, link)
 
     per_mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fsspec
 
+from raydist.atomic import write_bytes_atomic
 from raydist.report.data import RunData, join, load_run
 
 
@@ -30,10 +31,8 @@ def build_report(run_dir: str, out_dir: str | None = None) -> dict[str, str]:
     fs, root = fsspec.core.url_to_fs(out_dir)
     fs.makedirs(root, exist_ok=True)
     png_path, html_path = join(out_dir, "report.png"), join(out_dir, "report.html")
-    with fs.open(join(root, "report.png"), "wb") as f:
-        f.write(render_overview(data))
-    with fs.open(join(root, "report.html"), "w") as f:
-        f.write(render_html(data))
+    write_bytes_atomic(png_path, render_overview(data))
+    write_bytes_atomic(html_path, render_html(data).encode("utf-8"))
     return {"png": png_path, "html": html_path}
 
 

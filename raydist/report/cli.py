@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raydist.config import ConfigError
+from raydist.errors import ConfigError
 
 
 def register_cli(subparsers) -> None:

@@ -1,6 +1,7 @@
 """Read a run directory (local path or fsspec URI) into plain Python for the report.
 
-Files (all optional but metrics.jsonl; absent or unreadable ones become empty):
+Files (all optional but metrics.jsonl; absent or unreadable ones become empty; JSON-lines files are
+merged with their per-writer parts on object stores, see raydist.metrics.logger):
     config.toml              the resolved config (shown verbatim)
     metrics.jsonl            one JSON object per logged step (raydist.train_loop.RunLogger)
     summary.json             the run's summary; goodput fields when the elasticity work writes them
@@ -17,7 +18,8 @@ from typing import Any
 
 import fsspec
 
-from raydist.config import ConfigError
+from raydist.errors import ConfigError
+from raydist.metrics.logger import read_jsonl
 
 EVENT_KINDS = ("start", "restart", "resize", "checkpoint", "checkpoint_failed", "end")
 
@@ -70,30 +72,15 @@ def _read_text(fs, path: str) -> str | None:
         return f.read()
 
 
-def _json_lines(text: str, name: str, warnings: list[str]) -> list[dict]:
-    out = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
-            warnings.append(f"{name}:{number}: not JSON, skipped")
-            continue
-        if isinstance(value, dict):
-            out.append(value)
-    return out
-
-
 def load_run(run_dir: str) -> RunData:
     fs, root = fsspec.core.url_to_fs(run_dir)
     if not fs.exists(root) or not fs.isdir(root):
         raise ConfigError(f"run directory {run_dir!r} not found; pass <checkpoint.storage>/<train.run_name>")
     data = RunData(run_dir)
-    metrics = _read_text(fs, join(root, "metrics.jsonl"))
+    metrics = read_jsonl(run_dir, "metrics.jsonl", data.warnings)  # merged with per-writer parts
     if metrics is None:
         raise ConfigError(f"{run_dir!r} has no metrics.jsonl; is it a raydist run directory?")
-    data.metrics = _json_lines(metrics, "metrics.jsonl", data.warnings)
+    data.metrics = metrics
     data.config_text = _read_text(fs, join(root, "config.toml")) or ""
     summary = _read_text(fs, join(root, "summary.json"))
     if summary:
@@ -101,10 +88,9 @@ def load_run(run_dir: str) -> RunData:
             data.summary = json.loads(summary)
         except json.JSONDecodeError:
             data.warnings.append("summary.json: not JSON, ignored")
-    events = _read_text(fs, join(root, "events.jsonl"))
+    events = read_jsonl(run_dir, "events.jsonl", data.warnings)
     if events:
-        data.events = sorted(_json_lines(events, "events.jsonl", data.warnings),
-                             key=lambda e: (e.get("elapsed_s") or 0.0))
+        data.events = sorted(events, key=lambda e: (e.get("elapsed_s") or 0.0))
     timeline = _read_text(fs, join(root, "pipeline_timeline.json"))
     if timeline:
         try:

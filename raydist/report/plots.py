@@ -124,8 +124,13 @@ def panel_memory(ax, data: RunData) -> bool:
     return True
 
 
+# (action kind, second chunk of its rank) -> colour: forward, backward (input gradient when split), weight
+ACTION_COLORS = {("F", False): "tab:blue", ("B", False): "tab:green", ("W", False): "tab:orange",
+                 ("F", True): "tab:cyan", ("B", True): "tab:olive", ("W", True): "gold"}
+
+
 def panel_pipeline(ax, data: RunData) -> bool:
-    """The measured schedule of one step: a bar per F/B action, a row per pipeline rank."""
+    """The measured schedule of one step: a bar per F/B/W action, a row per pipeline rank."""
     if not data.timeline:
         stats = data.latest("pipeline")
         if stats:
@@ -147,9 +152,7 @@ def panel_pipeline(ax, data: RunData) -> bool:
     for a in data.timeline:
         start, end = a.get("start_s", 0.0), a.get("end_s", 0.0)
         y = row[a.get("rank", a.get("stage", 0))]
-        color = "tab:blue" if a.get("kind") == "F" else "tab:green"
-        if a.get("chunk", 0):
-            color = "tab:cyan" if a.get("kind") == "F" else "tab:olive"
+        color = ACTION_COLORS.get((a.get("kind"), bool(a.get("chunk", 0))), "0.5")
         ax.barh(y, end - start, left=start, color=color, edgecolor="white", linewidth=0.5)
         if end - start > 0:
             ax.text((start + end) / 2, y, str(a.get("microbatch", "")), ha="center", va="center", fontsize=6,
@@ -157,7 +160,7 @@ def panel_pipeline(ax, data: RunData) -> bool:
     ax.set_yticks(range(len(ranks)))
     ax.set_yticklabels([f"rank {r}" for r in ranks])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds into the step (F blue, B green)")
+    ax.set_xlabel("seconds into the step (F blue, B green, W orange; a rank's second chunk lighter)")
     stats = data.latest("pipeline")
     if stats:
         ax.set_title(f"measured bubble {stats['pipeline'].get('bubble', 0):.1%}", fontsize=8)

@@ -2,35 +2,70 @@
 
 Vocabulary (P pipeline ranks, V model chunks per rank, M micro-batches, S = P * V virtual stages):
 
-- virtual stage s in [0, S) runs layers in model order; rank r holds chunks c = 0..V-1 with
-  s = c * P + r (Megatron's interleaved assignment; with V = 1, stage == rank);
-- `Action(kind, stage, microbatch)`: kind F (forward of one micro-batch through one chunk) or B (its
-  backward: input and weight gradients together);
+- virtual stage s in [0, S) runs layers in model order. Placement "loop" (Megatron's interleaved
+  assignment): rank r holds chunks c = 0..V-1 with s = c * P + r (with V = 1, stage == rank). Placement
+  "v" (ZB-V, V = 2): rank r holds s = r (chunk 0) and s = 2P - 1 - r (chunk 1), so a micro-batch goes
+  down the ranks and back up, and rank 0 holds both the first and the last stage;
+- `Action(kind, stage, microbatch)`: kind F (forward of one micro-batch through one chunk), B (its
+  backward) or W. Schedules that split the backward (Qi, Wan, Huang, Lin, "Zero Bubble Pipeline
+  Parallelism", ICLR 2024) run B as the input gradient only (dL/dx, what the previous stage waits for)
+  and W as the weight gradient (dL/dtheta = x^T dL/dy, needed by nobody until the optimizer step) of the
+  same (stage, micro-batch) on the same rank, any time after its B. Schedules that do not split (GPipe,
+  1F1B, interleaved) have no W: their B computes both gradients;
 - the transfers an action implies are derived, not stored: F on stage s > 0 receives the activation of
   stage s - 1, F on s < S - 1 sends its output to s + 1; B on s < S - 1 receives the output gradient from
-  s + 1, B on s > 0 sends its input gradient to s - 1. Every transfer is one (B_micro, T, D) tensor.
+  s + 1, B on s > 0 sends its input gradient to s - 1; W neither sends nor receives. Every transfer is one
+  (B_micro, T, D) tensor; it is local (no point-to-point op) when both stages sit on one rank (V > 1 with
+  P = 1, or stages P - 1 and P under the V placement).
 
-A `Schedule` is produced by a pure generator (`generators.py`), checked by `validate.py`, timed by
-`timeline.py` and run by `executor.py`. Nothing here touches torch.
+A `Schedule` is produced by a pure generator (`generators.py`, `zero_bubble.py`), checked by
+`validate.py`, timed by `timeline.py` and run by `executor.py`. Nothing here touches torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raydist.errors import ConfigError
+
 FORWARD = "F"
-BACKWARD = "B"
-KINDS = ("gpipe", "1f1b", "interleaved")
+BACKWARD = "B"  # the whole backward, or only the input gradient when the schedule splits the backward
+WEIGHT = "W"  # the weight gradient of a split backward
+KINDS = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
+SPLIT_BACKWARD_KINDS = ("zbh1", "zbv")  # the kinds whose schedules have W actions
+PLACEMENTS = ("loop", "v")
+
+
+def chunks_per_rank(kind: str, virtual_stages: int) -> int:
+    """Model chunks each pipeline rank holds under schedule `kind`: the configured V for interleaved 1F1B,
+    two for ZB-V (a V over the ranks), one otherwise. The one place this rule lives."""
+    if kind == "interleaved":
+        return virtual_stages
+    return 2 if kind == "zbv" else 1
+
+
+def placement_of(kind: str) -> str:
+    """How schedule `kind` lays its virtual stages on the ranks: "v" for ZB-V, "loop" otherwise."""
+    return "v" if kind == "zbv" else "loop"
+
+
+def stages_of_rank(placement: str, num_ranks: int, virtual_stages: int, rank: int) -> list[int]:
+    """The virtual stages rank `rank` holds, by chunk index: c * P + r ("loop"), or r and 2P - 1 - r ("v").
+    The one place this rule lives (the schedule, the model split and the planner all ask it)."""
+    if placement == "v":
+        return [rank, 2 * num_ranks - 1 - rank]
+    return [c * num_ranks + rank for c in range(virtual_stages)]
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # FORWARD or BACKWARD
+    kind: str  # FORWARD, BACKWARD or WEIGHT
     stage: int  # virtual stage in [0, P * V)
     microbatch: int  # in [0, M)
 
     def label(self, num_ranks: int, virtual_stages: int) -> str:
-        """`F3` (V = 1) or `F3.c1` (chunk 1 of this rank, V > 1)."""
+        """`F3` (V = 1) or `F3.c1` (chunk 1 of this rank, V > 1; stage // P is the chunk under both
+        placements, since the V placement has exactly two chunks)."""
         chunk = f".c{self.stage // num_ranks}" if virtual_stages > 1 else ""
         return f"{self.kind}{self.microbatch}{chunk}"
 
@@ -48,7 +83,8 @@ class Transfer:
 
     @property
     def local(self) -> bool:
-        """Both stages on one rank (V > 1 with P = 1): handed over in memory, no point-to-point op."""
+        """Both stages on one rank (V > 1 with P = 1, or stages P - 1 -> P under the V placement): handed
+        over in memory, no point-to-point op."""
         return self.src_rank == self.dst_rank
 
 
@@ -59,23 +95,38 @@ class Schedule:
     num_microbatches: int  # M
     virtual_stages: int  # V
     actions: tuple[tuple[Action, ...], ...]  # actions[r]: rank r's actions in execution order
+    placement: str = "loop"  # "loop": stage c * P + r on rank r; "v": stages r and 2P - 1 - r (V = 2)
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"schedule placement={self.placement!r} is not one of {', '.join(PLACEMENTS)}")
+        if self.placement == "v" and self.virtual_stages != 2:
+            raise ConfigError(f"placement 'v' puts exactly 2 chunks on each rank, not virtual_stages="
+                              f"{self.virtual_stages}; use virtual_stages=2 or placement 'loop'")
 
     @property
     def num_stages(self) -> int:
         return self.num_ranks * self.virtual_stages
 
+    @property
+    def split_backward(self) -> bool:
+        """Whether B is the input gradient only and W the weight gradient (any W action present)."""
+        return any(a.kind == WEIGHT for actions in self.actions for a in actions)
+
     def rank_of(self, stage: int) -> int:
+        if self.placement == "v" and stage >= self.num_ranks:
+            return self.num_stages - 1 - stage
         return stage % self.num_ranks
 
     def chunk_of(self, stage: int) -> int:
-        return stage // self.num_ranks
+        return stage // self.num_ranks  # the same under both placements ("v": stages P..2P-1 are chunk 1)
 
     def stages_of(self, rank: int) -> list[int]:
         """The virtual stages rank `rank` holds, by chunk index."""
-        return [c * self.num_ranks + rank for c in range(self.virtual_stages)]
+        return stages_of_rank(self.placement, self.num_ranks, self.virtual_stages, rank)
 
     def recv_of(self, action: Action) -> Transfer | None:
-        """The tensor `action` must receive before it can run (None on the first/last stage)."""
+        """The tensor `action` must receive before it can run (None on the first/last stage, and for W)."""
         s, m = action.stage, action.microbatch
         if action.kind == FORWARD and s > 0:
             return Transfer("activation", s - 1, s, m, self.rank_of(s - 1), self.rank_of(s))
@@ -84,7 +135,7 @@ class Schedule:
         return None
 
     def send_of(self, action: Action) -> Transfer | None:
-        """The tensor `action` produces for another stage (None on the last/first stage)."""
+        """The tensor `action` produces for another stage (None on the last/first stage, and for W)."""
         s, m = action.stage, action.microbatch
         if action.kind == FORWARD and s < self.num_stages - 1:
             return Transfer("activation", s, s + 1, m, self.rank_of(s), self.rank_of(s + 1))
@@ -99,10 +150,22 @@ class Schedule:
         return (what * self.num_stages + transfer.dst_stage) * self.num_microbatches + transfer.microbatch
 
     def last_backward(self, rank: int) -> dict[int, Action]:
-        """{chunk: the chunk's final B on this rank}: where gradient sync (DDP/FSDP) must be switched on."""
+        """{chunk: the chunk's final B on this rank}: where gradient sync (DDP/FSDP) must be switched on
+        when the backward is not split (with a split backward the weight gradients come from the Ws:
+        use `last_weight_gradient`)."""
         last: dict[int, Action] = {}
         for action in self.actions[rank]:
             if action.kind == BACKWARD:
+                last[self.chunk_of(action.stage)] = action
+        return last
+
+    def last_weight_gradient(self, rank: int) -> dict[int, Action]:
+        """{chunk: the chunk's final action that accumulates weight gradients on this rank}: its final W
+        when the backward is split, else its final B (== `last_backward`)."""
+        kind = WEIGHT if self.split_backward else BACKWARD
+        last: dict[int, Action] = {}
+        for action in self.actions[rank]:
+            if action.kind == kind:
                 last[self.chunk_of(action.stage)] = action
         return last
 

@@ -1,8 +1,9 @@
-"""`raydist schedule --kind {gpipe,1f1b,interleaved} --stages P --microbatches M [--virtual V] [--png F]`.
+"""`raydist schedule --kind {gpipe,1f1b,interleaved,zbh1,zbv} --stages P --microbatches M [--virtual V] [--png F]`.
 
 Prints each rank's action sequence, a text timeline under the unit cost model (tf per forward, tb per
-backward of one micro-batch through a rank's layers), the bubble fraction next to its theory, and the
-peak activation memory in micro-batches; `--png` draws the timeline.
+backward of one micro-batch through a rank's layers, tw of which is the weight gradient that zbh1/zbv
+run as separate W actions), the bubble fraction next to its theory, and the peak activation memory in
+micro-batches (for zbh1/zbv next to 1F1B's at the same P, M); `--png` draws the timeline.
 """
 
 from __future__ import annotations
@@ -10,11 +11,14 @@ from __future__ import annotations
 import argparse
 from fractions import Fraction
 
-from raydist.config import ConfigError
+from raydist.errors import ConfigError
 from raydist.schedule.actions import KINDS
 from raydist.schedule.generators import make_schedule
-from raydist.schedule.timeline import render_png, render_text, simulate, theoretical_bubble
-from raydist.schedule.validate import validate
+from raydist.schedule.timeline import ideal_step_time, render_png, render_text, simulate, theoretical_bubble
+from raydist.schedule.validate import ScheduleReport, validate
+
+FORMULAS = {"interleaved": "(P-1)/(V*M+P-1)", "zbh1": "(P-1)(F+B-W)/(M(F+B+W)+(P-1)(F+B-W))",
+            "zbv": "(P-1)F/2/(M(F+B+W)+(P-1)F/2)"}  # others: (P-1)/(M+P-1)
 
 
 def _fraction(text: str) -> Fraction:
@@ -31,25 +35,47 @@ def _show(x: Fraction) -> str:
     return f"{x} = {float(x):.1%}" if x.denominator != 1 else f"{x}"
 
 
+def _peaks(report: ScheduleReport) -> str:
+    per_rank = ", ".join(f"rank {r}: {x}" for r, x in enumerate(report.peak_activations_per_rank))
+    return f"max {report.peak_activations}  ({per_rank})"
+
+
 def cmd_schedule(args) -> int:
-    virtual = args.virtual if args.virtual is not None else (2 if args.kind == "interleaved" else 1)
+    default_virtual = 2 if args.kind in ("interleaved", "zbv") else 1
+    virtual = args.virtual if args.virtual is not None else default_virtual
     if args.kind == "interleaved" and virtual < 2:
         raise ConfigError(f"--virtual {virtual}: interleaved 1F1B needs at least 2 chunks per rank")
-    schedule = make_schedule(args.kind, args.stages, args.microbatches, virtual)
+    tw = args.tb / 2 if args.tw is None else args.tw
+    if tw > args.tb:
+        raise ConfigError(f"--tw {tw} is more than --tb {args.tb}: tw is the weight-gradient part of the backward")
+    schedule = make_schedule(args.kind, args.stages, args.microbatches, virtual, tf=args.tf, tb=args.tb, tw=tw)
     report = validate(schedule)
-    timeline = simulate(schedule, args.tf, args.tb)
+    timeline = simulate(schedule, args.tf, args.tb, tw)
+    split = schedule.split_backward
     p, m, v = schedule.num_ranks, schedule.num_microbatches, schedule.virtual_stages
-    print(f"{schedule.kind}: P={p} ranks, M={m} micro-batches" + (f", V={v} chunks per rank" if v > 1 else "")
-          + "  [valid: complete, forward before backward, no deadlock, channel order]")
+    order = "forward before B before W" if split else "forward before backward"
+    shape = (f", V={v} chunks per rank" if v > 1 else "") + (" in a V" if schedule.placement == "v" else "")
+    print(f"{schedule.kind}: P={p} ranks, M={m} micro-batches{shape}"
+          f"  [valid: complete, {order}, no deadlock, channel order]")
     print(schedule.format(with_transfers=args.transfers))
-    print(f"\ntimeline (forward {args.tf}, backward {args.tb} per micro-batch through a rank's layers):")
+    costs = (f"backward {args.tb} = B {args.tb - tw} (input grad) + W {tw} (weight grad)" if split
+             else f"backward {args.tb}")
+    print(f"\ntimeline (forward {args.tf}, {costs} per micro-batch through a rank's layers):")
     print(render_text(timeline))
-    theory = theoretical_bubble(schedule.kind, p, m, v)
-    formula = "(P-1)/(V*M+P-1)" if schedule.kind == "interleaved" else "(P-1)/(M+P-1)"
+    if split:  # the paper's formulas in F = tf, B = tb - tw, W = tw (at F = B = W: theoretical_bubble)
+        busy = m * (args.tf + args.tb)
+        theory = 1 - busy / ideal_step_time(schedule.kind, p, m, v, args.tf, args.tb, tw)
+    else:
+        theory = theoretical_bubble(schedule.kind, p, m, v)
+    formula = FORMULAS.get(schedule.kind, "(P-1)/(M+P-1)")
     print(f"\nstep time {timeline.step_time} (busy {timeline.busy_per_rank[0]} per rank)")
     print(f"bubble fraction {_show(timeline.bubble_fraction)}  (theory {formula} = {_show(theory)})")
-    peaks = ", ".join(f"rank {r}: {x}" for r, x in enumerate(report.peak_activations_per_rank))
-    print(f"peak activation memory, micro-batches of a rank's layers: max {report.peak_activations}  ({peaks})")
+    held = " (held from F to W)" if split else ""
+    print(f"peak activation memory, micro-batches of a rank's layers{held}: {_peaks(report)}")
+    if split:
+        baseline = validate(make_schedule("1f1b", p, m))
+        print(f"  1F1B at the same P, M: {_peaks(baseline)}; {schedule.kind} peak "
+              + ("<=" if report.peak_activations <= baseline.peak_activations else ">") + " 1F1B's peak")
     if v > 1:
         print("peak in-flight micro-batches per virtual stage: "
               + ", ".join(f"s{s}: {n}" for s, n in enumerate(report.peak_inflight_per_stage)))
@@ -64,9 +90,12 @@ def register_cli(subparsers) -> None:
     p.add_argument("--kind", required=True, choices=KINDS, help="pipeline schedule")
     p.add_argument("--stages", type=int, required=True, help="pipeline ranks P")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches per step M")
-    p.add_argument("--virtual", type=int, default=None, help="chunks per rank V (interleaved; default 2)")
+    p.add_argument("--virtual", type=int, default=None,
+                   help="chunks per rank V (interleaved: default 2; zbv: always 2)")
     p.add_argument("--png", help="draw the timeline (Gantt chart) to this PNG file")
     p.add_argument("--tf", type=_fraction, default=Fraction(1), help="forward cost per micro-batch (default 1)")
     p.add_argument("--tb", type=_fraction, default=Fraction(2), help="backward cost per micro-batch (default 2)")
+    p.add_argument("--tw", type=_fraction, default=None,
+                   help="weight-gradient part of the backward, run as W by zbh1/zbv (default tb/2)")
     p.add_argument("--transfers", action="store_true", help="list each action with its receive/send")
     p.set_defaults(func=cmd_schedule)

@@ -4,8 +4,10 @@ One `step()` executes `schedule.actions[pp_rank]` in order, in this process, wit
 
     for each action a_i:
         wait for the tensor a_i receives (posted earlier)       -> idle time
-        F: out = chunk(x); last stage: loss_m = loss_fn(out, y_m) / M
-        B: before_backward(chunk, is_last); backward(out, grad) -> x.grad     -> busy time
+        F: out = chunk(x, positions); last stage: loss_m = loss_fn(out, y_m) / M
+        B: the backward of (out, received gradient) -> dL/dx     -> busy time
+           (split schedules, zbh1/zbv: dL/dx only, the weight gradient deferred; `split_backward`)
+        W: the deferred weight gradient, accumulated into the chunk's parameters
         dist.batch_isend_irecv([send of a_i's output, recv for the next action that needs one])
 
 Sends are waited on only once a later message proves them received (`send_release_points`, which
@@ -13,14 +15,23 @@ frees sent tensors within 1F1B's memory bound) or at the step's end, so the only
 receives whose sender is computing: a schedule that `validate()` accepts cannot deadlock here (on gloo,
 whose sends progress in the background; NCCL is untested). Receives are posted one receiving action
 ahead (overlapping the transfer with this action's compute) into buffers of the known activation shape
-(B_micro, T, D). Gradients accumulate in the chunks' `.grad` over the M micro-batches; the loss is
-sum_m loss_m = mean over micro-batches, which equals the single-process loss of the whole batch when
-micro-batches have equal token counts. It is summed over the pipeline group (it is zero off the last
-stage) so every pipeline rank returns the same value. `evaluate()` runs the forwards only.
+(B_micro, T_local, D): T_local is this rank's part of the sequence (T / cp under context parallelism,
+a further tp-th under sequence parallelism). Transfers between two stages on one rank (V = 2 under the
+ZB-V placement: stages P - 1 and P on rank P - 1) are handed over in memory. Every chunk gets the
+positions of its local tokens (RoPE under context parallelism). Gradients accumulate in the chunks'
+`.grad` over the M micro-batches; the loss is sum_m loss_m = mean over micro-batches, which equals the
+single-process loss of the whole batch when micro-batches have equal token counts. It is summed over
+the pipeline group (it is zero off the last stage) so every pipeline rank returns the same value.
+`evaluate()` runs the forwards only.
 
-Data-parallel composition (pp is the outer mesh axis, each chunk is wrapped on the dp group):
-`before_backward(chunk_index, is_last_backward)` runs before every backward; use `fsdp_grad_sync` (FSDP2:
-reduce-scatter only on each chunk's last backward) or `ddp_grad_sync` (DDP: all-reduce only then).
+Data-parallel composition (pp is the outer mesh axis, each chunk is wrapped on the dp group): before and
+after every action that accumulates weight gradients (B, or W when the backward is split) the executor
+calls `before_backward(chunk_index, is_last)` and `after_backward(chunk_index, is_last)`, is_last
+marking the chunk's final one of the step (`Schedule.last_weight_gradient`); the data-parallel
+strategy's hooks (raydist.parallel.data_parallel) make DDP all-reduce and FSDP reduce-scatter exactly
+once per chunk per step, there.
+
+Timings: busy time is the sum of the actions' durations, measured with CUDA events on a GPU (`clock`).
 """
 
 from __future__ import annotations
@@ -34,12 +45,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raydist.config import ConfigError
-from raydist.schedule.actions import FORWARD, Action, Schedule, Transfer
+from raydist.errors import ConfigError
+from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, Transfer
+from raydist.schedule.clock import ActionClock
+from raydist.schedule.split_backward import PendingWeightGradient, backward_input, backward_weight
 from raydist.schedule.validate import validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits (B, T, V), targets (B, T)) -> scalar
-BeforeBackward = Callable[[int, bool], None]  # (chunk index on this rank, is its last backward this step)
+# (chunk index on this rank, whether this is its last weight-gradient action this step) -> None
+BackwardHook = Callable[[int, bool], None]
+BeforeBackward = BackwardHook
 
 
 @dataclass
@@ -97,16 +112,17 @@ class _Plan:
 class PipelineExecutor:
     """Executes `schedule` for pipeline rank `pp_rank` over `chunks` (this rank's modules by chunk index).
 
-    chunks[c] holds virtual stage c * P + pp_rank. The first stage's chunk takes token ids (B_micro, T);
-    the others take activations of `activation_shape` = (B_micro, T, D) in `activation_dtype`; the last
-    stage's chunk returns logits for `loss_fn(logits, targets)`.
+    chunks[c] holds virtual stage `schedule.stages_of(pp_rank)[c]`. The first stage's chunk takes token
+    ids (B_micro, T_local); the others take activations of `activation_shape` = (B_micro, T_local, D) in
+    `activation_dtype`; the last stage's chunk returns logits for `loss_fn(logits, targets)`. Chunks are
+    called `chunk(x)`, or `chunk(x, positions)` when the step is given positions.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], schedule: Schedule, pp_rank: int,
                  pp_group: dist.ProcessGroup | None, *, activation_shape: tuple[int, ...],
                  loss_fn: LossFn, device: torch.device | str = "cpu",
                  activation_dtype: torch.dtype = torch.float32,
-                 before_backward: BeforeBackward | None = None):
+                 before_backward: BackwardHook | None = None, after_backward: BackwardHook | None = None):
         validate(schedule)
         if len(chunks) != schedule.virtual_stages:
             raise ConfigError(f"pipeline rank {pp_rank} got {len(chunks)} chunks for a schedule with "
@@ -123,15 +139,17 @@ class PipelineExecutor:
         self.activation_dtype = activation_dtype
         self.device = torch.device(device)
         self.loss_fn = loss_fn
-        self.before_backward = before_backward
-        self.last_backward = set(schedule.last_backward(pp_rank).values())
+        self.before_backward, self.after_backward = before_backward, after_backward
+        self.split = schedule.split_backward
+        self.last_weight_gradient = set(schedule.last_weight_gradient(pp_rank).values())
+        self.clock = ActionClock(self.device)
         self._train_plan = _Plan.of(schedule, pp_rank)
-        # Evaluation runs the schedule's forwards only, in the same order: dropping every B from a valid
-        # schedule keeps it valid (forwards depend only on forwards).
+        # Evaluation runs the schedule's forwards only, in the same order: dropping every B and W from a
+        # valid schedule keeps it valid (forwards depend only on forwards).
         forwards = tuple(tuple(a for a in acts if a.kind == FORWARD) for acts in schedule.actions)
         self._eval_plan = _Plan.of(dataclasses.replace(schedule, actions=forwards), pp_rank)
         self._plan = self._train_plan
-        self.record_timeline = False  # when set, the next steps record each action's start and end
+        self.record_timeline = False  # set by step(record_timeline=True) for that step
         self.timeline: list[dict] = []
 
     # ---- point-to-point ------------------------------------------------------------------------------
@@ -183,11 +201,13 @@ class PipelineExecutor:
         return op.tensor
 
     # ---- compute -------------------------------------------------------------------------------------
-    def _forward(self, action: Action, x: torch.Tensor, targets: Sequence[torch.Tensor] | None):
+    def _forward(self, action: Action, x: torch.Tensor, targets: Sequence[torch.Tensor] | None,
+                 positions: torch.Tensor | None):
         chunk_index = self.schedule.chunk_of(action.stage)
         if x.is_floating_point():
-            x = x.detach().requires_grad_(True)
-        out = self.chunks[chunk_index](x)
+            x = x.detach().requires_grad_(torch.is_grad_enabled())
+        chunk = self.chunks[chunk_index]
+        out = chunk(x) if positions is None else chunk(x, positions)
         if action.stage == self.schedule.num_stages - 1:
             out = self.loss_fn(out, targets[action.microbatch]) / self.schedule.num_microbatches
             self._loss_sum += out.detach().float()
@@ -195,12 +215,27 @@ class PipelineExecutor:
             self._saved[(action.stage, action.microbatch)] = (x, out)
         return None if action.stage == self.schedule.num_stages - 1 else out.detach()
 
-    def _backward(self, action: Action, grad: torch.Tensor | None):
-        x, out = self._saved.pop((action.stage, action.microbatch))
+    def _accumulating(self, action: Action, compute: Callable[[], None]) -> None:
+        """Run `compute`, which accumulates weight gradients, between the data-parallel hooks."""
+        chunk, is_last = self.schedule.chunk_of(action.stage), action in self.last_weight_gradient
         if self.before_backward is not None:
-            self.before_backward(self.schedule.chunk_of(action.stage), action in self.last_backward)
-        torch.autograd.backward(out, grad_tensors=grad)
+            self.before_backward(chunk, is_last)
+        compute()
+        if self.after_backward is not None:
+            self.after_backward(chunk, is_last)
+
+    def _backward(self, action: Action, grad: torch.Tensor | None):
+        key = (action.stage, action.microbatch)
+        x, out = self._saved.pop(key)
+        if self.split:  # the input gradient now, the weight gradient at this micro-batch's W
+            dx, self._pending[key] = backward_input(out, grad, x)
+            return dx
+        self._accumulating(action, lambda: torch.autograd.backward(out, grad_tensors=grad))
         return x.grad if x.is_floating_point() else None
+
+    def _weight(self, action: Action) -> None:
+        pending = self._pending.pop((action.stage, action.microbatch))
+        self._accumulating(action, lambda: backward_weight(pending))
 
     def _check_batches(self, inputs, targets) -> None:
         m = self.schedule.num_microbatches
@@ -212,20 +247,29 @@ class PipelineExecutor:
             raise ConfigError(f"pipeline rank {self.pp_rank} holds the last stage and needs {m} target "
                               f"micro-batches, got {None if targets is None else len(targets)}")
 
-    def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> PipelineStepStats:
-        """Run one schedule: `inputs` (M token tensors (B_micro, T)) are needed on the rank holding the
-        first stage, `targets` (M tensors (B_micro, T)) on the rank holding the last; others may pass None.
-        Gradients are accumulated into the chunks' parameters (the caller zeroes them between steps)."""
+    def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None,
+             record_timeline: bool = False, positions: torch.Tensor | None = None) -> PipelineStepStats:
+        """Run one schedule: `inputs` (M token tensors (B_micro, T_local)) are needed on the rank holding
+        the first stage, `targets` (M tensors (B_micro, T_local)) on the rank holding the last; others may
+        pass None. `positions` (T_local,): the local tokens' places in the whole sequence, given to every
+        chunk (context parallelism; None: 0..T-1). Gradients are accumulated into the chunks' parameters
+        (the caller zeroes them between steps). `record_timeline`: keep every action's start and end in
+        `self.timeline` (seconds from the start)."""
         self._check_batches(inputs, targets)
-        return self._execute(self._train_plan, inputs, targets)
+        self.record_timeline = record_timeline
+        try:
+            return self._execute(self._train_plan, inputs, targets, positions)
+        finally:
+            self.record_timeline = False
 
     @torch.no_grad()
-    def evaluate(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None) -> float:
+    def evaluate(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None,
+                 positions: torch.Tensor | None = None) -> float:
         """The mean loss over M micro-batches, forwards only (no gradients); same value on every pp rank."""
         self._check_batches(inputs, targets)
-        return self._execute(self._eval_plan, inputs, targets).loss
+        return self._execute(self._eval_plan, inputs, targets, positions).loss
 
-    def _execute(self, plan: _Plan, inputs, targets) -> PipelineStepStats:
+    def _execute(self, plan: _Plan, inputs, targets, positions) -> PipelineStepStats:
         self._plan = plan
         self._mailbox: dict[Transfer, torch.Tensor] = {}
         self._posted_recv: dict[int, dist.P2POp | None] = {}
@@ -233,25 +277,24 @@ class PipelineExecutor:
         self._batches: list[_PostedBatch] = []
         self._sent: dict[int, tuple[_PostedBatch, dist.P2POp]] = {}
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: dict[tuple[int, int], PendingWeightGradient] = {}  # B done, W not yet
         self._loss_sum = torch.zeros((), device=self.device)
-        busy = 0.0
         start = time.perf_counter()
-        self.timeline = []
+        self.clock.start_step()
         self._post(None, None, plan.next_receiving[0])
         for i, action in enumerate(plan.actions):
             received = self._receive(i) if self.schedule.recv_of(action) is not None else None
-            t0 = time.perf_counter()
+            began = self.clock.begin()
+            produced = None
             if action.kind == FORWARD:
                 x = received if received is not None else inputs[action.microbatch]
-                produced = self._forward(action, x, targets)
-            else:
+                produced = self._forward(action, x, targets, positions)
+            elif action.kind == BACKWARD:
                 produced = self._backward(action, received)
-            t1 = time.perf_counter()
-            busy += t1 - t0
-            if self.record_timeline:
-                self.timeline.append({"stage": action.stage, "chunk": self.schedule.chunk_of(action.stage),
-                                      "kind": action.kind, "microbatch": action.microbatch,
-                                      "start_s": round(t0 - start, 6), "end_s": round(t1 - start, 6)})
+            elif action.kind == WEIGHT:
+                self._weight(action)
+            self.clock.end(began, {"stage": action.stage, "chunk": self.schedule.chunk_of(action.stage),
+                                   "kind": action.kind, "microbatch": action.microbatch})
             sends = self.schedule.send_of(action) is not None
             self._post(i if sends else None, produced, plan.next_receiving[i + 1])
         for batch in self._batches:
@@ -262,9 +305,12 @@ class PipelineExecutor:
         loss = self._loss_sum
         if self.schedule.num_ranks > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.group)
+        loss_value = float(loss)
+        busy, rows = self.clock.finish()  # on CUDA: one synchronisation, then the events are read
         wall = time.perf_counter() - start
-        self._batches, self._saved, self._sent = [], {}, {}
-        return PipelineStepStats(float(loss), busy, wall - busy, wall)
+        self.timeline = rows if self.record_timeline else []
+        self._batches, self._saved, self._sent, self._pending = [], {}, {}, {}
+        return PipelineStepStats(loss_value, busy, max(wall - busy, 0.0), wall)
 
 
 def stage_timings(stats: PipelineStepStats, pp_group: dist.ProcessGroup | None,
@@ -308,31 +354,3 @@ def send_release_points(schedule: Schedule, rank: int) -> dict[int, list[int]]:
                 release.setdefault(k, []).append(i)
                 break
     return release
-
-
-# ---- data-parallel hooks ---------------------------------------------------------------------------
-
-
-def fsdp_grad_sync(chunks: Sequence[nn.Module]) -> BeforeBackward:
-    """FSDP2 chunks (each `fully_shard`-ed on the dp group): accumulate unsharded gradients locally and
-    reduce-scatter once, during each chunk's last backward of the step."""
-
-    def hook(chunk_index: int, is_last: bool) -> None:
-        chunks[chunk_index].set_requires_gradient_sync(is_last)
-
-    return hook
-
-
-def ddp_grad_sync(chunks: Sequence[nn.Module]) -> BeforeBackward:
-    """DDP-wrapped chunks: forwards never arm the all-reduce (`require_backward_grad_sync` off, as under
-    `no_sync()`); each chunk's last backward arms it by hand, so its gradients are all-reduced once, after
-    the M micro-batches accumulated locally. (A DDP forward decides sync for the *next* backward, which
-    1F1B does not run next, hence the manual arming, as torch.distributed.pipelining does.)"""
-    for chunk in chunks:
-        chunk.require_backward_grad_sync = False
-
-    def hook(chunk_index: int, is_last: bool) -> None:
-        if is_last:
-            chunks[chunk_index].reducer.prepare_for_backward([])
-
-    return hook

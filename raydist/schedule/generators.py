@@ -1,4 +1,5 @@
-"""Pure schedule generators: GPipe, 1F1B (PipeDream-flush) and interleaved 1F1B.
+"""Pure schedule generators: GPipe, 1F1B (PipeDream-flush) and interleaved 1F1B (the zero-bubble
+schedules ZB-H1 and ZB-V, which split the backward, live in `zero_bubble.py`).
 
 With P ranks, M micro-batches and uniform per-micro-batch costs tf (forward) and tb (backward) for a
 whole rank's layers, the step takes (seed 001/003: the pipeline bubble)
@@ -14,7 +15,9 @@ rank V chunks of 1/V of its layers, which shrinks the fill and drain of the pipe
 
 from __future__ import annotations
 
-from raydist.config import ConfigError
+from fractions import Fraction
+
+from raydist.errors import ConfigError
 from raydist.schedule.actions import BACKWARD, FORWARD, KINDS, Action, Schedule
 
 
@@ -28,7 +31,13 @@ def check_shape(kind: str, num_ranks: int, num_microbatches: int, virtual_stages
         raise ConfigError(f"num_microbatches={num_microbatches} must be >= 1")
     if virtual_stages < 1:
         raise ConfigError(f"virtual_stages={virtual_stages} must be >= 1")
-    if kind != "interleaved" and virtual_stages != 1:
+    if kind == "zbv" and virtual_stages != 2:
+        raise ConfigError(f"virtual_stages={virtual_stages}: zbv always runs 2 chunks per rank in a V; "
+                          "leave virtual_stages (--virtual) unset or pass 2")
+    if kind in ("zbh1", "zbv") and num_microbatches < num_ranks:
+        raise ConfigError(f"{kind} needs num_microbatches >= pipeline stages: M={num_microbatches}, "
+                          f"P={num_ranks}; use M>={num_ranks}, or the 1f1b schedule")
+    if kind not in ("interleaved", "zbv") and virtual_stages != 1:
         raise ConfigError(f"virtual_stages={virtual_stages} needs the interleaved schedule (kind {kind!r} "
                           "runs one chunk per rank); use --kind interleaved or virtual_stages=1")
     if kind == "interleaved" and num_microbatches % num_ranks:
@@ -100,11 +109,24 @@ def interleaved(num_ranks: int, num_microbatches: int, virtual_stages: int) -> S
     return Schedule("interleaved", num_ranks, num_microbatches, virtual_stages, tuple(ranks))
 
 
-def make_schedule(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule of `kind` ('gpipe', '1f1b', 'interleaved') for P ranks, M micro-batches, V chunks."""
+def make_schedule(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None, *,
+                  tf: Fraction | int = 1, tb: Fraction | int = 2, tw: Fraction | int | None = None) -> Schedule:
+    """The schedule of `kind` (one of KINDS) for P ranks, M micro-batches, V chunks per rank.
+
+    virtual_stages defaults to 2 for zbv (the only value it takes) and 1 otherwise. The costs (forward,
+    backward, its weight-gradient part; `timeline`'s units) shape only zbv, whose greedy order is built
+    for them; every other kind's order is the same whatever the costs."""
+    if virtual_stages is None:
+        virtual_stages = 2 if kind == "zbv" else 1
     check_shape(kind, num_ranks, num_microbatches, virtual_stages)
     if kind == "gpipe":
         return gpipe(num_ranks, num_microbatches)
     if kind == "1f1b":
         return one_f_one_b(num_ranks, num_microbatches)
+    if kind in ("zbh1", "zbv"):
+        from raydist.schedule import zero_bubble  # imports this module (check_shape)
+
+        if kind == "zbh1":
+            return zero_bubble.zbh1(num_ranks, num_microbatches)
+        return zero_bubble.zbv(num_ranks, num_microbatches, tf, tb, tw)
     return interleaved(num_ranks, num_microbatches, virtual_stages)

@@ -2,25 +2,36 @@
 
 Cost model (exact: times are Fractions). A rank's whole share of the layers costs tf forward and tb
 backward per micro-batch (default tf = 1, tb = 2: a backward computes input and weight gradients, about
-twice a forward's FLOPs); a chunk of an interleaved rank holds 1/V of them, so its actions cost tf/V and
-tb/V. Transfers take no time. Each rank runs its actions in order; an action starts when the rank is
-free and the tensor it receives has been produced:
+twice a forward's FLOPs); tw of the backward is the weight gradient (default tb / 2, the paper's
+T_B + T_W = 2 T_F with T_B = T_W). Schedules that do not split the backward run B at tb; split ones run B
+(input gradient) at tb - tw and W at tw, so the same (tf, tb) compares both fairly (defaults: F = B = W
+= 1). A chunk of a rank with V chunks holds 1/V of its layers, so its actions cost 1/V of these.
+Transfers take no time. Each rank runs its actions in order; an action starts when the rank is free and
+the tensor it receives has been produced:
 
     start(a) = max(finish(previous action on the rank), finish(action a receives from))
 
 The step time T is the last finish over all ranks; every rank is busy M (tf + tb), so its bubble is
-1 - M (tf + tb) / T. The theory (seed 001/003, Narayanan et al. 2021 for interleaving):
+1 - M (tf + tb) / T. The theory (seed 001/003, Narayanan et al. 2021 for interleaving, Qi, Wan, Huang,
+Lin, "Zero Bubble Pipeline Parallelism" 2024 for zbh1/zbv with F = tf, B = tb - tw, W = tw):
 
-    gpipe, 1f1b:   T = (M + P - 1) (tf + tb)        bubble = (P - 1) / (M + P - 1)
-    interleaved:   T = (M + (P - 1)/V) (tf + tb)    bubble = (P - 1) / (V M + P - 1)
+    gpipe, 1f1b:   T = (M + P - 1) (tf + tb)                   bubble = (P - 1) / (M + P - 1)
+    interleaved:   T = (M + (P - 1)/V) (tf + tb)               bubble = (P - 1) / (V M + P - 1)
+    zbh1:          T = M (F + B + W) + (P - 1)(F + B - W)      F = B = W: bubble = (P - 1) / (3 M + P - 1)
+    zbv:           T = M (F + B + W) + (P - 1) F / 2           F = B = W: bubble = (P - 1) / (6 M + P - 1)
+
+zbh1's T is the paper's Table 2 (exact here when W <= F and W <= B); zbv's is the least any V placement
+allows (the last rank waits (P - 1) F / 2 for its first input), attained at F = B = W (zbv's greedy order
+is built for the costs given to `make_schedule`, default F = B = W; see `zero_bubble.py`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from raydist.schedule.actions import FORWARD, Action, Schedule
+from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, chunks_per_rank
 from raydist.schedule.validate import execution_order
 
 
@@ -39,7 +50,8 @@ class Timeline:
     step_time: Fraction  # T
     busy_per_rank: tuple[Fraction, ...]
     tf: Fraction  # forward cost of a rank's layers per micro-batch
-    tb: Fraction  # backward cost
+    tb: Fraction  # backward cost (input + weight gradients)
+    tw: Fraction = Fraction(0)  # the weight-gradient part of tb: W's cost when the backward is split
 
     @property
     def bubble_per_rank(self) -> tuple[Fraction, ...]:
@@ -51,11 +63,19 @@ class Timeline:
         return 1 - sum(self.busy_per_rank) / (self.schedule.num_ranks * self.step_time)
 
 
-def simulate(schedule: Schedule, tf: Fraction | int = 1, tb: Fraction | int = 2) -> Timeline:
-    """The schedule's timeline under the cost model above (validates the dependencies on the way)."""
+def simulate(schedule: Schedule, tf: Fraction | int = 1, tb: Fraction | int = 2,
+             tw: Fraction | int | None = None) -> Timeline:
+    """The schedule's timeline under the cost model above (validates the dependencies on the way).
+    tw (default tb / 2) only matters when the schedule splits the backward."""
     tf, tb = Fraction(tf), Fraction(tb)
+    tw = tb / 2 if tw is None else Fraction(tw)
+    if not 0 <= tw <= tb:
+        from raydist.errors import ConfigError
+
+        raise ConfigError(f"tw={tw} must be between 0 and tb={tb}: it is the weight-gradient part of the backward")
     v = schedule.virtual_stages
-    cost = {FORWARD: tf / v}
+    split = schedule.split_backward
+    cost = {FORWARD: tf / v, BACKWARD: (tb - tw if split else tb) / v, WEIGHT: tw / v}
     finish: dict[Action, Fraction] = {}
     rank_free = [Fraction(0)] * schedule.num_ranks
     busy = [Fraction(0)] * schedule.num_ranks
@@ -66,31 +86,39 @@ def simulate(schedule: Schedule, tf: Fraction | int = 1, tb: Fraction | int = 2)
         if recv is not None:
             ready = finish[Action(action.kind, recv.src_stage, action.microbatch)]
         start = max(rank_free[rank], ready)
-        duration = cost.get(action.kind, tb / v)
+        duration = cost[action.kind]
         finish[action] = rank_free[rank] = start + duration
         busy[rank] += duration
         intervals.append(Interval(rank, action, start, start + duration))
-    return Timeline(schedule, tuple(intervals), max(rank_free), tuple(busy), tf, tb)
+    return Timeline(schedule, tuple(intervals), max(rank_free), tuple(busy), tf, tb, tw if split else Fraction(0))
 
 
 def theoretical_bubble(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Fraction:
-    """(P - 1) / (M + P - 1) for gpipe and 1f1b; (P - 1) / (V M + P - 1) for interleaved."""
+    """(P - 1) / (M + P - 1) for gpipe and 1f1b; (P - 1) / (V M + P - 1) for interleaved; at unit costs
+    F = B = W (tf = 1, tb = 2, tw = 1): (P - 1) / (3 M + P - 1) for zbh1, (P - 1) / (6 M + P - 1) for zbv."""
     p, m = num_ranks, num_microbatches
-    v = virtual_stages if kind == "interleaved" else 1
-    return Fraction(p - 1, v * m + p - 1)
+    if kind in ("zbh1", "zbv"):
+        return Fraction(p - 1, (3 if kind == "zbh1" else 6) * m + p - 1)
+    return Fraction(p - 1, chunks_per_rank(kind, virtual_stages) * m + p - 1)
 
 
 def ideal_step_time(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int,
-                    tf: float, tb: float) -> float:
-    """(M + P - 1)(tf + tb), or (M + (P - 1)/V)(tf + tb) interleaved: the step time without overheads."""
-    v = virtual_stages if kind == "interleaved" else 1
-    return (num_microbatches + (num_ranks - 1) / v) * (tf + tb)
+                    tf: float, tb: float, tw: float | None = None) -> float:
+    """The step time without overheads: (M + P - 1)(tf + tb), or (M + (P - 1)/V)(tf + tb) interleaved;
+    M (tf + tb) + (P - 1)(tf + tb - 2 tw) for zbh1, M (tf + tb) + (P - 1) tf / 2 for zbv (tw default tb / 2)."""
+    p, m = num_ranks, num_microbatches
+    if kind in ("zbh1", "zbv"):
+        tw = tb / 2 if tw is None else tw
+        return m * (tf + tb) + (p - 1) * ((tf + tb - 2 * tw) if kind == "zbh1" else tf / 2)
+    return (m + (p - 1) / chunks_per_rank(kind, virtual_stages)) * (tf + tb)
 
 
 def render_text(timeline: Timeline, width_per_unit: int = 2) -> str:
-    """An ASCII Gantt chart: one row per rank, `F`/`B` cells labelled by micro-batch, `.` idle."""
+    """An ASCII Gantt chart: one row per rank, `F`/`B`/`W` cells labelled by micro-batch, `.` idle."""
     schedule = timeline.schedule
-    unit = Fraction(1, schedule.virtual_stages)  # the smallest cost quantum with tf, tb integers
+    unit = Fraction(1, schedule.virtual_stages)  # the smallest cost quantum with tf, tb integers ...
+    for iv in timeline.intervals:  # ... refined when a cost is finer (e.g. tw = tb / 2 with tb odd)
+        unit = _gcd(unit, iv.finish - iv.start)
     cells = int(timeline.step_time / unit)
     rows = [["." * width_per_unit] * cells for _ in range(schedule.num_ranks)]
     for iv in timeline.intervals:
@@ -110,7 +138,7 @@ def render_png(timeline: Timeline, path: str, title: str | None = None) -> None:
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        from raydist.config import ConfigError
+        from raydist.errors import ConfigError
 
         raise ConfigError(f"--png needs matplotlib ({exc}); pip install 'raydist[plot]'") from None
     schedule = timeline.schedule
@@ -119,9 +147,11 @@ def render_png(timeline: Timeline, path: str, title: str | None = None) -> None:
     fig, ax = plt.subplots(figsize=(min(24, max(8, step * 0.45)), 0.7 * p + 1.6))
     forward_colors = ["#4C72B0", "#64B5CD", "#8172B2", "#55A868"]
     backward_colors = ["#DD8452", "#C44E52", "#CCB974", "#937860"]
+    weight_colors = ["#8C8C8C", "#B07AA1", "#6B6B6B", "#9C755F"]
+    palettes = {FORWARD: forward_colors, BACKWARD: backward_colors, WEIGHT: weight_colors}
     for iv in timeline.intervals:
         chunk = schedule.chunk_of(iv.action.stage)
-        palette = forward_colors if iv.action.kind == FORWARD else backward_colors
+        palette = palettes[iv.action.kind]
         start, width = float(iv.start), float(iv.finish - iv.start)
         ax.barh(iv.rank, width, left=start, height=0.8, color=palette[chunk % len(palette)],
                 edgecolor="black", linewidth=0.5)
@@ -130,12 +160,17 @@ def render_png(timeline: Timeline, path: str, title: str | None = None) -> None:
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlim(0, step)
-    ax.set_xlabel(f"time (a rank's forward of one micro-batch = {_fmt(timeline.tf)}, backward = {_fmt(timeline.tb)})")
+    split = schedule.split_backward
+    costs = (f"B (input grad) = {_fmt(timeline.tb - timeline.tw)}, W (weight grad) = {_fmt(timeline.tw)}" if split
+             else f"backward = {_fmt(timeline.tb)}")
+    ax.set_xlabel(f"time (a rank's forward of one micro-batch = {_fmt(timeline.tf)}, {costs})")
     handles = []
     for c in range(v):
         suffix = f" chunk {c}" if v > 1 else ""
         handles += [Patch(color=forward_colors[c % 4], label=f"forward{suffix}"),
-                    Patch(color=backward_colors[c % 4], label=f"backward{suffix}")]
+                    Patch(color=backward_colors[c % 4], label=f"{'input grad' if split else 'backward'}{suffix}")]
+        if split:
+            handles.append(Patch(color=weight_colors[c % 4], label=f"weight grad{suffix}"))
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if p < 4 else -0.2),
               ncol=min(len(handles), 8), fontsize=8, frameon=False)
     bubble = float(timeline.bubble_fraction)
@@ -144,6 +179,14 @@ def render_png(timeline: Timeline, path: str, title: str | None = None) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _gcd(a: Fraction, b: Fraction) -> Fraction:
+    """The largest d with a / d and b / d whole (Fractions; gcd(a, 0) = a)."""
+    if b == 0:
+        return a
+    den = a.denominator * b.denominator // math.gcd(a.denominator, b.denominator)
+    return Fraction(math.gcd(int(a * den), int(b * den)), den)
 
 
 def _fmt(x: Fraction) -> str:

@@ -2,17 +2,23 @@
 
 `validate(schedule)` raises `ScheduleError` (a ConfigError: one line naming the problem) unless
 
-1. completeness: rank r runs exactly one F and one B per (stage it holds, micro-batch), nothing else;
-2. order: on every stage, a micro-batch's F comes before its B;
+1. completeness: rank r runs exactly one F and one B per (stage it holds, micro-batch), and, when the
+   schedule splits the backward (kind zbh1/zbv: B = input gradient, W = weight gradient; Qi, Wan, Huang,
+   Lin, "Zero Bubble Pipeline Parallelism"), exactly one W too; nothing else (no W otherwise);
+2. order: on every stage, a micro-batch's F comes before its B, and its B before its W (W reads the
+   output gradient B received and the input F saved, on the same rank);
 3. progress: executing each rank's list in order, where an action waits only for the tensor it receives
-   (sends never block: the executor posts them asynchronously), every rank finishes - no deadlock;
+   (sends never block: the executor posts them asynchronously; W receives nothing, so it never waits),
+   every rank finishes - no deadlock;
 4. channel order: on each directed rank pair, the receiver expects tensors in the order the sender sends
    them (NCCL matches point-to-point messages by order, not by tag).
 
-It returns a `ScheduleReport` with the peak number of micro-batches in flight (forwarded, not yet
-backwarded) per virtual stage, and per rank in micro-batch equivalents of activation memory: a chunk holds
-1/V of the rank's layers, so a rank's peak is max over time of sum_c inflight_c / V.
-For 1F1B the peak on rank r is min(P - r, M); for GPipe it is M.
+It returns a `ScheduleReport` with the peak number of micro-batches in flight per virtual stage, and per
+rank in micro-batch equivalents of activation memory: a chunk holds 1/V of the rank's layers, so a rank's
+peak is max over time of sum_c inflight_c / V. A micro-batch is in flight on a stage from its F until its
+backward no longer needs the saved inputs: its B, or its W when the backward is split (W needs x).
+For 1F1B the peak on rank r is min(P - r, M); for GPipe it is M; for ZB-H1 it is min(P, M) on every rank
+(the peak over ranks stays 1F1B's); for ZB-V, P (2P chunks of half a rank's layers) on every rank.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
-from raydist.config import ConfigError
-from raydist.schedule.actions import BACKWARD, FORWARD, Action, Schedule
+from raydist.errors import ConfigError
+from raydist.schedule.actions import BACKWARD, FORWARD, KINDS, SPLIT_BACKWARD_KINDS, WEIGHT, Action, Schedule
 
 
 class ScheduleError(ConfigError):
@@ -39,10 +45,23 @@ class ScheduleReport:
         return max(self.peak_activations_per_rank)
 
 
+def _check_split(schedule: Schedule) -> None:
+    """A kind that splits the backward has W actions; one that does not has none."""
+    if schedule.kind not in KINDS or schedule.split_backward == (schedule.kind in SPLIT_BACKWARD_KINDS):
+        return
+    if schedule.split_backward:
+        rank, w = next((r, a) for r, acts in enumerate(schedule.actions) for a in acts if a.kind == WEIGHT)
+        raise ScheduleError(f"kind {schedule.kind!r} does not split the backward (its B computes both gradients) "
+                            f"but rank {rank} runs {w}; drop the W actions or use kind zbh1/zbv")
+    raise ScheduleError(f"kind {schedule.kind!r} splits the backward into B (input gradient) and W (weight "
+                        "gradient) but the schedule has no W action; add one W after each B")
+
+
 def _check_complete(schedule: Schedule) -> None:
     m_all = range(schedule.num_microbatches)
+    kinds = (FORWARD, BACKWARD, WEIGHT) if schedule.split_backward else (FORWARD, BACKWARD)
     for rank, actions in enumerate(schedule.actions):
-        expected = {Action(kind, s, m) for kind in (FORWARD, BACKWARD) for s in schedule.stages_of(rank) for m in m_all}
+        expected = {Action(kind, s, m) for kind in kinds for s in schedule.stages_of(rank) for m in m_all}
         seen: set[Action] = set()
         for a in actions:
             if a not in expected:
@@ -59,16 +78,24 @@ def _check_complete(schedule: Schedule) -> None:
 def _check_forward_before_backward(schedule: Schedule) -> None:
     for rank, actions in enumerate(schedule.actions):
         forwarded: set[tuple[int, int]] = set()
+        backwarded: set[tuple[int, int]] = set()
         for a in actions:
+            key = (a.stage, a.microbatch)
             if a.kind == FORWARD:
-                forwarded.add((a.stage, a.microbatch))
-            elif (a.stage, a.microbatch) not in forwarded:
-                raise ScheduleError(f"rank {rank}: backward of micro-batch {a.microbatch} on stage {a.stage} "
-                                    "comes before its forward")
+                forwarded.add(key)
+            elif a.kind == BACKWARD:
+                if key not in forwarded:
+                    raise ScheduleError(f"rank {rank}: backward of micro-batch {a.microbatch} on stage {a.stage} "
+                                        "comes before its forward")
+                backwarded.add(key)
+            elif key not in backwarded:
+                raise ScheduleError(f"rank {rank}: weight gradient (W) of micro-batch {a.microbatch} on stage "
+                                    f"{a.stage} comes before its input-gradient backward (B); move it after the B")
 
 
 def _dependency(schedule: Schedule, a: Action) -> Action | None:
-    """The action (on another stage) whose output `a` receives."""
+    """The action (on another stage) whose output `a` receives (None for W: it needs only its own B,
+    earlier on the same rank, which the order check guarantees)."""
     if a.kind == FORWARD and a.stage > 0:
         return Action(FORWARD, a.stage - 1, a.microbatch)
     if a.kind == BACKWARD and a.stage < schedule.num_stages - 1:
@@ -120,13 +147,15 @@ def _check_channel_order(schedule: Schedule) -> None:
 
 
 def peak_inflight(schedule: Schedule) -> ScheduleReport:
+    """Micro-batches held from F until B (or until W when the backward is split)."""
     per_stage = [0] * schedule.num_stages
     per_rank = []
+    release = WEIGHT if schedule.split_backward else BACKWARD
     for rank, actions in enumerate(schedule.actions):
         live: dict[int, int] = defaultdict(int)
         peak_rank = Fraction(0)
         for a in actions:
-            live[a.stage] += 1 if a.kind == FORWARD else -1
+            live[a.stage] += 1 if a.kind == FORWARD else -1 if a.kind == release else 0
             per_stage[a.stage] = max(per_stage[a.stage], live[a.stage])
             peak_rank = max(peak_rank, Fraction(sum(live.values()), schedule.virtual_stages))
         per_rank.append(peak_rank)
@@ -134,9 +163,11 @@ def peak_inflight(schedule: Schedule) -> ScheduleReport:
 
 
 def validate(schedule: Schedule) -> ScheduleReport:
-    """Raise ScheduleError unless `schedule` is complete, ordered, deadlock-free and channel-ordered."""
+    """Raise ScheduleError unless `schedule` is complete, ordered (F, B, W), deadlock-free and
+    channel-ordered."""
     if len(schedule.actions) != schedule.num_ranks:
         raise ScheduleError(f"schedule has {len(schedule.actions)} rank lists for {schedule.num_ranks} ranks")
+    _check_split(schedule)
     _check_complete(schedule)
     _check_forward_before_backward(schedule)
     execution_order(schedule)

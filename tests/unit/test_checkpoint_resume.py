@@ -88,7 +88,7 @@ def test_truncated_shard_is_detected(tiny_data, tmp_path):
     raw = config(tiny_data, dp_replicate=2)
     run_fit(raw, 2, run_dir)
     step10 = os.path.join(run_dir, "checkpoints", "step_00000010")
-    shard = sorted(f for f in os.listdir(step10) if f.endswith(".distcp"))[0]
+    shard = sorted(f for f in os.listdir(step10) if f.endswith(".raw"))[0]
     with open(os.path.join(step10, shard), "r+b") as f:
         f.truncate(100)
     raw["train"]["steps"] = 12

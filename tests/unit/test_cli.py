@@ -16,7 +16,7 @@ from raydist.cli import main
     (["--set", "model.num_kv_heads=3"], "error: model.num_heads=4 is not divisible by model.num_kv_heads=3"),
     (["--set", "data.corpus=/nonexistent/dir/*.txt"], "error: data.corpus='/nonexistent/dir/*.txt' matches no files"),
     (["--set", "data.path=/nonexistent/prepared"], "error: /nonexistent/prepared: no manifest.json"),
-    (["--set", "ray.num_workers=3"], "error: train.global_batch=16 must be divisible by dp (3) x train.micro_batch (8)"),
+    (["--set", "ray.num_workers=3"], "error: train.global_batch=16 must be divisible by dp (3); change"),
     (["no-such.toml"], "error: config file 'no-such.toml' not found"),
 ])
 def test_bad_input_is_one_error_line(args, message, capsys, tmp_path, monkeypatch):

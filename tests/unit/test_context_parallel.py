@@ -9,7 +9,7 @@ import pytest
 from raydist.config import Config, ConfigError
 from raydist.kernels import runtime
 from raydist.mesh import MeshSpec
-from raydist.parallel.validate import check_layout
+from raydist.elastic.policy import resolve_layout
 from raydist.runtime import spawn
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 
@@ -82,21 +82,21 @@ def _config(tiny_data, seq_len=32, **parallel):
 def test_ring_rejects_a_sequence_not_divisible_by_twice_cp(tiny_data):
     cfg = _config(tiny_data, seq_len=36, cp=4, cp_impl="ring")
     with pytest.raises(ConfigError, match=r"data\.seq_len=36 is not divisible by 2 x parallel\.cp = 8.*multiple of 8"):
-        check_layout(cfg, MeshSpec(cp=4))
-    check_layout(_config(tiny_data, seq_len=36, cp=2, cp_impl="ring"), MeshSpec(cp=2))  # 36 = 9 x (2 x 2)
+        resolve_layout(cfg, MeshSpec(cp=4))
+    resolve_layout(_config(tiny_data, seq_len=36, cp=2, cp_impl="ring"), MeshSpec(cp=2))  # 36 = 9 x (2 x 2)
 
 
 def test_ulysses_rejects_heads_not_divisible_by_cp(tiny_data):
     cfg = _config(tiny_data, cp=8, cp_impl="ulysses")  # 4 query heads
     with pytest.raises(ConfigError, match=r"parallel\.cp=8 does not divide the query heads per rank "
                                           r"\(model\.num_heads=4 / tp=1 = 4\)"):
-        check_layout(cfg, MeshSpec(cp=8))
+        resolve_layout(cfg, MeshSpec(cp=8))
     cfg = _config(tiny_data, seq_len=30, cp=4, cp_impl="ulysses")
     with pytest.raises(ConfigError, match=r"data\.seq_len=30 is not divisible by parallel\.cp=4"):
-        check_layout(cfg, MeshSpec(cp=4))
+        resolve_layout(cfg, MeshSpec(cp=4))
     # 2 kv heads over cp=4 are repeated (to 4), not an error; ring needs no head split at all
-    check_layout(_config(tiny_data, cp=4, cp_impl="ulysses"), MeshSpec(cp=4))
-    check_layout(_config(tiny_data, cp=8, cp_impl="ring"), MeshSpec(cp=8))
+    resolve_layout(_config(tiny_data, cp=4, cp_impl="ulysses"), MeshSpec(cp=4))
+    resolve_layout(_config(tiny_data, cp=8, cp_impl="ring"), MeshSpec(cp=8))
 
 
 def test_launcher_reports_the_layout_error_before_any_worker_starts(tiny_data):

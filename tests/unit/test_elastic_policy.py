@@ -1,7 +1,7 @@
 import pytest
 
 from raydist.config import Config, ConfigError
-from raydist.elastic.policy import apply_decision, plan_layout
+from raydist.elastic.policy import plan_layout
 from raydist.mesh import MeshSpec
 
 
@@ -12,9 +12,11 @@ def elastic(*overrides):
 def test_fixed_size_run_uses_the_configured_layout():
     cfg = Config.load(None, ["parallel.dp_replicate=1", "parallel.dp_shard=-1"])
     d = plan_layout(cfg, 2)
-    assert d.spec == MeshSpec(dp_shard=2) and d.idle_workers == 0 and d.micro_batch == 8
+    assert d.spec == MeshSpec(dp_shard=2) and d.world_size == 2 and d.micro_batch == 8
+    explicit = Config.load(None, ["parallel.dp_replicate=1", "parallel.dp_shard=-1", "train.micro_batch=8"])
     with pytest.raises(ConfigError, match="must be divisible by dp \\(4\\) x train.micro_batch \\(8\\)"):
-        plan_layout(cfg, 4)  # a fixed-size run does not re-derive the micro-batch
+        plan_layout(explicit, 4)  # a fixed-size run does not re-derive a micro-batch the user set
+    assert plan_layout(cfg, 4).micro_batch == 4  # an unset one is derived: 16 = 4 x 4
 
 
 @pytest.mark.parametrize("world, replicate, micro, accum, idle", [
@@ -25,14 +27,14 @@ def test_fixed_size_run_uses_the_configured_layout():
 ])
 def test_dp_absorbs_the_worker_count_and_keeps_the_global_batch(world, replicate, micro, accum, idle):
     d = plan_layout(elastic("train.global_batch=16", "train.micro_batch=8"), world)
-    assert (d.spec.dp_replicate, d.micro_batch, d.accum_steps, d.idle_workers) == (replicate, micro, accum, idle)
-    assert d.spec.dp * d.micro_batch * d.accum_steps == 16
-    assert apply_decision(elastic("train.global_batch=16"), d).train.micro_batch == micro
+    assert (d.spec.dp_replicate, d.micro_batch, d.num_microbatches, world - d.world_size) == (replicate, micro, accum,
+                                                                                             idle)
+    assert d.spec.dp * d.micro_batch * d.num_microbatches == 16 == d.global_batch
 
 
 def test_model_parallel_degrees_are_kept_and_leftovers_idle():
     d = plan_layout(elastic("parallel.tp=2", "train.global_batch=12", "train.micro_batch=2"), 7)
-    assert (d.spec.tp, d.spec.dp_replicate, d.idle_workers) == (2, 3, 1)
+    assert (d.spec.tp, d.spec.dp_replicate, 7 - d.world_size) == (2, 3, 1)
     assert "1 idle" in d.reason
 
 
@@ -58,6 +60,6 @@ def test_auto_asks_the_planner():
     cfg = Config.from_dict({"parallel": "auto", "train": {"global_batch": 16, "micro_batch": 8}})
     assert cfg.parallel.auto
     d = plan_layout(cfg, 4)
-    assert d.spec.world_size == 4 and d.config is not None and not d.config.parallel.auto
+    assert d.spec.world_size == 4 and d.global_batch == 16 and d.num_microbatches * d.micro_batch * d.dp == 16
     assert d.reason.startswith("planner:")
-    assert apply_decision(cfg, d) is d.config
+    assert cfg.parallel.auto  # the user's config is not rewritten

@@ -12,7 +12,7 @@ from torch import nn
 
 from raydist.config import ConfigError, KernelsConfig, ModelConfig
 from raydist.kernels import apply_kernels, kernel_calls, resolve_kernels, runtime
-from raydist.kernels.select import TritonFeedForward, TritonLinear
+from raydist.kernels.select import TorchLinear, TritonFeedForward, TritonLinear
 from raydist.models.gpt import build_model, cross_entropy, eager_attention, sdpa_attention
 
 needs_triton = pytest.mark.skipif(runtime.triton_import_error() is not None,
@@ -80,7 +80,8 @@ def test_apply_sets_attention_fn():
     assert all(b.attention.attention_fn is eager_attention for b in model.layers.values())
     apply_kernels(model, KernelsConfig("auto", "auto"), "cpu")
     assert all(b.attention.attention_fn is sdpa_attention for b in model.layers.values())
-    assert type(model.layers["0"].attention.wq) is nn.Linear
+    assert type(model.layers["0"].attention.wq) is TorchLinear and isinstance(model.layers["0"].attention.wq,
+                                                                              nn.Linear)
 
 
 def train_losses(kernels: KernelsConfig, steps: int = 3) -> tuple[dict, list[float], torch.Tensor]:

@@ -2,7 +2,7 @@ import pytest
 
 from raydist.config import Config, ConfigError
 from raydist.mesh import MeshSpec
-from raydist.parallel.validate import check_layout
+from raydist.elastic.policy import resolve_layout
 
 
 def test_fill_and_validate():
@@ -27,6 +27,6 @@ def test_tp_is_innermost_and_pp_outermost():
 def test_too_many_fsdp_shards_is_rejected():
     cfg = Config.load(None, ["model.d_model=32", "model.num_heads=4", "model.num_kv_heads=1",
                              "train.global_batch=16", "train.micro_batch=1"])
-    check_layout(cfg, MeshSpec(dp_shard=8))  # kv projection has 1 x 8 = 8 rows: one per shard
+    resolve_layout(cfg, MeshSpec(dp_shard=8))  # kv projection has 1 x 8 = 8 rows: one per shard
     with pytest.raises(ConfigError, match="parallel.dp_shard=16 x cp=1 = 16 FSDP shards exceeds the smallest"):
-        check_layout(cfg, MeshSpec(dp_shard=16))
+        resolve_layout(cfg, MeshSpec(dp_shard=16))

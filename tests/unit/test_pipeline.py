@@ -1,7 +1,9 @@
 """Pipeline parallelism equals the single-process run (fp32, gloo, 10 AdamW steps, 1e-4 relative).
 
-Layouts: PP2 and PP4 with GPipe, 1F1B and interleaved 1F1B (V=2); PP2 x DP2 (DDP per chunk); PP2 x FSDP2;
-M < P with 1F1B; untied embeddings (PP2 x TP2 with the real tensor-parallel plan runs through the Trainer in
+Layouts: PP2 and PP4 with GPipe, 1F1B, interleaved 1F1B (V=2) and the zero-bubble ZB-H1 and ZB-V (split
+backward; ZB-V's V placement with the tied embedding on one rank); PP2 x DP2 (DDP per chunk); PP2 x
+FSDP2; M < P with 1F1B; untied embeddings; and the data-parallel reduction runs exactly once per chunk per
+step under a split backward too (PP2 x TP2 with the real tensor-parallel plan runs through the Trainer in
 test_pipeline_trainer.py). Every layout of one world size runs in one `spawn` (each rank builds
 the same seeded model, splits it, runs the executor on its dp slice of the same batches); the reference
 is one process training the unsplit model on the whole batch.
@@ -9,6 +11,7 @@ is one process training the unsplit model on the whole batch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -19,7 +22,9 @@ from raydist.config import ConfigError, ModelConfig
 from raydist.models.gpt import build_model, cross_entropy
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline, split_model
 from raydist.runtime import spawn
-from raydist.schedule.executor import PipelineExecutor, ddp_grad_sync, fsdp_grad_sync, stage_timings
+from raydist.parallel.data_parallel import apply_ddp, ddp_grad_sync, fsdp_grad_sync, fsdp_split_grad_sync
+from raydist.schedule.actions import placement_of
+from raydist.schedule.executor import PipelineExecutor, stage_timings
 from raydist.schedule.generators import make_schedule
 
 CFG = ModelConfig(num_layers=4, d_model=32, num_heads=4, num_kv_heads=2, ffn_hidden=64, vocab_size=64)
@@ -74,6 +79,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
+@contextlib.contextmanager
+def _counting_reduce_scatter(counts: list[int]):
+    """Count FSDP2's gradient reduce-scatters (it calls `dist.reduce_scatter_single`) into counts[0]."""
+    original = dist.reduce_scatter_single
+
+    def counted(*args, **kwargs):
+        counts[0] += 1
+        return original(*args, **kwargs)
+
+    dist.reduce_scatter_single = counted
+    try:
+        yield
+    finally:
+        dist.reduce_scatter_single = original
+
+
 def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: str, num_layers: int,
                 tie: bool) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
@@ -84,32 +105,44 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
     pp_rank = mesh.get_local_rank("pp")
     dp, dp_rank = inner, mesh.get_local_rank("dp")
     model = build_model(model_config(num_layers, tie), SEQ, seed=0)
-    chunks = split_model(model, pp_rank, pp, virtual)
-    modules, hook = chunks, None
+    chunks = split_model(model, pp_rank, pp, virtual, placement=placement_of(kind))
+    schedule = make_schedule(kind, pp, microbatches, virtual)
+    modules, before, after = chunks, None, None
+    reductions: list[int] = []  # per chunk: data-parallel gradient reductions in the current step
     if dp_mode == "ddp":  # the project's own wrappers, as Trainer applies them to each chunk
-        from raydist.parallel.ddp import apply_ddp
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        modules = [apply_ddp(c, mesh["dp"], torch.device("cpu")) for c in chunks]
-        hook = ddp_grad_sync(modules)
+        modules = [apply_ddp(c, mesh["dp"].get_group(), torch.device("cpu")) for c in chunks]
+        for i, module in enumerate(modules):
+            def counted(group, bucket, i=i):
+                reductions[i] += 1
+                return allreduce_hook(group, bucket)
+            module.register_comm_hook(mesh["dp"].get_group(), counted)
+        before = ddp_grad_sync(modules)
     elif dp_mode == "fsdp":
         from raydist.parallel.fsdp import apply_fsdp
 
         for c in chunks:
             apply_fsdp(c, mesh["dp"], torch.float32)
-        hook = fsdp_grad_sync(chunks)
+        if schedule.split_backward:
+            after = fsdp_split_grad_sync(chunks)
+        else:
+            before = fsdp_grad_sync(chunks)
     tied = TiedEmbeddingSync(chunks, mesh["pp"].get_group())
-    schedule = make_schedule(kind, pp, microbatches, virtual)
     rows = BATCH // dp
     executor = PipelineExecutor(modules, schedule, pp_rank, mesh["pp"].get_group(),
                                 activation_shape=(rows // microbatches, SEQ, CFG.d_model),
-                                loss_fn=cross_entropy, before_backward=hook)
+                                loss_fn=cross_entropy, before_backward=before, after_backward=after)
     params = [p for c in chunks for p in c.parameters()]
     opt = make_optimizer(params)
-    losses, norms, grads, busy = [], [], {}, []
+    losses, norms, grads, busy, per_step = [], [], {}, [], []
     for step in range(STEPS):
         tokens = token_batch(step)[dp_rank * rows:(dp_rank + 1) * rows]
         micro = tokens.chunk(microbatches)
-        stats = executor.step([m[:, :-1] for m in micro], [m[:, 1:] for m in micro])
+        reductions[:] = [0] * len(chunks)
+        with _counting_reduce_scatter(reductions):
+            stats = executor.step([m[:, :-1] for m in micro], [m[:, 1:] for m in micro])
+        per_step.append(list(reductions) if dp_mode == "ddp" else [sum(reductions)])
         tied()
         if step == STEPS - 1:
             grads = {n: _full(p.grad) for c in chunks for n, p in c.named_parameters()}
@@ -129,9 +162,14 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
         mine = [_full(p.data) for p in tied.params]  # empty on middle stages
         gathered: list = [None] * pp
         dist.all_gather_object(gathered, mine, group=mesh["pp"].get_group())
-        first, last = gathered[0], gathered[-1]
-        params_equal = len(first) == len(last) == 1 and bool(torch.equal(first[0], last[0]))
-    return {"losses": losses, "norms": norms, "grads": grads, "pp_rank": pp_rank,
+        copies = [t for part in gathered for t in part]
+        params_equal = len(copies) == 2 and bool(torch.equal(copies[0], copies[1]))
+    groups = 0  # FSDP2 parameter groups on this rank: one reduce-scatter each per step when synced once
+    if dp_mode == "fsdp":
+        groups = sum(len(m._get_fsdp_state()._fsdp_param_groups) for c in chunks for m in c.modules()
+                     if hasattr(m, "_get_fsdp_state"))
+    return {"losses": losses, "norms": norms, "grads": grads, "pp_rank": pp_rank, "reductions": per_step,
+            "fsdp_groups": groups,
             "busy_s": busy, "tied_copies_equal": params_equal, "eval_loss": float(eval_loss) / inner,
             "timings": timings}
 
@@ -143,11 +181,14 @@ def _run_layouts(layouts: list[tuple]) -> list[dict]:
 # ---- fixtures: one spawn per world size ---------------------------------------------------------------
 
 PP2 = [("gpipe", 2, 1, 4, "none", 4, True), ("1f1b", 2, 1, 4, "none", 4, True),
-       ("interleaved", 2, 2, 4, "none", 4, True), ("1f1b", 2, 1, 4, "none", 4, False)]
+       ("interleaved", 2, 2, 4, "none", 4, True), ("1f1b", 2, 1, 4, "none", 4, False),
+       ("zbh1", 2, 1, 4, "none", 4, True), ("zbv", 2, 2, 4, "none", 4, True), ("zbv", 2, 2, 4, "none", 4, False)]
 PP4 = [("gpipe", 4, 1, 4, "none", 8, True), ("1f1b", 4, 1, 4, "none", 8, True),
        ("interleaved", 4, 2, 4, "none", 8, True), ("1f1b", 4, 1, 2, "none", 8, True),  # M=2 < P=4
+       ("zbh1", 4, 1, 4, "none", 8, True), ("zbv", 4, 2, 8, "none", 8, True),
        ("1f1b", 2, 1, 2, "ddp", 4, True), ("1f1b", 2, 1, 2, "fsdp", 4, True),
-       ("interleaved", 2, 2, 2, "fsdp", 4, True)]
+       ("interleaved", 2, 2, 2, "fsdp", 4, True), ("zbh1", 2, 1, 2, "ddp", 4, True),
+       ("zbh1", 2, 1, 2, "fsdp", 4, True), ("zbv", 2, 2, 2, "ddp", 4, True), ("zbv", 2, 2, 2, "fsdp", 4, True)]
 
 
 @pytest.fixture(scope="module")
@@ -189,26 +230,49 @@ def test_pipeline_equals_single_process(results, layout):
     _check(results, layout)
 
 
+@pytest.mark.parametrize("layout", [l for l in PP4 if l[4] != "none"], ids=lambda l: f"{l[0]}-{l[4]}")
+def test_data_parallel_reduces_once_per_chunk_per_step(results, layout):
+    """DDP: exactly one bucket all-reduce per chunk per step (the tiny chunks fit one bucket), counted by a
+    comm hook; FSDP: one reduce-scatter per FSDP parameter group per step. With a split backward the
+    weight gradients arrive in W, outside FSDP's backward hooks: the reduction must still run, once."""
+    for rank in results[0][layout]:
+        for counts in rank["reductions"]:
+            if layout[4] == "ddp":
+                assert counts == [1] * layout[2], rank["reductions"]
+            else:
+                assert counts == [rank["fsdp_groups"]] and rank["fsdp_groups"] > 0, rank["reductions"]
+
+
 # ---- splitting (single process) -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pp,virtual", [(2, 1), (4, 1), (2, 2), (1, 2)])
-def test_chunks_compose_to_the_full_model(pp, virtual):
-    """Running the chunks in stage order equals the unsplit model; names and parameters are a partition."""
+@pytest.mark.parametrize("pp,virtual,placement", [(2, 1, "loop"), (4, 1, "loop"), (2, 2, "loop"), (1, 2, "loop"),
+                                                   (2, 2, "v"), (4, 2, "v")])
+def test_chunks_compose_to_the_full_model(pp, virtual, placement):
+    """Running the chunks in stage order equals the unsplit model; names and parameters are a partition.
+    Under the V placement rank r holds stages r and 2P - 1 - r: rank 0 the first and the last."""
     model = build_model(model_config(8), SEQ, seed=0)
     tokens = token_batch(0)[:, :-1]
     expected = model(tokens)
     names = {n for n, _ in model.named_parameters()}
-    all_chunks = [split_model(build_model(model_config(8), SEQ, seed=0), r, pp, virtual) for r in range(pp)]
+    all_chunks = [split_model(build_model(model_config(8), SEQ, seed=0), r, pp, virtual, placement=placement)
+                  for r in range(pp)]
+    at = {}  # stage -> (rank, chunk index)
+    for r in range(pp):
+        stages = [r, 2 * pp - 1 - r] if placement == "v" else [c * pp + r for c in range(virtual)]
+        at.update({stage: (r, c) for c, stage in enumerate(stages)})
     h = tokens
     held = set()
     for stage in range(pp * virtual):
-        chunk = all_chunks[stage % pp][stage // pp]
+        rank, c = at[stage]
+        chunk = all_chunks[rank][c]
         h = chunk(h)
         held |= {n for n, _ in chunk.named_parameters()}
     torch.testing.assert_close(h, expected, rtol=0, atol=0)
     assert held - {"output.weight"} == names
-    first, last = all_chunks[0][0], all_chunks[(pp * virtual - 1) % pp][-1]
+    first, last = all_chunks[0][0], all_chunks[at[pp * virtual - 1][0]][-1]
+    if placement == "v":
+        assert last is all_chunks[0][1]  # the V comes back to rank 0
     assert first.tok_embeddings is not None and first.norm is None
     assert last.output is not None and last.tok_embeddings is None
     if pp > 1:

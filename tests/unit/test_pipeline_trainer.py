@@ -1,5 +1,7 @@
 """Pipeline parallelism through the Trainer (the path `raydist train` takes): losses and gradients equal
-the single-process run, composed with data parallelism, and checkpoints move between pp sizes."""
+the single-process run with every schedule (the zero-bubble zbh1 and zbv included), composed with data
+(DDP, FSDP), tensor (+ sequence) and context (ring, Ulysses) parallelism up to 4-D meshes, and checkpoints
+move between pp sizes."""
 
 import pytest
 
@@ -14,7 +16,21 @@ MODEL = {"num_layers": 4}
     ({"pp": 2, "pp_schedule": "gpipe", "dp_replicate": 2}, 4),
     ({"pp": 2, "pp_schedule": "1f1b", "dp_replicate": 1, "dp_shard": 2}, 4),
     ({"pp": 2, "pp_schedule": "1f1b", "tp": 2}, 4),
-], ids=["pp2-1f1b", "pp2-interleaved", "pp2xdp2-gpipe", "pp2xfsdp2", "pp2xtp2"])
+    ({"pp": 2, "pp_schedule": "1f1b", "tp": 2, "sequence_parallel": True}, 4),
+    ({"pp": 2, "pp_schedule": "zbh1"}, 2),
+    ({"pp": 2, "pp_schedule": "zbv"}, 2),
+    ({"pp": 4, "pp_schedule": "zbh1"}, 4),
+    ({"pp": 2, "pp_schedule": "zbv", "num_microbatches": 2}, 2),
+    ({"pp": 2, "pp_schedule": "zbh1", "dp_shard": 2}, 4),
+    ({"pp": 2, "pp_schedule": "zbv", "dp_shard": 2}, 4),
+    ({"pp": 2, "pp_schedule": "zbh1", "dp_replicate": 2}, 4),
+    ({"pp": 2, "pp_schedule": "zbv", "tp": 2, "sequence_parallel": True}, 4),
+    ({"pp": 2, "cp": 2, "cp_impl": "ring"}, 4),
+    ({"pp": 2, "cp": 2, "cp_impl": "ulysses"}, 4),
+    ({"pp": 2, "pp_schedule": "zbv", "cp": 2, "cp_impl": "ring"}, 4),
+], ids=["pp2-1f1b", "pp2-interleaved", "pp2xdp2-gpipe", "pp2xfsdp2", "pp2xtp2", "pp2xtp2-sp", "pp2-zbh1",
+        "pp2-zbv", "pp4-zbh1", "pp2-zbv-m2", "pp2xfsdp2-zbh1", "pp2xfsdp2-zbv", "pp2xddp2-zbh1", "pp2xtp2-sp-zbv",
+        "pp2xcp2-ring", "pp2xcp2-ulysses", "pp2xcp2-ring-zbv"])
 def test_pipeline_equals_single_process(tiny_data, single_4_layers, parallel, world):
     raw = tiny_config(tiny_data, model=MODEL, parallel={"dp_replicate": 1, **parallel})
     results = run_layout(raw, world)
@@ -36,3 +52,57 @@ def test_pipeline_checkpoint_loads_at_pp1(tiny_data, tmp_path):
     assert run_fit(pp2, 2, run_dir, crash_after_step=4) is None
     resumed = run_fit(tiny_config(tiny_data, model=MODEL, train=train, checkpoint=ckpt), 1, run_dir)
     assert resumed[0].losses == pytest.approx(reference[0].losses[3:], rel=1e-5)
+
+
+@pytest.mark.slow  # about 2 minutes each on 2 cores (8 processes); kept in the default run
+@pytest.mark.parametrize("parallel", [
+    {"pp": 2, "pp_schedule": "zbh1", "dp_shard": 2, "cp": 2, "cp_impl": "ring"},
+    {"pp": 2, "pp_schedule": "1f1b", "tp": 2, "cp": 2, "cp_impl": "ring", "sequence_parallel": True},
+], ids=["pp2xfsdp2xcp2-zbh1", "pp2xtp2xcp2-sp"])
+def test_pipeline_in_4d_meshes_equals_single_process(tiny_data, single_4_layers, parallel):
+    """8 workers: the pipeline inside a 4-D mesh; activations between stages are (B, T / cp, D), and
+    (B, T / (cp tp), D) with sequence parallelism; RoPE positions come from the context-parallel shard."""
+    results = run_layout(tiny_config(tiny_data, model=MODEL, parallel={"dp_replicate": 1, **parallel}), 8)
+    held = set()
+    for rank in results:
+        assert_equivalent(single_4_layers, rank)
+        held |= set(rank.grads)
+    assert held == set(single_4_layers.grads)
+
+
+@pytest.mark.slow  # about 95 s on 2 cores (its own 8-layer reference)
+def test_zbv_at_pp4_equals_single_process(tiny_data):
+    """ZB-V at pp 4 needs 8 virtual stages, so 8 blocks; rank 0 holds the first and the last stage."""
+    raw = tiny_config(tiny_data, model={"num_layers": 8}, train={"steps": 6})
+    [reference] = run_layout(raw, 1, steps=6)
+    results = run_layout(tiny_config(tiny_data, model={"num_layers": 8}, train={"steps": 6},
+                                     parallel={"dp_replicate": 1, "pp": 4, "pp_schedule": "zbv"}), 4, steps=6)
+    for rank in results:
+        assert_equivalent(reference, rank)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_checkpoint_resumes_at_pp2(tiny_data, tmp_path, schedule):
+    """Save and resume at pp 2: the continuation equals the uninterrupted run. Each stage's optimizer
+    hyper-parameters are keyed by its own parameters, so every rank's JSON joins the checkpoint; ZB-V puts
+    the embedding and its tied output copy on one rank (two names, one optimizer entry in the checkpoint)."""
+    train = {"steps": 6, "global_batch": 8}
+    ckpt = {"every_steps": 3, "async_save": False}
+    parallel = {"dp_replicate": 1, "pp": 2, "pp_schedule": schedule}
+    reference = run_fit(tiny_config(tiny_data, model=MODEL, train=train, checkpoint=ckpt), 1,
+                        str(tmp_path / "ref"))
+    run_dir = str(tmp_path / "zbv")
+    raw = tiny_config(tiny_data, model=MODEL, train=train, checkpoint=ckpt, parallel=parallel)
+    assert run_fit(raw, 2, run_dir, crash_after_step=4) is None
+    resumed = run_fit(raw, 2, run_dir)
+    assert resumed[0].losses == pytest.approx(reference[0].losses[3:], rel=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["full", "every_k"])
+def test_zero_bubble_with_recompute_equals_single_process(tiny_data, single_4_layers, policy):
+    """Recompute regions are re-run in B and their saved tensors still serve W (selective recompute, whose
+    cache serves one backward pass, is refused by the layout validator)."""
+    raw = tiny_config(tiny_data, model=MODEL, train={"activation_checkpoint": policy, "activation_checkpoint_k": 1},
+                      parallel={"dp_replicate": 1, "pp": 2, "pp_schedule": "zbv"})
+    for rank in run_layout(raw, 2):
+        assert_equivalent(single_4_layers, rank)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from raydist.config import Config, ModelConfig
+from raydist.elastic.policy import plan_layout
 from raydist.planner.layout import Layout, Workload
 from raydist.planner.memory import activation_bytes, head_bytes, rank_memory, state_bytes_per_rank
 from raydist.runtime import spawn
@@ -41,7 +42,7 @@ def _measure_all(raws: dict) -> dict:
         trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
         trainer.train_step()
         tokens, _ = trainer.next_batch()
-        trainer.forward_loss(trainer._micro_batches(tokens)[0]).backward()
+        trainer.runner.forward_loss(trainer.runner.micro_batches(tokens)[0]).backward()
         out[name] = state_bytes(trainer.pm.model, trainer.optimizer)
         trainer.close()
         dist.barrier()
@@ -63,7 +64,7 @@ def test_state_bytes_estimate_within_10_percent(measured, name):
     per_rank, raws = measured
     cfg = Config.from_dict(raws[name])
     workload = Workload.from_config(cfg, compute_dtype_bytes=4)
-    layout = Layout.from_config(cfg, 4)
+    layout = plan_layout(cfg, 4)
     for rank in range(4):
         got = per_rank[rank][name]
         want = state_bytes_per_rank(workload, layout, rank)
@@ -80,7 +81,7 @@ def test_sharding_cuts_the_estimate_as_measured(measured):
     fsdp = max(r["fsdp4"]["total"] for r in per_rank)
     assert 0.2 < fsdp / ddp < 0.3
     cfg = Config.from_dict(raws["fsdp4_uneven"])
-    mem = rank_memory(Workload.from_config(cfg, 4), Layout.from_config(cfg, 4), num_microbatches=1)
+    mem = rank_memory(Workload.from_config(cfg, 4), plan_layout(cfg, 4), num_microbatches=1)
     worst = mem["params"] + mem["grads"] + mem["optimizer"]
     assert all(r["fsdp4_uneven"]["total"] <= worst for r in per_rank)
     assert len({r["fsdp4_uneven"]["total"] for r in per_rank}) > 1  # the shards really are uneven

@@ -172,3 +172,26 @@ def test_report_reads_an_fsspec_uri(tmp_path):
     run = make_run_dir(tmp_path)
     paths = build_report(f"file://{run}", str(tmp_path / "uri-out"))
     assert Path(paths["html"].removeprefix("file://")).is_file()
+
+
+def test_pipeline_panel_draws_weight_gradient_actions_in_their_own_colour():
+    """A zero-bubble step's W actions (deferred weight gradients) get a colour of their own."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    from raydist.report.data import RunData
+    from raydist.report.plots import ACTION_COLORS, panel_pipeline
+
+    timeline = [{"rank": 0, "stage": 0, "chunk": 0, "kind": k, "microbatch": 0, "start_s": i * 0.01,
+                 "end_s": (i + 1) * 0.01} for i, k in enumerate("FBW")]
+    fig, ax = plt.subplots()
+    try:
+        assert panel_pipeline(ax, RunData("run", timeline=timeline))
+        colours = [bar.get_facecolor() for bar in ax.patches]
+    finally:
+        plt.close(fig)
+    assert colours == [to_rgba(ACTION_COLORS[(k, False)]) for k in "FBW"]
+    assert len({ACTION_COLORS[(k, False)] for k in "FBW"}) == 3

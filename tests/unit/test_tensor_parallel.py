@@ -6,9 +6,8 @@ norm, which clipping uses on every step); bad layouts rejected with the value na
 import pytest
 
 from raydist.config import Config, ConfigError
-from raydist.elastic.policy import plan_layout
+from raydist.elastic.policy import plan_layout, resolve_layout
 from raydist.mesh import MeshSpec
-from raydist.parallel.validate import check_layout
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 
 TRAIN = {"grad_clip": 1.0}  # below every step's norm: a wrong global norm changes the losses
@@ -62,7 +61,7 @@ def _check(model=None, tp=2, sequence_parallel=False, seq_len=32, cp=1, dp_shard
                       parallel={"tp": tp, "cp": cp, "dp_shard": dp_shard, "dp_replicate": 1,
                                 "sequence_parallel": sequence_parallel})
     cfg = Config.from_dict(raw)
-    return check_layout(cfg, MeshSpec.from_config(cfg.parallel).resolve(tp * cp * dp_shard))
+    return resolve_layout(cfg, MeshSpec.from_config(cfg.parallel).resolve(tp * cp * dp_shard))
 
 
 @pytest.mark.parametrize("model, tp, message", [

@@ -25,13 +25,13 @@ def _count(raw: dict) -> dict:
     for layers in (1, 2):
         cfg = Config.from_dict({**raw, "model": {**raw["model"], "num_layers": layers}})
         trainer = Trainer(cfg, torch.device("cpu"))
-        micro = trainer._micro_batches(trainer.next_batch()[0])[0]
-        trainer.forward_loss(micro).backward()  # warm-up (lazy initialisation)
+        micro = trainer.runner.micro_batches(trainer.next_batch()[0])[0]
+        trainer.runner.forward_loss(micro).backward()  # warm-up (lazy initialisation)
         trainer.optimizer.zero_grad(set_to_none=True)
         phases = {}
         forward, backward = CommCounter(), CommCounter()
         with forward.patch():
-            loss = trainer.forward_loss(micro)
+            loss = trainer.runner.forward_loss(micro)
         with backward.patch():
             loss.backward()
         for phase, counter in (("forward", forward), ("backward", backward)):

@@ -214,8 +214,8 @@ def _pipeline_stages_case(sequence_parallel: bool) -> None:
     last.tok_embeddings = None
     del last.layers["0"]
     mesh = MeshSpec(tp=TP).build("cpu")
-    apply_tensor_parallel(first, mesh, cfg)
-    _compare_models(plain, [first, last], apply_tensor_parallel(last, mesh, cfg))
+    apply_tensor_parallel(first, mesh, sequence_parallel)
+    _compare_models(plain, [first, last], apply_tensor_parallel(last, mesh, sequence_parallel))
 
 
 def _whole_model_case(tied: bool, sequence_parallel: bool) -> None:
@@ -228,7 +228,7 @@ def _whole_model_case(tied: bool, sequence_parallel: bool) -> None:
     cfg = _model_config(tied, sequence_parallel)
     plain = build_model(cfg.model, T, seed=0)
     sharded = build_model(cfg.model, T, seed=0)
-    loss_fn = apply_tensor_parallel(sharded, MeshSpec(tp=TP).build("cpu"), cfg)
+    loss_fn = apply_tensor_parallel(sharded, MeshSpec(tp=TP).build("cpu"), sequence_parallel)
     assert (sharded.output.weight is sharded.tok_embeddings.weight) == tied
     _compare_models(plain, [sharded], loss_fn)
 

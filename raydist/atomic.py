@@ -1,0 +1,92 @@
+"""Whole-file writes that a crash cannot tear, and reads that survive a file torn by someone else.
+
+Every bookkeeping file that is written whole (progress.json, summary.json, config.toml, manifest.json,
+extra.json, COMMIT.json, lease.json, pipeline_timeline.json, the report) goes through
+`write_bytes_atomic`, so a reader sees either the previous content or the new one, never a prefix:
+
+    local paths     a temporary file in the same directory, flushed and fsynced, then `os.replace`d over
+                    the target (a rename within one directory is atomic on POSIX file systems). The
+                    directory itself is not fsynced: after a power loss the rename may be lost, which
+                    leaves the previous version, not a torn one.
+    other fsspec    one `fs.pipe_file` (one PUT): object stores make an object visible whole or not at
+                    all (large bodies go up as a multipart upload, which also appears only when complete).
+
+A file torn anyway (written by an older version, copied half, truncated by hand) is read by
+`read_json_or_none` as absent with a warning, never a crash: bookkeeping must not stop a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import warnings
+from typing import Any
+
+import fsspec
+
+
+def is_local(fs) -> bool:
+    """True for fsspec's local file system (plain paths and file://)."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    return "file" in protocols or "local" in protocols
+
+
+def write_bytes_atomic(uri: str, data: bytes) -> None:
+    """Replace `uri` with `data` so that no reader ever sees a partial file (see the module docstring)."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    parent = fs._parent(path)
+    if not is_local(fs):
+        if parent:
+            fs.makedirs(parent, exist_ok=True)  # no-op on object stores; real directories elsewhere
+        fs.pipe_file(path, data)
+        return
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{secrets.token_hex(4)}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_text_atomic(uri: str, text: str) -> None:
+    write_bytes_atomic(uri, text.encode("utf-8"))
+
+
+def write_json_atomic(uri: str, obj: Any, indent: int | None = 1) -> None:
+    write_bytes_atomic(uri, json.dumps(obj, indent=indent).encode("utf-8"))
+
+
+def read_json_or_none(uri: str, what: str | None = None) -> Any | None:
+    """The JSON at `uri`; None when absent, and None with a warning when empty or not JSON (torn)."""
+    fs, path = fsspec.core.url_to_fs(uri)
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError:
+        return None
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        from raydist.redact import redact
+
+        state = "empty" if not data.strip() else f"not valid JSON ({exc})"
+        warnings.warn(f"{redact(uri)} is {state}; treating it as absent ({what or 'it is rebuilt'})",
+                      RuntimeWarning, stacklevel=2)
+        return None
+
+
+def probe_writable(root_uri: str) -> None:
+    """Writes and deletes a small file under `root_uri`; raises what the storage raised (unreachable,
+    read-only, bad credentials) so the driver can fail before any worker starts."""
+    probe = root_uri.rstrip("/") + f"/.raydist-probe-{secrets.token_hex(4)}"
+    write_bytes_atomic(probe, b"raydist storage probe\n")
+    fs, path = fsspec.core.url_to_fs(probe)
+    fs.rm(path)

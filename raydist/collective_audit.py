@@ -1,0 +1,108 @@
+"""A CPU-run check that every collective would be legal on a CUDA run with NCCL.
+
+On CUDA, DEVICE groups (the default group, every DeviceMesh group) are NCCL, which rejects CPU tensors;
+HOST groups are gloo (raydist.runtime). On a CPU machine every group is gloo and every tensor is on the
+CPU, so a CPU tensor sent through a DEVICE group goes unnoticed until the first GPU run (the first logged
+step all-reduced a CPU int64 tensor on an NCCL group). `CollectiveAudit` makes that visible without a GPU:
+
+- tensors created without a `device=` argument (`torch.tensor(...)`, `torch.zeros(...)`, ...) are host
+  tensors on any machine, whereas training tensors come from the model, the data moved `.to(device)`, or
+  factories given the training device; the audit marks the former (a TorchFunctionMode);
+- every tensor collective (all_reduce, broadcast, all_gather, reduce_scatter, all_to_all, point-to-point) is
+  checked: a host tensor on a DEVICE group, or a training tensor on a HOST group, is a violation naming the
+  collective and the group. Object collectives (`all_gather_object`, ...) choose their own device and are
+  not checked; DTensor/FSDP collectives only ever see parameters and activations.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from raydist.runtime import HOST, purpose_of
+
+FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.rand,
+             torch.randn, torch.randint, torch.as_tensor, torch.scalar_tensor}
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+               "reduce_scatter", "all_to_all_single", "all_to_all", "reduce")  # point-to-point: P2POp
+
+
+class _MarkHostTensors(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in FACTORIES and kwargs.get("device") is None and isinstance(out, torch.Tensor):
+            out._raydist_host = True
+        return out
+
+
+def _tensors(value: Any):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+class CollectiveAudit:
+    """Context manager: records violations in `self.violations` (strings) while active."""
+
+    def __init__(self):
+        self.violations: list[str] = []
+        self.checked = 0
+        self._saved: dict[str, Any] = {}
+        self._mode = _MarkHostTensors()
+
+    def _check(self, name: str, args: tuple, kwargs: dict) -> None:
+        group = kwargs.get("group")
+        if group is None:
+            group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+        host_group = purpose_of(group) == HOST
+        for tensor in _tensors(list(args) + [v for k, v in kwargs.items() if k != "group"]):
+            self.checked += 1
+            host_tensor = getattr(tensor, "_raydist_host", False)
+            if host_tensor and not host_group:
+                self.violations.append(f"{name} of a host tensor {tuple(tensor.shape)} {tensor.dtype} on a device "
+                                       f"group ({_describe(group)}): NCCL on CUDA, which rejects CPU tensors")
+            elif not host_tensor and host_group:
+                self.violations.append(f"{name} of a training-device tensor {tuple(tensor.shape)} on a host "
+                                       f"group ({_describe(group)}): gloo")
+
+    def _wrap(self, name: str, original):
+        @functools.wraps(original)
+        def audited(*args, **kwargs):
+            self._check(name, args, kwargs)
+            return original(*args, **kwargs)
+
+        return audited
+
+    def __enter__(self) -> "CollectiveAudit":
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self._saved[name]))
+        self._saved["P2POp"] = dist.P2POp
+        audit = self
+
+        class AuditedP2POp(dist.P2POp):  # batch_isend_irecv takes its tensors through P2POp
+            def __new__(cls, op, tensor, *args, **kwargs):
+                audit._check(f"batch_isend_irecv({getattr(op, '__name__', op)})", (tensor, *args), kwargs)
+                return audit._saved["P2POp"].__new__(cls, op, tensor, *args, **kwargs)
+
+        dist.P2POp = AuditedP2POp
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _describe(group) -> str:
+    group = group if group is not None else dist.group.WORLD
+    return f"{group.group_name}, {dist.get_world_size(group)} ranks"

@@ -1,0 +1,138 @@
+"""The Session on Ray Train V2, and the function each Ray Train worker runs.
+
+Ray Train owns the worker lifecycle: it starts the group (TorchTrainer has already initialised the
+process group when `ray_worker_entry` starts), restarts it after a failure and resizes elastic runs. What
+raydist adds here:
+- `ray.train.report` is a barrier over all workers, so a worker that fits no layout (idle) must report
+  exactly when the active ones do: rank 0 publishes each report in the process group's key-value store and
+  idle workers follow (`control.ControlChannel`), giving up if rank 0's heartbeat stops;
+- committed checkpoints are reported to Ray Train (no upload: they already are on the run's storage);
+- a step watchdog ends a worker whose training stops making progress (`control.Watchdog`), so a hang no
+  collective notices becomes a failure Ray Train restarts;
+- `launch` and `worker_error` lines in events.jsonl (restart timing, the first error each worker saw).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from raydist.config import Config
+from raydist.elastic import failures
+from raydist.elastic.control import ControlChannel, Watchdog
+from raydist.elastic.session import Idle, Session
+from raydist.layout import Layout
+from raydist.metrics.goodput import EventLog, Goodput
+
+
+class RaySession(Session):
+    def __init__(self, cfg: Config, run_dir: str, start_time: float, heartbeat_interval_s: float = 1.0):
+        self.cfg, self.run_dir, self.start_time = cfg, run_dir, start_time
+        self.rank = dist.get_rank()
+        self.channel = ControlChannel(dist.distributed_c10d._get_default_store(), self.rank)
+        e = cfg.elastic
+        step_s = 2 * e.collective_timeout_s
+        self.limits = {"start": e.startup_timeout_s, "resume": e.startup_timeout_s,
+                       "first_step": e.startup_timeout_s, "step": step_s,
+                       "evaluate": step_s * max(1, cfg.train.eval_batches), "save": e.checkpoint_timeout_s,
+                       "report": step_s}
+        # from the first moment: construction, planning and resume can hang too
+        self.watchdog = Watchdog(self.limits["start"], phase="start").start()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self._last_beat = 0.0
+
+    def start(self, cfg: Config) -> Layout | Idle:
+        started = super().start(cfg)
+        if self.rank == 0:  # the attempt's worker group is up (restart timing: detection -> restart -> load)
+            run_event(self.run_dir, self.start_time, "launch", world_size=dist.get_world_size())
+        if isinstance(started, Idle):
+            self.watchdog.stop()  # an idle worker follows rank 0's heartbeat instead
+        return started
+
+    def phase(self, name: str) -> None:
+        self.watchdog.phase(name, self.limits[name])
+
+    def heartbeat(self, step: int) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat()
+        now = time.monotonic()
+        if now - self._last_beat >= self.heartbeat_interval_s:  # a store write: not every step
+            self.channel.heartbeat(step)
+            self._last_beat = now
+
+    def commit(self, step: int, uri: str, metrics: dict) -> None:
+        import ray.train
+        from ray.train import Checkpoint
+        from ray.train.v2.api.report_config import CheckpointUploadMode
+
+        previous = (self.watchdog.name, self.watchdog.timeout_s)
+        self.phase("report")  # a barrier over every worker: bounded by the watchdog
+        self.channel.publish({"kind": "report", "metrics": metrics, "checkpoint": uri})
+        checkpoint = Checkpoint(uri) if uri and self.rank == 0 else None
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        self.watchdog.phase(*previous)
+
+    def fail(self, error: BaseException) -> None:
+        self.watchdog.stop()
+        deterministic = failures.is_deterministic(error)
+        run_event(self.run_dir, self.start_time, "worker_error", rank=self.rank, error=str(error).strip()[:300],
+                  deterministic=deterministic)
+        if deterministic:  # the next attempt ends the run at once instead of failing the same way
+            failures.record(self.run_dir, error, self.rank)
+
+    def finish(self, summary: dict) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.channel.publish({"kind": "done"})
+
+    def follow(self) -> None:
+        """An idle worker: report whenever the active workers do, until they are done."""
+        import ray.train
+
+        self.channel.follow(lambda m: ray.train.report(m["metrics"], checkpoint=None),
+                            self.cfg.elastic.collective_timeout_s)
+
+
+def ray_worker_entry(payload: dict[str, Any]) -> None:
+    """What each Ray Train worker runs; the process group is already initialised by TorchTrainer."""
+    import ray.train
+
+    from raydist.train_loop import fit
+    from raydist.trainer import Trainer, TrainerOptions
+
+    cfg = Config.from_dict(payload["config"])
+    ctx = ray.train.get_context()
+    threads = max(1, int(cfg.ray.cpus_per_worker))
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    device = torch.device("cuda", ctx.get_local_rank()) if payload["use_gpu"] else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    fatal = failures.recorded(payload["run_dir"], payload["start_time"])
+    if fatal is not None:  # an earlier attempt failed in a way no restart fixes: end here, the driver says why
+        print(f"worker {dist.get_rank()}: not training: {fatal['error']}", flush=True)
+        return
+    session = RaySession(cfg, payload["run_dir"], payload["start_time"])
+    try:
+        started = session.start(cfg)
+        if isinstance(started, Idle):
+            print(f"worker {dist.get_rank()} is idle: {started.reason}", flush=True)
+            session.follow()
+            return
+        trainer = Trainer(cfg, device, started, TrainerOptions(start_time=payload["start_time"]))
+        fit(trainer, payload["run_dir"], session)
+    except BaseException as exc:  # a peer died, a collective timed out, bad input...: say so before Ray Train
+        session.fail(exc)         # restarts (and whether a restart can help)
+        raise
+
+
+def run_event(run_dir: str, driver_start: float, kind: str, **fields: Any) -> None:
+    """One events.jsonl line from outside `fit` (any rank; local storage appends atomically per line)."""
+    try:
+        EventLog(run_dir, Goodput(run_dir, driver_start).run_start).event(kind, None, **fields)
+    except Exception:  # bookkeeping must never mask the real failure
+        pass

@@ -1,0 +1,84 @@
+"""The elastic session: what a training loop asks of whatever runs its workers, in five calls.
+
+    layout = session.start(cfg)        # a Layout for this worker, or Idle (fits no layout this attempt)
+    session.phase(name)                # resume, first_step, step, evaluate, save, report: limits per phase
+    session.heartbeat(step)            # after every step: progress is being made (watchdogs, idle peers)
+    session.commit(step, uri, metrics) # a checkpoint committed: the substrate may record it
+    session.fail(error)                # this worker is failing: say so before the substrate restarts it
+    session.finish(summary)            # the run completed on this worker
+
+`start` plans the layout on rank 0 and broadcasts it, so every worker of a group runs the same layout even
+when planning involves a live measurement (`parallel.auto`). `LocalSession` runs under any initialised
+process group (the `torch.multiprocessing` tests); `raydist.elastic.ray_session.RaySession` is the Ray
+Train V2 implementation (reports, idle workers, the step watchdog). `train_loop.fit` sees only this
+interface and imports no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from raydist.config import Config
+from raydist.elastic.policy import plan_layout
+from raydist.errors import ConfigError
+from raydist.layout import Layout
+
+
+@dataclass(frozen=True)
+class Idle:
+    """This worker fits no layout of the live world (e.g. the 5th worker when tp = 2)."""
+
+    reason: str
+
+
+def broadcast_layout(cfg: Config) -> Layout:
+    """Rank 0 plans the layout for the whole world and every rank receives it (a collective on the default
+    group). A planning error on rank 0 reaches every rank as the same ConfigError."""
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = {"layout": plan_layout(cfg, dist.get_world_size()).to_dict()}
+        except ConfigError as exc:
+            box[0] = {"error": str(exc)}
+    dist.broadcast_object_list(box, src=0)  # between this run's own processes, never from storage
+    if "error" in box[0]:
+        raise ConfigError(box[0]["error"])
+    return Layout.from_dict(box[0]["layout"])
+
+
+class Session:
+    """The interface, with no-op defaults."""
+
+    def start(self, cfg: Config) -> Layout | Idle:
+        layout = broadcast_layout(cfg)
+        if dist.get_rank() >= layout.world_size:
+            return Idle(layout.reason)
+        return layout
+
+    def heartbeat(self, step: int) -> None:
+        pass
+
+    def phase(self, name: str) -> None:
+        """The worker enters a phase of its life (resume, first_step, step, evaluate, save, report), each
+        with its own time limit for a watchdog."""
+
+    def commit(self, step: int, uri: str, metrics: dict) -> None:
+        pass
+
+    def fail(self, error: BaseException) -> None:
+        pass
+
+    def finish(self, summary: dict) -> None:
+        pass
+
+
+@dataclass
+class LocalSession(Session):
+    """Plain `torch.distributed` processes: nothing restarts them, so commits are only recorded."""
+
+    commits: list[tuple[int, str]] = field(default_factory=list)
+
+    def commit(self, step: int, uri: str, metrics: dict) -> None:
+        self.commits.append((step, uri))

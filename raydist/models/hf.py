@@ -1,0 +1,399 @@
+"""Hugging Face Llama checkpoints <-> raydist's GPT: config, parameter names, RoPE layout, safetensors I/O.
+
+Both models are the Llama decoder (Touvron et al., 2023, "LLaMA: Open and Efficient Foundation Language
+Models"): RMSNorm, SwiGLU MLP, grouped-query attention and rotary position embeddings (RoPE; Su et al.,
+"RoFormer: Enhanced Transformer with Rotary Position Embedding", 2021). They differ in names and in which
+coordinates of a head of size E RoPE pairs up. With angle a_i = pos * theta^(-2i/E), i < E/2:
+
+- raydist (as in the RoFormer paper and Meta's original Llama code) rotates INTERLEAVED pairs
+      (x[2i], x[2i+1]) -> (x[2i] cos a_i - x[2i+1] sin a_i,  x[2i] sin a_i + x[2i+1] cos a_i);
+- Hugging Face ("rotate_half") rotates HALVES
+      (x[i], x[i+E/2]) -> (x[i] cos a_i - x[i+E/2] sin a_i,  x[i] sin a_i + x[i+E/2] cos a_i).
+
+The attention scores q.k are invariant under the same permutation of q's and k's coordinates, so the two
+models agree exactly once the output rows of wq and wk are reordered within each head:
+      hf_row[h*E + j*E/2 + i] = raydist_row[h*E + 2i + j]     (j in {0, 1}, i < E/2),
+i.e. per head the even rows first, then the odd rows (`to_hf`), and the inverse (`to_raydist`). Every
+other tensor has the same layout in both. The permutation never mixes rows of different heads, so a row
+slice aligned to whole heads (tensor-parallel and FSDP shards of wq/wk usually are) can be read and
+permuted on its own (`read_hf_slice`); column slices need no alignment.
+
+Tied embeddings: Hugging Face stores only `model.embed_tokens.weight` (an `lm_head.weight` may be present
+and must then be equal); raydist's `GPT.state_dict()` holds both `tok_embeddings.weight` and
+`output.weight` (the same tensor), and `save_hf` writes only the embedding.
+
+Only safetensors and JSON are read (nothing is unpickled); `safetensors` is imported inside functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from raydist.config import ConfigError, ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# The mapping, written once: raydist name <-> Hugging Face name ({i} is the block index).
+_NAME_TABLE: list[tuple[str, str]] = [
+    ("tok_embeddings.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.attention.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attention.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+]
+_ROTARY = {"attention.wq.weight", "attention.wk.weight"}  # raydist suffixes whose rows are permuted
+# Non-parameter buffers some older exports wrote; recomputed from rope_theta, so skipped when reading.
+_IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+_TO_RAYDIST, _TO_HF = ([(re.compile(re.escape(a).replace(re.escape("{i}"), r"(\d+)") + "$"), b)
+                        for a, b in pairs] for pairs in ([(hf, ours) for ours, hf in _NAME_TABLE], _NAME_TABLE))
+
+
+def _translate(name: str, table: list[tuple[re.Pattern, str]], kind: str) -> str:
+    for pattern, target in table:
+        if m := pattern.match(name):
+            return target.replace("{i}", m.group(1)) if m.groups() else target
+    raise KeyError(f"{name!r} is not a {kind} Llama parameter name raydist knows")
+
+
+def hf_to_raydist_name(name: str) -> str:
+    """'model.layers.3.self_attn.q_proj.weight' -> 'layers.3.attention.wq.weight'."""
+    return _translate(name, _TO_RAYDIST, "Hugging Face")
+
+
+def raydist_to_hf_name(name: str) -> str:
+    """'layers.3.attention.wq.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    return _translate(name, _TO_HF, "raydist")
+
+
+def _is_rotary(raydist_name: str) -> bool:
+    return raydist_name.startswith("layers.") and raydist_name.split(".", 2)[-1] in _ROTARY
+
+
+def _permute_rows(w: torch.Tensor, cfg: ModelConfig, from_pairs: bool) -> torch.Tensor:
+    """Within each head of E rows (any number of whole heads): interleaved pairs -> halves, or back."""
+    e = cfg.d_model // cfg.num_heads
+    inner = (e // 2, 2) if from_pairs else (2, e // 2)
+    return w.reshape(w.shape[0] // e, *inner, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def to_raydist(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """A tensor of raydist parameter `name` in Hugging Face layout -> raydist layout (inverse of `to_hf`)."""
+    return _permute_rows(tensor, cfg, from_pairs=False) if _is_rotary(name) else tensor
+
+
+def to_hf(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """A tensor of raydist parameter `name` in raydist layout -> Hugging Face layout (inverse of `to_raydist`)."""
+    return _permute_rows(tensor, cfg, from_pairs=True) if _is_rotary(name) else tensor
+
+
+# ---- config.json -----------------------------------------------------------------------------------------
+
+# ModelConfig field -> config.json key, for the fields read from config.json.
+HF_CONFIG_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers",
+                  "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+                  "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
+                  "tie_embeddings": "tie_word_embeddings"}
+
+
+def _read_config(hf_dir_or_config: str | os.PathLike | Mapping) -> tuple[dict[str, Any], str]:
+    """(config.json as a dict, its path for messages); a dict is taken as is, a directory or file is read."""
+    if isinstance(hf_dir_or_config, Mapping):
+        return dict(hf_dir_or_config), "config.json"
+    path = Path(hf_dir_or_config)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(f"{path} not found; a Hugging Face model directory holds config.json and "
+                          "*.safetensors (save_pretrained writes them)")
+    return json.loads(path.read_text()), str(path)
+
+
+def model_config_from_hf(hf_dir_or_config_dict: str | os.PathLike | Mapping) -> dict[str, Any]:
+    """ModelConfig field values from a Llama config.json; ConfigError for anything raydist cannot represent.
+
+    Handles both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5 ones
+    (`rope_parameters` = {rope_type, rope_theta}). Absent optional keys take LlamaConfig's defaults.
+    """
+    c, src = _read_config(hf_dir_or_config_dict)
+    if (model_type := c.get("model_type")) == "mistral" and c.get("sliding_window", 4096) is not None:
+        raise ConfigError(f"{src} sliding_window={c.get('sliding_window', '4096 (default)')}: raydist has no "
+                          "sliding-window attention; only Mistral checkpoints with sliding_window null load")
+    if model_type not in ("llama", "mistral"):
+        extra = " (its q/k/v projections have biases, which raydist lacks)" if model_type == "qwen2" else ""
+        raise ConfigError(f"{src} model_type={model_type!r}{extra} is not supported; raydist loads "
+                          "model_type 'llama' (and 'mistral' with sliding_window null)")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if not isinstance(c.get(key), int):
+            raise ConfigError(f"{src} {key}={c.get(key)!r} must be an integer; add it to config.json")
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    if c.get("head_dim") is not None and c["head_dim"] * heads != d:
+        raise ConfigError(f"{src} head_dim={c['head_dim']} != hidden_size/num_attention_heads={d / heads:g}; "
+                          "raydist derives head_dim from d_model/num_heads, so only such checkpoints load")
+    for key in (k for k in ("attention_bias", "mlp_bias") if c.get(k)):
+        raise ConfigError(f"{src} {key}=true: raydist's linear layers have no biases; only checkpoints with "
+                          f"{key} false load")
+    if c.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"{src} hidden_act={c['hidden_act']!r}: raydist's MLP is SwiGLU (silu); only "
+                          "hidden_act 'silu' loads")
+    rope = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+        raise ConfigError(f"{src} {key} has rope_type={rope_type!r}: raydist has no RoPE scaling yet; only "
+                          "checkpoints with plain RoPE (rope_scaling null, rope_type 'default') load")
+    if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(f"{src} partial_rotary_factor != 1: raydist rotates the whole head")
+    return {"vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"], "num_heads": heads,
+            "num_kv_heads": c.get("num_key_value_heads") or heads, "ffn_hidden": c["intermediate_size"],
+            "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            "norm_eps": float(c.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(c.get("tie_word_embeddings"))}
+
+
+def check_explicit_keys(user_model_section: Mapping[str, Any], from_hf: Mapping[str, Any],
+                        source: str = "hf:<dir>") -> None:
+    """ConfigError when a key the user set in [model] disagrees with the checkpoint's config.json."""
+    for key, value in user_model_section.items():
+        if key in from_hf and value != from_hf[key]:
+            hf_key = HF_CONFIG_KEYS.get(key, key)
+            raise ConfigError(f"model.{key}={value!r} disagrees with {source} config.json "
+                              f"{hf_key}={from_hf[key]!r}; remove model.{key} (it is read from config.json) "
+                              f"or use a checkpoint whose {hf_key} is {value!r}")
+
+
+# ---- reading safetensors ---------------------------------------------------------------------------------
+
+
+def _tensor_files(hf_dir: str | os.PathLike) -> dict[str, Path]:
+    """Hugging Face tensor name -> its .safetensors file: from the index, else model.safetensors, else every
+    *.safetensors file (an index or model.safetensors wins over e.g. a Meta-format consolidated.safetensors)."""
+    from safetensors import safe_open
+
+    root = Path(hf_dir)
+    if (root / INDEX_FILE).is_file():
+        return {name: root / f for name, f in json.loads((root / INDEX_FILE).read_text())["weight_map"].items()}
+    single = root / "model.safetensors"
+    files = [single] if single.is_file() else sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no *.safetensors files in {root}; export with save_pretrained (safetensors)")
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:  # reads the header only
+            where.update(dict.fromkeys(fh.keys(), f))
+    return where
+
+
+def _raydist_sources(hf_dir, cfg: ModelConfig) -> dict[str, tuple[str, Path]]:
+    """raydist name -> (Hugging Face name, file) for every tensor in the checkpoint; unknown names fail."""
+    out, unknown = {}, []
+    for hf_name, f in _tensor_files(hf_dir).items():
+        try:
+            out[hf_to_raydist_name(hf_name)] = (hf_name, f)
+        except KeyError:
+            unknown += [] if _IGNORED_HF.match(hf_name) else [hf_name]
+    if unknown:
+        raise ConfigError(f"{hf_dir}: unexpected tensors {unknown[:5]} (not part of a Llama model raydist knows)")
+    if cfg.tie_embeddings and "output.weight" not in out and "tok_embeddings.weight" in out:
+        out["output.weight"] = out["tok_embeddings.weight"]  # read the embedding for a tied head
+    return out
+
+
+def _select(hf_dir, cfg: ModelConfig | None, names: Iterable[str] | None):
+    """(cfg, sources, the raydist names to read): cfg defaults to config.json's; names must be present."""
+    cfg = cfg if cfg is not None else ModelConfig(**model_config_from_hf(hf_dir))
+    sources = _raydist_sources(hf_dir, cfg)
+    if names is None:  # what the checkpoint stores (not the alias of a tied head)
+        return cfg, sources, [n for n, (hf_name, _) in sources.items() if raydist_to_hf_name(n) == hf_name]
+    missing = [n for n in names if n not in sources]
+    if missing:
+        raise ConfigError(f"{hf_dir}: missing tensors {missing[:5]} "
+                          f"(Hugging Face names {[raydist_to_hf_name(n) for n in missing[:5]]})")
+    return cfg, sources, list(names)
+
+
+def iter_hf_tensors(hf_dir: str | os.PathLike, names: Iterable[str] | None = None,
+                    cfg: ModelConfig | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(raydist name, tensor in raydist layout and its stored dtype), one tensor at a time, file by file.
+
+    names: raydist names to read (default: every tensor in the checkpoint; a tied head that the checkpoint
+    does not store is not yielded unless asked for). cfg defaults to the one in config.json.
+    """
+    names = None if names is None else list(names)
+    cfg, sources, wanted = _select(hf_dir, cfg, names)
+    from safetensors import safe_open
+
+    for f in sorted({sources[n][1] for n in wanted}):  # each file opened once; one tensor in memory at a time
+        with safe_open(str(f), framework="pt") as fh:
+            for n in (n for n in wanted if sources[n][1] == f):
+                yield n, to_raydist(n, fh.get_tensor(sources[n][0]), cfg)
+
+
+def read_hf_slice(hf_dir: str | os.PathLike, name: str, dim: int, start: int, stop: int,
+                  cfg: ModelConfig | None = None) -> torch.Tensor:
+    """tensor[start:stop] along `dim` of raydist parameter `name` in raydist layout, reading only that slice.
+
+    For wq/wk a row slice (dim 0) must cover whole heads (start, stop multiples of head_dim): the rotary
+    permutation only moves rows within a head, so such a slice is permuted on its own.
+    """
+    cfg, sources, _ = _select(hf_dir, cfg, [name])
+    e = cfg.d_model // cfg.num_heads
+    if _is_rotary(name) and dim == 0 and (start % e or stop % e):
+        raise ValueError(f"row slice [{start}:{stop}] of {name} must be aligned to whole heads of {e} rows")
+    from safetensors import safe_open
+
+    with safe_open(str(sources[name][1]), framework="pt") as fh:  # get_slice reads only the slice's bytes
+        return to_raydist(name, fh.get_slice(sources[name][0])[(slice(None),) * dim + (slice(start, stop),)], cfg)
+
+
+def load_hf_into(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
+    """Copy a Hugging Face Llama checkpoint into an unsharded raydist GPT (cast to the model's dtypes).
+
+    ConfigError for a config.json that disagrees with model.cfg, missing or unexpected tensors, shape
+    mismatches (the model may then be partly overwritten), or a tied model's stored lm_head that differs
+    from the embedding.
+    """
+    cfg: ModelConfig = model.cfg
+    check_explicit_keys({k: getattr(cfg, k) for k in HF_CONFIG_KEYS}, model_config_from_hf(hf_dir),
+                        source=f"hf:{hf_dir}")
+    targets, sources = model.state_dict(keep_vars=True), _raydist_sources(hf_dir, cfg)
+    unexpected, missing = sorted(set(sources) - set(targets)), sorted(set(targets) - set(sources))
+    if unexpected or missing:
+        raise ConfigError(f"{hf_dir}: " + "; ".join(f"{what} tensors {names[:5]}" for what, names in
+                                                    (("missing", missing), ("unexpected", unexpected)) if names))
+    stored_head = None
+    with torch.no_grad():
+        for name, tensor in iter_hf_tensors(hf_dir, cfg=cfg):
+            if tensor.shape != targets[name].shape:
+                raise ConfigError(f"{hf_dir}: {raydist_to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                                  f"raydist's {name} needs {tuple(targets[name].shape)}")
+            if cfg.tie_embeddings and name == "output.weight":
+                stored_head = tensor  # the embedding is the head; compare once it is loaded
+            else:
+                targets[name].copy_(tensor)
+        if stored_head is not None and not torch.equal(stored_head.to(model.output.weight.dtype),
+                                                       model.output.weight):
+            raise ConfigError(f"{hf_dir}: tie_word_embeddings is true but lm_head.weight differs from "
+                              "model.embed_tokens.weight; set tie_word_embeddings false in config.json")
+
+
+# ---- writing -----------------------------------------------------------------------------------------------
+
+
+def _replace_into(path: Path, write) -> None:
+    """write(tmp) then os.replace(tmp, path): readers never see a partial file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The config.json of a raydist model as a Hugging Face LlamaForCausalLM (transformers 4 and 5 keys)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_hidden,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu",
+            "head_dim": cfg.d_model // cfg.num_heads,
+            "max_position_embeddings": max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
+            "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "use_cache": True,
+            "torch_dtype": dtype_name, "dtype": dtype_name}
+
+
+def save_hf(state_dict_iter_or_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+            cfg: ModelConfig, out_dir: str | os.PathLike, max_shard_bytes: float = 5e9,
+            dtype: torch.dtype | None = None, *, max_position_embeddings: int = 2048,
+            tokenizer_json: str | os.PathLike | None = None) -> list[str]:
+    """Write a raydist model (unsharded raydist names and layout) as a Hugging Face Llama checkpoint.
+
+    Tensors are consumed one at a time and written a shard (<= max_shard_bytes) at a time: one
+    `model.safetensors`, or `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`. Files
+    are written under temporary names and os.replace'd once every tensor is in; model files of an earlier
+    export in out_dir that this one does not write are then removed. A tied `output.weight` is not written
+    (it must equal the embedding). dtype casts floating tensors (default: as given). Returns the file names.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    items = state_dict_iter_or_dict
+    items = items.items() if isinstance(items, Mapping) else items
+    expected = {ours.format(i=i) for ours, _ in _NAME_TABLE for i in range(cfg.num_layers)}
+    shards: list[tuple[Path, list[str]]] = []  # (temporary file, Hugging Face names in it)
+    current: dict[str, torch.Tensor] = {}  # the shard being filled
+    current_bytes, total, seen, tied_pair, file_dtype = 0, 0, set(), {}, dtype
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if current:
+            shards.append((out / f".model-{len(shards) + 1:05d}.safetensors.tmp-{os.getpid()}", sorted(current)))
+            save_file(current, str(shards[-1][0]), metadata={"format": "pt"})
+        current, current_bytes = {}, 0
+
+    try:
+        for name, tensor in items:
+            if name not in expected:
+                raise ConfigError(f"save_hf: unexpected tensor {name!r} for a {cfg.num_layers}-layer model")
+            seen.add(name)
+            if cfg.tie_embeddings and name in ("tok_embeddings.weight", "output.weight"):
+                tied_pair[name] = tensor
+                if name == "output.weight":
+                    continue
+            t = tensor.detach()
+            t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            file_dtype = file_dtype or t.dtype
+            t = to_hf(name, t, cfg).to("cpu").contiguous()
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # a view into a larger (e.g. flat-parameter) storage: safetensors refuses it
+            nbytes = t.numel() * t.element_size()
+            if current and current_bytes + nbytes > max_shard_bytes:
+                flush()
+            current[raydist_to_hf_name(name)] = t
+            current_bytes, total = current_bytes + nbytes, total + nbytes
+        flush()
+        missing = sorted(expected - seen - ({"output.weight"} if cfg.tie_embeddings else set()))
+        if missing:
+            raise ConfigError(f"save_hf: missing tensors {missing[:5]}")
+        if len(tied_pair) == 2 and not torch.equal(*(t.detach().cpu() for t in tied_pair.values())):
+            raise ConfigError("save_hf: tie_embeddings is true but output.weight differs from tok_embeddings.weight")
+    except BaseException:
+        for tmp, _ in shards:
+            tmp.unlink(missing_ok=True)
+        raise
+
+    n = len(shards)
+    written = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    for (tmp, _), final in zip(shards, written):
+        os.replace(tmp, out / final)
+    if n > 1:
+        weight_map = dict(sorted((k, final) for (_, keys), final in zip(shards, written) for k in keys))
+        index = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        _replace_into(out / INDEX_FILE, lambda p: p.write_text(index))
+        written.append(INDEX_FILE)
+    for stale in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+        if stale.name not in written and stale.exists():
+            stale.unlink()
+    config = json.dumps(hf_config_dict(cfg, max_position_embeddings, file_dtype or torch.float32), indent=2)
+    _replace_into(out / "config.json", lambda p: p.write_text(config))
+    written.append("config.json")
+    if tokenizer_json is not None:
+        _replace_into(out / "tokenizer.json", lambda p: shutil.copyfile(tokenizer_json, p))
+        written.append("tokenizer.json")
+    return written

@@ -1,0 +1,157 @@
+"""Step runners: one rank's forward and backward of a step's rows, the same interface with and without a
+pipeline, so the Trainer has no pipeline branches.
+
+    runner.step(tokens) -> StepOutput   forward + backward of this rank's rows (B_rank, T + 1); gradients
+                                        left in the parameters, synchronised across data-parallel ranks
+    runner.evaluate(tokens) -> loss     forwards only
+    runner.clip(max_norm) -> norm       clip by the whole model's gradient norm
+
+`AccumulationRunner`: the rows in micro-batches of layout.micro_batch, gradients accumulated, the
+data-parallel strategy communicating only on the last (`accumulate`). `PipelineRunner`: the M micro-batches
+flow through the schedule (`raydist.schedule`), then a tied embedding split across the first and last stage
+gets its summed gradient. Losses are this rank's means over its tokens; the Trainer averages them over the
+data ranks. Autocast and gradient sync come from the model's data-parallel strategy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from raydist.layout import Layout
+from raydist.mesh import Mesh
+from raydist.parallel import ParallelModel
+from raydist.parallel.clip import clip_grad_norm
+from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
+
+
+@dataclass
+class MicroBatch:
+    inputs: torch.Tensor  # (B, T) token ids (T local under context parallelism)
+    targets: torch.Tensor  # (B, T)
+    positions: torch.Tensor | None  # (T,) positions in the full sequence, when the sequence is sharded
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # 0-d fp32: this rank's mean loss over the step's rows
+    pipeline: dict | None = None  # pp > 1: every stage's busy and idle seconds and the mean bubble
+    timeline: list[dict] | None = None  # pp > 1, when asked: every action's start and end on every stage
+
+
+class AccumulationRunner:
+    def __init__(self, pm: ParallelModel, layout: Layout, device: torch.device):
+        self.pm, self.layout, self.device = pm, layout, device
+        self.params = [p for p in pm.model.parameters() if p.requires_grad]
+
+    def autocast(self):
+        return self.pm.data_parallel.autocast(self.device.type)
+
+    def micro_batches(self, tokens: torch.Tensor) -> list[MicroBatch]:
+        """(inputs, targets, positions) per micro-batch of this rank's rows; `positions` is None unless a
+        parallel plan shards the sequence (context parallelism: `pm.shard_sequence`)."""
+        out = []
+        for chunk in tokens.split(self.layout.micro_batch):
+            inputs, targets, positions = chunk[:, :-1], chunk[:, 1:], None
+            if self.pm.shard_sequence is not None:
+                inputs, targets, positions = self.pm.shard_sequence(inputs, targets)
+            out.append(MicroBatch(inputs, targets, positions))
+        return out
+
+    def forward_loss(self, micro: MicroBatch) -> torch.Tensor:
+        """The mean loss over this rank's tokens of one micro-batch (the one place a parallel plan may
+        change how logits become a loss: `pm.loss_fn`, e.g. a vocabulary-parallel cross-entropy)."""
+        with self.autocast():
+            return self.pm.loss_fn(self.pm.module(micro.inputs, micro.positions), micro.targets)
+
+    def step(self, tokens: torch.Tensor, record_timeline: bool = False) -> StepOutput:
+        micro = self.micro_batches(tokens)
+        total = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            with self.pm.data_parallel.accumulate(self.pm.module, i == len(micro) - 1):
+                loss = self.forward_loss(mb) / len(micro)
+                loss.backward()
+            total += loss.detach().float()
+        return StepOutput(total)
+
+    @torch.no_grad()
+    def evaluate(self, tokens: torch.Tensor) -> torch.Tensor:
+        micro = self.micro_batches(tokens)
+        total = torch.zeros((), device=self.device)
+        for mb in micro:
+            total += self.forward_loss(mb).float() / len(micro)
+        return total
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm(self.params, max_norm)
+
+
+class PipelineRunner:
+    """pp > 1: this rank's rows -> M micro-batches -> the executor -> tied sync; clipping across stages."""
+
+    def __init__(self, pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device):
+        from raydist.schedule import make_schedule
+        from raydist.schedule.executor import PipelineExecutor
+
+        self.pm, self.layout, self.device = pm, layout, device
+        self.group = mesh["pp"].get_group()
+        schedule = make_schedule(layout.pp_schedule, layout.pp, layout.num_microbatches, layout.virtual_stages)
+        self.tied = TiedEmbeddingSync(pm.chunks, self.group)
+        dp = pm.data_parallel
+        # between stages: this rank's part of the sequence (T / cp; a tp-th of that under sequence parallelism)
+        seq_len = pm.model.max_seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
+        before, after = dp.pipeline_hooks(pm.modules, schedule.split_backward)
+        self.executor = PipelineExecutor(
+            pm.modules, schedule, mesh.local_rank("pp"), self.group,
+            activation_shape=(layout.micro_batch, seq_len, pm.model.cfg.d_model),
+            loss_fn=pm.loss_fn, device=device, activation_dtype=dp.activation_dtype,
+            before_backward=before, after_backward=after)
+
+    def _split(self, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+        """M micro-batches of (inputs, targets), this rank's sequence shard of them under context
+        parallelism, and the shard's positions (the same for every micro-batch)."""
+        micro = tokens.chunk(self.layout.num_microbatches)
+        inputs, targets, positions = [m[:, :-1] for m in micro], [m[:, 1:] for m in micro], None
+        if self.pm.shard_sequence is not None:
+            shards = [self.pm.shard_sequence(x, y) for x, y in zip(inputs, targets)]
+            inputs, targets, positions = [s[0] for s in shards], [s[1] for s in shards], shards[0][2]
+        return inputs, targets, positions
+
+    def step(self, tokens: torch.Tensor, record_timeline: bool = False) -> StepOutput:
+        inputs, targets, positions = self._split(tokens)
+        with self.pm.data_parallel.autocast(self.device.type):
+            stats = self.executor.step(inputs, targets, record_timeline=record_timeline, positions=positions)
+        self.tied()
+        out = StepOutput(torch.tensor(stats.loss, device=self.device), self._timings(stats))
+        if record_timeline:
+            out.timeline = self._gather_timeline()
+        return out
+
+    def evaluate(self, tokens: torch.Tensor) -> torch.Tensor:
+        inputs, targets, positions = self._split(tokens)
+        with self.pm.data_parallel.autocast(self.device.type):
+            return torch.tensor(self.executor.evaluate(inputs, targets, positions), device=self.device)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_pipeline(self.pm.chunks, max_norm, self.group)
+
+    def _gather_timeline(self) -> list[dict]:
+        """The step's actions with their start and end (seconds from the step's start) on every pipeline
+        rank, for the report; a collective over the pipeline group."""
+        gathered: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, self.executor.timeline, group=self.group)
+        return [{"rank": r, **a} for r, actions in enumerate(gathered) for a in actions]
+
+    def _timings(self, stats) -> dict:
+        """Every stage's busy and idle seconds of the step (a collective over the pipeline group)."""
+        from raydist.schedule.executor import stage_timings
+
+        t = stage_timings(stats, self.group, device=self.device)
+        return {"busy_s": t["pp_busy_s"], "idle_s": t["pp_idle_s"],
+                "bubble": round(sum(t["pp_bubble"]) / len(t["pp_bubble"]), 4)}
+
+
+def make_runner(pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device):
+    return PipelineRunner(pm, layout, mesh, device) if layout.pp > 1 else AccumulationRunner(pm, layout, device)

@@ -1,0 +1,123 @@
+"""Faults on a real local Ray cluster: a stopped worker (SIGSTOP: alive but silent, so no connection
+breaks) ends in a restart after the collective timeout and the run completes with the uninterrupted run's
+loss; a deterministic failure in a worker ends the run after one attempt with its own message instead of
+being retried `max_failures` times."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from raydist.config import Config, ConfigError, DataConfig
+from raydist.launcher import launch
+from raydist.testing import run_fit
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def small(data: str, root, *extra) -> Config:
+    return Config.load(None, [
+        f"data.path={data}", "data.seq_len=32", "data.reader=arrow", "model.num_layers=2", "model.d_model=64",
+        "model.ffn_hidden=128", "train.global_batch=8", "train.micro_batch=2", "train.eval_every=0",
+        "train.log_every=2", "checkpoint.every_steps=10", "checkpoint.async_save=false",
+        f"checkpoint.storage={root}", "ray.num_workers=2", "ray.max_pending_s=60", *extra])
+
+
+def records(run_dir, name="metrics.jsonl"):
+    path = os.path.join(run_dir, name)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Background:
+    def __init__(self, cfg):
+        self.result = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(cfg,), daemon=True)
+        self.thread.start()
+
+    def _run(self, cfg):
+        try:
+            self.result = launch(cfg, log=lambda *_: None)
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self, timeout_s):
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "training did not finish"
+        return self.result
+
+
+@pytest.fixture
+def ray_4cpu():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
+    yield ray
+    ray.shutdown()
+
+
+def test_a_stopped_worker_ends_in_a_restart_and_the_run_completes(ray_4cpu, tiny_data, tmp_path):
+    steps = 30
+    cfg = small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=stopped", "elastic.max_failures=2",
+                "elastic.collective_timeout_s=20")
+    [reference, _] = run_fit(cfg.to_dict(), 2, str(tmp_path / "reference"))
+    run_dir = tmp_path / "stopped"
+    job = Background(cfg)
+    wait_for(lambda: any(r["step"] >= 12 for r in records(run_dir)), 240, "step 12")
+    starts = [e for e in records(run_dir, "events.jsonl") if e["kind"] == "start"]
+    victim = starts[-1]["workers"][1]["pid"]
+    os.kill(victim, signal.SIGSTOP)  # alive, holding its sockets open, answering nothing
+    stopped_at = time.monotonic()
+    try:
+        summary = job.join(400)
+    finally:
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert job.error is None, job.error
+    assert summary["steps"] == steps and summary["restarts"] == 1
+    events = records(run_dir, "events.jsonl")
+    assert any(e["kind"] == "worker_error" and not e.get("deterministic") for e in events)
+    restart = next(e for e in events if e["kind"] == "restart")
+    assert restart["resumed_step"] == 10  # the newest commit before the stop
+    assert time.monotonic() - stopped_at < 400
+    assert abs(summary["final_loss"] - reference.losses[-1]) / reference.losses[-1] < 1e-4
+
+
+def test_a_deterministic_failure_ends_the_run_after_one_attempt(ray_4cpu, tmp_path):
+    """The data directory disappears after the driver checked it: every attempt would fail the same way."""
+    from raydist.data.prepare import prepare
+
+    data = str(tmp_path / "data")
+    prepare(DataConfig(corpus="stdlib", seq_len=32, max_corpus_mb=0.3, shard_rows=16, val_fraction=0.1), data,
+            log=lambda *_: None)
+    run_dir = tmp_path / "gone"
+    job = Background(small(data, tmp_path, "train.steps=40", "train.run_name=gone", "elastic.max_failures=-1",
+                           "data.prefetch_shards=1"))
+    wait_for(lambda: any(e["kind"] == "start" for e in records(run_dir, "events.jsonl")), 240, "the start")
+    os.rename(data, data + ".moved")
+    job.join(300)
+    assert isinstance(job.error, ConfigError), job.error
+    assert "shard listed in the manifest is missing" in str(job.error) and "not retried" in str(job.error)
+    events = records(run_dir, "events.jsonl")
+    errors = [e for e in events if e["kind"] == "worker_error"]
+    assert errors and all(e["deterministic"] for e in errors)
+    assert sum(e["kind"] == "launch" for e in events) <= 2  # the failed attempt and the one that stops at once
