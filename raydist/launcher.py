@@ -91,6 +91,7 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, storage=resolve_storage(cfg.checkpoint.storage)),
                   train=replace(cfg.train, run_name=run_name))
     run_dir = join(cfg.checkpoint.storage, run_name)
+    check_storage(cfg.checkpoint.storage)  # before anything reads it: an unreachable store is one error line
     check_run_dir(run_dir, cfg, read_manifest(cfg.data.path))  # a resumed run's checkpoints must fit
     return LaunchPlan(cfg, run_name, run_dir, num_workers, layout)
 
@@ -349,7 +350,6 @@ def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] =
         return done
     lp = plan(cfg, log)
     cfg = lp.cfg
-    check_storage(cfg.checkpoint.storage)
     with RunLease(lp.run_dir, lp.run_name, log=log):
         return _launch(cfg, lp, address, start_time, log)
 
