@@ -22,6 +22,7 @@ import torch.distributed as dist
 from raydist.checkpoint import CheckpointManager, compat
 from raydist.checkpoint.manager import read_extra
 from raydist.elastic.session import LocalSession, Session
+from raydist.metrics.background import BackgroundWriter
 from raydist.metrics.flops import peak_flops
 from raydist.metrics.goodput import EventLog, Goodput
 from raydist.metrics.logger import MetricsWriter, join, write_json
@@ -35,10 +36,11 @@ from raydist.trainer import StepStats, Trainer, TrainerOptions, peak_memory_mb
 class RunLogger:
     """Rank 0 writes metrics.jsonl; every rank keeps the interval's timings."""
 
-    def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int, tensorboard=None):
+    def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int, tensorboard=None,
+                 background=None):
         self.trainer = trainer
         self.rank0 = dist.get_rank() == 0
-        self.writer = MetricsWriter(run_dir) if run_dir and self.rank0 else None
+        self.writer = MetricsWriter(run_dir, background=background) if run_dir and self.rank0 else None
         self.tensorboard = tensorboard
         cfg = trainer.cfg
         self.run_start = run_start
@@ -68,6 +70,11 @@ class RunLogger:
     def record(self, stats: StepStats | None, val_loss: float | None = None, loss: float | None = None) -> dict:
         rec = self.base()
         if stats is not None:
+            # Settling reduces the losses of the steps since the last record (one collective, one device
+            # sync); the wait for the device's queued work belongs to those steps' time.
+            settle_start = time.perf_counter()
+            stats.loss
+            self.interval_time += time.perf_counter() - settle_start
             if self.records % 10 == 0:
                 peak, self.peak_source = peak_flops(self.trainer.device)
                 self.peak_flops = max(self.peak_flops, peak)
@@ -163,12 +170,32 @@ def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
     The session hears every step (`heartbeat`), every newly committed checkpoint (`commit`, also the final
     one) and the end (`finish`)."""
     session = session or LocalSession()
+    rank0 = dist.get_rank() == 0
+    # rank 0's progress.json, metrics and event lines are written by one background thread, off the step
+    bookkeeping = BackgroundWriter() if run_dir and rank0 else None
+    try:
+        summary = _fit(trainer, run_dir, session, log, bookkeeping)
+    except BaseException:
+        if bookkeeping is not None:
+            try:
+                bookkeeping.close()  # keep what can be kept; the run's own error is the one to report
+            except Exception:
+                pass
+        raise
+    if bookkeeping is not None:
+        bookkeeping.close()  # raises a write error the run has not seen yet
+    return summary
+
+
+def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[[str], None],
+         bookkeeping: BackgroundWriter | None) -> dict[str, Any]:
     cfg, t = trainer.cfg, trainer.cfg.train
     rank0 = dist.get_rank() == 0
-    goodput = Goodput(run_dir, trainer.options.start_time) if run_dir and rank0 else None
+    goodput = Goodput(run_dir, trainer.options.start_time, bookkeeping) if run_dir and rank0 else None
     run_start = goodput.run_start if goodput else trainer.options.start_time
     tensorboard = open_tensorboard(run_dir) if run_dir and rank0 else None
-    events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None) if run_dir and rank0 else None
+    events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None,
+                      background=bookkeeping) if run_dir and rank0 else None
     ckpt = _Checkpoints(trainer, run_dir, events, goodput, session, log, tensorboard) if run_dir else None
     session.phase("resume")
     resumed = ckpt.resume() if ckpt else None  # restores trainer.step, position, notes
@@ -184,7 +211,7 @@ def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
         if previous is not None and previous != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,
                          mesh=trainer.layout.degrees())
-    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard)
+    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard, bookkeeping)
     first_val = last_val = None
     pending = None
     session.phase("first_step")  # the first data, and the untrained model's evaluation
@@ -242,8 +269,10 @@ def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
     if ckpt:
         ckpt.sync(_numbers(summary))
     if run_dir and rank0:
+        bookkeeping.flush()  # progress, metrics and events are on storage before the summary says so
         write_json(join(run_dir, "summary.json"), summary)
         events.event("end", trainer.step, status="completed")
+        bookkeeping.flush()
     logger.close()
     session.finish(summary)
     return summary

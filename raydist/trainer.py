@@ -70,8 +70,12 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8,
-                             foreach=True)
+    # One fused kernel per parameter group on CUDA (torch.optim.AdamW's `fused`, which takes DTensor
+    # parameters too); the multi-tensor `foreach` path elsewhere (CPU results stay what the tests compare).
+    params = [p for group in groups for p in group["params"]]
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    kind = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8, **kind)
 
 
 def full_gradients(model: torch.nn.Module, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
@@ -96,16 +100,44 @@ def peak_memory_mb(device: torch.device) -> float:
 TIMELINE_STEP = 2  # the (0-based) step whose pipeline actions are timed for the report, after warm-up
 
 
-@dataclass
 class StepStats:
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    data_wait_s: float
-    sample_ids: np.ndarray | None = None
-    pipeline: dict | None = None  # per-stage busy/idle seconds and the bubble (pp > 1)
-    pipeline_timeline: list[dict] | None = None  # every action's start/end on every stage, one step
+    """One step's figures. The loss and gradient norm stay on the device until read: reading `loss` or
+    `grad_norm` settles every step still pending (`Trainer.settle`: one all-reduce over dp x cp for all of
+    their losses, one host sync), so a loop that reads them only on logged steps pays no per-step
+    collective or device sync. Reading is a collective: every active rank must read on the same steps."""
+
+    def __init__(self, trainer: "Trainer | None", local_loss: torch.Tensor | float, grad_norm: torch.Tensor | float,
+                 lr: float, step_time_s: float, data_wait_s: float, sample_ids: np.ndarray | None = None,
+                 pipeline: dict | None = None, pipeline_timeline: list[dict] | None = None):
+        self._trainer = trainer
+        self._local_loss, self._grad_norm = local_loss, grad_norm
+        self._loss: float | None = None if trainer is not None else float(local_loss)
+        self.lr, self.step_time_s, self.data_wait_s = lr, step_time_s, data_wait_s
+        self.sample_ids = sample_ids
+        self.pipeline = pipeline  # per-stage busy/idle seconds and the bubble (pp > 1)
+        self.pipeline_timeline = pipeline_timeline  # every action's start/end on every stage, one step
+
+    @property
+    def settled(self) -> bool:
+        return self._loss is not None
+
+    def _resolve(self, loss: float) -> None:
+        self._loss = loss
+        self._grad_norm = float(self._grad_norm)
+        self._trainer = None
+
+    @property
+    def loss(self) -> float:
+        """The mean loss over the global batch (every rank the same number)."""
+        if self._loss is None:
+            self._trainer.settle()
+        return self._loss
+
+    @property
+    def grad_norm(self) -> float:
+        if self._loss is None:
+            self._trainer.settle()
+        return self._grad_norm
 
 
 @dataclass
@@ -150,6 +182,7 @@ class Trainer:
         self.position = 0  # training samples consumed (global sample index of the next one)
         self.sample_log: list[np.ndarray] = []
         self.notes: dict = {}  # small JSON facts that survive restarts with the checkpoint (first_val_loss)
+        self._unsettled: list[StepStats] = []  # steps whose loss is not yet reduced (`settle`)
         self._open_data()
 
     # ---- data --------------------------------------------------------------------------------------
@@ -206,18 +239,28 @@ class Trainer:
         return self._share(rows, stop - start)
 
     # ---- compute -----------------------------------------------------------------------------------
-    def _data_mean(self, value: torch.Tensor) -> float:
-        """Mean over the ranks that hold different tokens (dp x cp; each holds the same number)."""
+    def _data_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean over the ranks that hold different tokens (dp x cp; each holds the same number), on the
+        device: `value` may hold several steps' losses (one collective for all of them)."""
         ranks = self.layout.dp * self.layout.cp
         if ranks > 1:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.dp_cp.get_group())
             value /= ranks
-        return float(value)
+        return value
+
+    def settle(self) -> None:
+        """Reduces the losses of every step not yet read (see `StepStats`)."""
+        pending, self._unsettled = self._unsettled, []
+        if not pending:
+            return
+        local = torch.stack([s._local_loss.detach().float().reshape(()) for s in pending])
+        for stats, loss in zip(pending, self._data_mean(local).tolist()):
+            stats._resolve(loss)
 
     def loss_on(self, tokens: torch.Tensor) -> float:
         """Mean loss over the global batch whose local rows are `tokens`, without touching gradients."""
-        return self._data_mean(self.runner.evaluate(tokens))
+        return float(self._data_mean(self.runner.evaluate(tokens).detach().float().reshape(())))
 
     def train_step(self, batch: tuple[torch.Tensor, np.ndarray | None] | None = None) -> StepStats:
         start = time.perf_counter()
@@ -235,9 +278,10 @@ class Trainer:
         self.position += self.layout.global_batch
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
-        loss_value = self._data_mean(out.loss)
-        return StepStats(loss_value, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids,
-                         out.pipeline, out.timeline)
+        stats = StepStats(self, out.loss, grad_norm, lr, time.perf_counter() - start, data_wait, ids,
+                          out.pipeline, out.timeline)
+        self._unsettled.append(stats)
+        return stats
 
     def evaluate(self) -> float:
         batches = self.cfg.train.eval_batches

@@ -1,8 +1,8 @@
 """Goodput across restarts: what failures and checkpoints cost, kept in the run directory.
 
-RUN_DIR/progress.json (rank 0 rewrites it after every step on local storage, at logged steps on object
-stores, where each write is a request) remembers the run's first start, the
-newest step reached and the time it was reached. A new attempt (a Ray Train restart after a worker or
+RUN_DIR/progress.json (rank 0 rewrites it after every step on local storage, from its background
+bookkeeping thread, and at logged steps on object stores, where each write is a request) remembers the
+run's first start, the newest step reached and the time it was reached. A new attempt (a Ray Train restart after a worker or
 node loss, a resize, or a rerun of the same run name) that resumes at step r < max_step redoes
 max_step - r steps (completed steps; the one in flight when the failure hit is not counted); the time from the failed attempt's last progress until the new attempt is back at
 max_step is time lost to the restart (detection, restart, checkpoint load and the redone steps).
@@ -20,6 +20,7 @@ from this attempt instead of stopping the run.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable
 
@@ -33,8 +34,9 @@ from raydist.redact import redact_tree
 class EventLog(MetricsWriter):
     """events.jsonl: {"kind", "time", "elapsed_s", "step", ...}."""
 
-    def __init__(self, run_dir: str, run_start: float, mirror: Callable[[dict], None] | None = None):
-        super().__init__(run_dir, name="events.jsonl")
+    def __init__(self, run_dir: str, run_start: float, mirror: Callable[[dict], None] | None = None,
+                 background=None):
+        super().__init__(run_dir, name="events.jsonl", background=background)
         self.run_start = run_start
         self.mirror = mirror  # e.g. the TensorBoard writer's `event`
 
@@ -55,8 +57,9 @@ def read_events(run_dir: str, problems: list[str] | None = None) -> list[dict[st
 
 
 class Goodput:
-    def __init__(self, run_dir: str, driver_start: float):
+    def __init__(self, run_dir: str, driver_start: float, background=None):
         self.path = join(run_dir, "progress.json")
+        self.background = background  # a BackgroundWriter: the newest state is written off the step
         self.local = is_local(fsspec.core.url_to_fs(run_dir)[0])
         state = read_json_or_none(self.path, "restart accounting starts over from this attempt")
         state = state if isinstance(state, dict) else {}
@@ -101,7 +104,11 @@ class Goodput:
         self.state["time_lost_checkpoint_s"] += seconds
 
     def save(self) -> None:
-        write_json(self.path, self.state)
+        if self.background is None:
+            write_json(self.path, self.state)
+            return
+        state = json.loads(json.dumps(self.state))  # a snapshot: the training thread goes on changing it
+        self.background.submit(lambda: write_json(self.path, state), key=self.path)
 
     def summary(self, final_step: int, tokens_per_step: int) -> dict[str, Any]:
         s = self.state
