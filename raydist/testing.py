@@ -129,7 +129,8 @@ def _fit(raw: dict, run_dir: str, crash_after_step: int | None, before_commit_ex
     from raydist.train_loop import fit
     from raydist.trainer import Trainer, TrainerOptions
 
-    trainer = Trainer(Config.from_dict(raw), pick_device(), options=TrainerOptions(record_samples=True))
+    trainer = Trainer(Config.from_dict(raw), pick_device(), options=TrainerOptions(record_samples=True,
+                                                                                   defer_init=True))
     losses: list[float] = []
     step_fn = trainer.train_step
 
