@@ -15,7 +15,9 @@ replicas, FSDP shards, TP column/row splits, FSDP x TP boxes and pipeline stages
 at the same coordinates. A tied output head is named by its embedding (`tok_embeddings.weight`), so a
 pipeline's output copy of a tied embedding starts identical to it. Norm weights are ones.
 
-Non-persistent buffers (the RoPE tables) are recomputed after `to_empty`, which leaves them uninitialised.
+Non-persistent buffers (the RoPE tables) are recomputed after `to_empty`, which leaves them uninitialised;
+parameters shared between modules (a tied embedding and head) are tied again after it, since moving a
+plain parameter off the meta device makes a new Parameter in each module that held it.
 """
 
 from __future__ import annotations
@@ -130,10 +132,27 @@ def init_buffers(module: nn.Module) -> None:
             reset()
 
 
+def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter registered in more than one place (a tied embedding and head), as its places."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((sub, name))
+    return [p for p in places.values() if len(p) > 1]
+
+
 def materialize(module: nn.Module, device: torch.device, cfg, seed: int, init: bool = True) -> nn.Module:
     """Give a meta-device `module` storage on `device` (each rank only its own shards), recompute its
     buffers and, when `init`, its initial weights (skipped when a checkpoint will overwrite them)."""
+    shared = _shared_parameters(module)
     module.to_empty(device=device)
+    for places in shared:  # a meta -> device move makes a new Parameter per module: tie them again
+        owner, name = places[0]
+        param = getattr(owner, name)
+        for other, other_name in places[1:]:
+            if getattr(other, other_name) is not param:
+                other.register_parameter(other_name, param)
     init_buffers(module)
     if init:
         init_weights(module, cfg, seed)
