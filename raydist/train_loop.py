@@ -1,6 +1,7 @@
 """The per-worker loop around `Trainer`: resume, train, evaluate, log, checkpoint, report.
 
-    resume from the newest valid checkpoint in RUN_DIR/checkpoints (if any)
+    resume from the newest valid checkpoint in RUN_DIR/checkpoints (if any), straight into the shards;
+        otherwise the keyed random init (a Trainer built with `defer_init` has not drawn it yet)
     step 0: untrained validation loss and first-batch loss
     steps: train; evaluate every eval_every; log every log_every; checkpoint every checkpoint.every_steps
     end: final checkpoint, summary.json (with goodput across restarts)
@@ -198,7 +199,10 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
                       background=bookkeeping) if run_dir and rank0 else None
     ckpt = _Checkpoints(trainer, run_dir, events, goodput, session, log, tensorboard) if run_dir else None
     session.phase("resume")
-    resumed = ckpt.resume() if ckpt else None  # restores trainer.step, position, notes
+    resumed = ckpt.resume() if ckpt else None  # restores trainer.step, position, notes (and the weights)
+    if resumed is None and trainer.weights_from != "init":
+        # nothing resumed (or only a checkpoint that then failed to load: its partial weights are dropped)
+        trainer.init_weights()
     attempt = goodput.on_start(trainer.step) if goodput else {"attempt": 1}
     workers = [None] * trainer.world_size  # where each rank runs, for operators (and failure tests)
     dist.all_gather_object(workers, {"host": socket.gethostname(), "pid": os.getpid()}, group=trainer.group)
@@ -206,7 +210,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         kind = "start" if attempt["attempt"] == 1 else "restart"
         events.event(kind, trainer.step, world_size=trainer.world_size, mesh=trainer.layout.degrees(),
                      idle_workers=dist.get_world_size() - trainer.world_size, layout=trainer.layout.reason,
-                     workers=workers, **attempt)
+                     workers=workers, weights=trainer.weights_from, **attempt)
         previous = (resumed or {}).get("run", {}).get("world_size")
         if previous is not None and previous != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,

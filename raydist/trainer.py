@@ -37,7 +37,8 @@ from raydist.kernels import apply_kernels
 from raydist.layout import Layout
 from raydist.metrics.kernels import kernel_calls, kernels_ran
 from raydist.mesh import Mesh
-from raydist.models.gpt import build_model
+from raydist.models.gpt import GPT
+from raydist.models.init import init_weights, materialize
 from raydist.parallel import ParallelModel, parallelize
 from raydist.runner import make_runner
 from raydist.runtime import HOST, new_group, set_default_timeout, to_device
@@ -145,6 +146,9 @@ class TrainerOptions:
     record_samples: bool = False  # keep every sample id this rank's batch leader consumed (tests)
     capture_grads: bool = False  # keep each step's full (unsharded) gradients by parameter name (tests)
     start_time: float = field(default_factory=time.time)  # the run's wall-clock origin for elapsed_s
+    # Leave the weights uninitialised until `init_weights()` or a checkpoint load (`fit` resumes first and
+    # initialises only when there was nothing to resume); the step methods refuse to run before either.
+    defer_init: bool = False
 
 
 class Trainer:
@@ -171,10 +175,22 @@ class Trainer:
         self.checkpoint_group = new_group(active, HOST, device.type, timeout_s)
         self.mesh: Mesh = self.layout.spec.build(device.type)
         self.compute_dtype = compute_dtype_for(cfg, device)
-        model = build_model(cfg.model, cfg.data.seq_len, cfg.train.seed)
+        # Built on the meta device (no storage), parallelized there, then each rank allocates and
+        # initialises only what it holds (`materialize`: to_empty, RoPE tables, init keyed by parameter name)
+        with torch.device("meta"):
+            model = GPT(cfg.model, cfg.data.seq_len)
         self.kernels = apply_kernels(model, cfg.kernels, device)  # which attention / matmul paths were chosen
         self._kernel_calls_at_start = kernel_calls()  # what ran since: kernels_ran()
-        self.pm: ParallelModel = parallelize(model, self.mesh, self.layout, device, self.compute_dtype)
+        # "init" (keyed random init), "checkpoint" (loaded), or None (deferred: neither yet)
+        self.weights_from: str | None = None if self.options.defer_init else "init"
+        self._materialized: list[torch.nn.Module] = []
+
+        def materialize_module(module: torch.nn.Module) -> None:
+            materialize(module, device, cfg.model, cfg.train.seed, init=not self.options.defer_init)
+            self._materialized.append(module)
+
+        self.pm: ParallelModel = parallelize(model, self.mesh, self.layout, device, self.compute_dtype,
+                                             materialize=materialize_module)
         self.runner = make_runner(self.pm, self.layout, self.mesh, device)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -258,11 +274,28 @@ class Trainer:
         for stats, loss in zip(pending, self._data_mean(local).tolist()):
             stats._resolve(loss)
 
+    def init_weights(self) -> None:
+        """The keyed random init (raydist.models.init) into this rank's shards: the same values in every
+        layout. The Trainer does this itself unless `options.defer_init`."""
+        for module in self._materialized:
+            init_weights(module, self.cfg.model, self.cfg.train.seed)
+        self.weights_from = "init"
+
+    def _weights_loaded(self) -> None:
+        self.weights_from = "checkpoint"
+
+    def _require_weights(self) -> None:
+        if self.weights_from is None:
+            raise RuntimeError("the model's weights are neither initialised nor loaded (TrainerOptions.defer_init):"
+                               " call Trainer.init_weights() or load a checkpoint into state_parts() first")
+
     def loss_on(self, tokens: torch.Tensor) -> float:
         """Mean loss over the global batch whose local rows are `tokens`, without touching gradients."""
+        self._require_weights()
         return float(self._data_mean(self.runner.evaluate(tokens).detach().float().reshape(())))
 
     def train_step(self, batch: tuple[torch.Tensor, np.ndarray | None] | None = None) -> StepStats:
+        self._require_weights()
         start = time.perf_counter()
         tokens, ids = batch if batch is not None else self.next_batch()
         data_wait = time.perf_counter() - start
@@ -291,7 +324,8 @@ class Trainer:
     def state_parts(self) -> dict[str, Stateful]:
         """The checkpoint's stateful parts (raydist.checkpoint.state)."""
         return {
-            "model_optim": ModelOptimizerState(self.pm.model, self.optimizer, self.pm.aliases),
+            "model_optim": ModelOptimizerState(self.pm.model, self.optimizer, self.pm.aliases,
+                                               on_load=self._weights_loaded),
             "schedule": SchedulerState(self.scheduler),
             # the stream restarts at the restored position
             "data": AttributeState(self, "step", "position", fixed={"global_batch": self.layout.global_batch},
@@ -311,6 +345,7 @@ class Trainer:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: unsharded parameter} on every rank (a collective for sharded parameters), by the unsplit
         model's names."""
+        self._require_weights()
         out = {}
         for name, param in self.pm.model.named_parameters():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param

@@ -123,7 +123,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
             print(f"worker {dist.get_rank()} is idle: {started.reason}", flush=True)
             session.follow()
             return
-        trainer = Trainer(cfg, device, started, TrainerOptions(start_time=payload["start_time"]))
+        trainer = Trainer(cfg, device, started, TrainerOptions(start_time=payload["start_time"], defer_init=True))
         fit(trainer, payload["run_dir"], session)
     except BaseException as exc:  # a peer died, a collective timed out, bad input...: say so before Ray Train
         session.fail(exc)         # restarts (and whether a restart can help)
