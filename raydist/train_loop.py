@@ -214,6 +214,10 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     healed = replicas.join() if replicas is not None else False
     resumed = ckpt.resume() if ckpt and not healed else None  # restores trainer.step, position, notes
     if replicas is not None and not healed:
+        if trainer.step >= t.steps:  # a replacement that arrived after the others finished: nothing to do
+            trainer.close()
+            session.finish({})
+            return {"status": "completed", "steps": trainer.step}
         replicas.set_step(trainer.step)
     if healed:
         attempt = {"attempt": goodput.state["attempts"] if goodput else 1}
