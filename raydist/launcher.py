@@ -287,7 +287,7 @@ class Progress:
             parts.append(f"ETA {format_duration(step_time * (self.total - step))}")
         if rec.get("mfu") is not None:
             parts.append(f"mfu {100 * rec['mfu']:.1f}%")
-        parts.append(f"workers {rec.get('world_size')}")
+        parts.append(f"replicas {rec['replicas']}" if rec.get("replicas") else f"workers {rec.get('world_size')}")
         return " | ".join(parts)
 
 
