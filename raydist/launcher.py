@@ -198,7 +198,7 @@ def resolve_use_gpu(cfg: Config) -> bool:
     return cfg.ray.use_gpu == "true"
 
 
-def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float):
+def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -209,11 +209,23 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float):
                             resources_per_worker=worker_resources(cfg, use_gpu), placement_strategy="PACK")
     if cfg.elastic_enabled:
         scaling.elastic_resize_monitor_interval_s = cfg.elastic.resize_check_interval_s
-    payload = {"config": cfg.to_dict(), "run_dir": lp.run_dir, "use_gpu": use_gpu, "start_time": start_time}
+    payload = {"config": cfg.to_dict(), "run_dir": lp.run_dir, "use_gpu": use_gpu, "start_time": start_time,
+               "record_samples": record_samples}
+    backend = dict(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s))
+    if cfg.elastic.live_recovery:
+        # Ray Train runs torchft's Lighthouse and makes every worker a replica group of its own, replacing
+        # only a failed one (raydist.elastic.live)
+        from ray.train.v2.torch.torchft_config import TorchftConfig
+
+        from raydist.elastic.live import LIGHTHOUSE_KWARGS
+
+        torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), **backend)
+    else:
+        torch_config = TorchConfig(**backend)
     return TorchTrainer(
         ray_worker_entry,
         train_loop_config=payload,
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s)),
+        torch_config=torch_config,
         scaling_config=scaling,
         run_config=RunConfig(name=lp.run_name, storage_path=cfg.checkpoint.storage,
                              failure_config=FailureConfig(max_failures=cfg.elastic.max_failures)),
@@ -275,7 +287,7 @@ class Progress:
             parts.append(f"ETA {format_duration(step_time * (self.total - step))}")
         if rec.get("mfu") is not None:
             parts.append(f"mfu {100 * rec['mfu']:.1f}%")
-        parts.append(f"workers {rec.get('world_size')}")
+        parts.append(f"replicas {rec['replicas']}" if rec.get("replicas") else f"workers {rec.get('world_size')}")
         return " | ".join(parts)
 
 
@@ -341,8 +353,10 @@ def check_storage(storage: str) -> None:
 # ---- entry -----------------------------------------------------------------------------------------
 
 
-def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Runs a training job to completion; returns summary.json's content."""
+def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] = print,
+           record_samples: bool = False) -> dict[str, Any]:
+    """Runs a training job to completion; returns summary.json's content. `record_samples` (tests): with
+    live recovery, every replica appends the sample ids of its committed steps to RUN_DIR/samples/."""
     start_time = time.time()
     log = redacting(log)
     done = completed_summary(cfg, log)
@@ -351,11 +365,11 @@ def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] =
     lp = plan(cfg, log)
     cfg = lp.cfg
     with RunLease(lp.run_dir, lp.run_name, log=log):
-        return _launch(cfg, lp, address, start_time, log)
+        return _launch(cfg, lp, address, start_time, log, record_samples)
 
 
 def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
-            log: Callable[[str], None]) -> dict[str, Any]:
+            log: Callable[[str], None], record_samples: bool = False) -> dict[str, Any]:
     write_text(join(lp.run_dir, "config.toml"), redact(cfg.to_toml()))
     import ray
 
@@ -372,7 +386,7 @@ def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
                           log=log, setting="elastic.min_workers" if cfg.elastic_enabled else "ray.num_workers")
         log(f"run {lp.run_name}: {lp.num_workers} worker(s), {'GPU/nccl' if use_gpu else 'CPU/gloo'}, "
             f"run directory {lp.run_dir}")
-        trainer = build_trainer(lp, use_gpu, start_time)
+        trainer = build_trainer(lp, use_gpu, start_time, record_samples)
         try:
             with Progress(lp.run_dir, cfg.train.steps):
                 trainer.fit()

@@ -32,6 +32,7 @@ from raydist.config import Config, ConfigError
 from raydist.data.position import SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.stream import SampleStream, Split, make_reader
+from raydist.elastic.live import Replicas, live_slice, micro_batch_for
 from raydist.elastic.policy import plan_layout
 from raydist.kernels import apply_kernels
 from raydist.layout import Layout
@@ -117,6 +118,7 @@ class StepStats:
         self.sample_ids = sample_ids
         self.pipeline = pipeline  # per-stage busy/idle seconds and the bubble (pp > 1)
         self.pipeline_timeline = pipeline_timeline  # every action's start/end on every stage, one step
+        self.replicas: int | None = None  # live recovery: replicas in this step's quorum
 
     @property
     def settled(self) -> bool:
@@ -199,6 +201,9 @@ class Trainer:
         self.sample_log: list[np.ndarray] = []
         self.notes: dict = {}  # small JSON facts that survive restarts with the checkpoint (first_val_loss)
         self._unsettled: list[StepStats] = []  # steps whose loss is not yet reduced (`settle`)
+        # live recovery (raydist.elastic.live): this worker is one replica of a quorum; set before training
+        self.replicas: Replicas | None = None
+        self.retried_steps = 0  # live steps redone because a replica was lost inside them
         self._open_data()
 
     # ---- data --------------------------------------------------------------------------------------
@@ -228,11 +233,14 @@ class Trainer:
             dist.broadcast(tokens, src=self.mesh.batch_leader_rank, group=self.mesh.batch_peers.get_group())
         return tokens
 
-    def next_batch(self) -> tuple[torch.Tensor, np.ndarray | None]:
-        """This dp rank's rows of the next global batch, and (on the batch leader) their sample ids."""
-        start, stop = rank_slice(self.position, self.layout.global_batch, self.mesh.dp_rank, self.layout.dp)
+    def next_batch(self, span: tuple[int, int] | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
+        """This dp rank's rows of the next global batch (or the positions `span`), and (on the batch
+        leader) their sample ids."""
+        start, stop = span or rank_slice(self.position, self.layout.global_batch, self.mesh.dp_rank, self.layout.dp)
         ids = rows = None
         if self.mesh.is_batch_leader:
+            if self._stream is not None and start < self._stream.position:
+                self.close()  # a step redone with another split reads its rows again: reopen there
             if self._stream is None:
                 self._stream = SampleStream(self.train_split, self.train_order, self._reader(), start)
             ids, rows = self._stream.take(start, stop)
@@ -296,6 +304,8 @@ class Trainer:
 
     def train_step(self, batch: tuple[torch.Tensor, np.ndarray | None] | None = None) -> StepStats:
         self._require_weights()
+        if self.replicas is not None:
+            return self._live_step()
         start = time.perf_counter()
         tokens, ids = batch if batch is not None else self.next_batch()
         data_wait = time.perf_counter() - start
@@ -315,6 +325,57 @@ class Trainer:
                           out.pipeline, out.timeline)
         self._unsettled.append(stats)
         return stats
+
+    def _live_step(self) -> StepStats:
+        """One step as a replica of a torchft quorum (raydist.elastic.live): this replica's share of the global
+        batch, gradients and loss summed over the quorum weighted by rows / G, committed only if the whole
+        quorum finished; a step that fails is redone with the next quorum over the same [P, P + G)."""
+        g = self.layout.global_batch
+        start = time.perf_counter()
+        data_wait = 0.0
+        while True:
+            rank, count = self.replicas.begin_step()  # a replacement receives the live state here
+            span = live_slice(self.position, g, rank, count)
+            wait_start = time.perf_counter()
+            tokens, ids = self.next_batch(span)
+            data_wait += time.perf_counter() - wait_start
+            rows = span[1] - span[0]
+            out = self.runner.step(tokens, micro_batch=micro_batch_for(rows, self.layout.micro_batch))
+            loss = self._reduce_over_replicas(out.loss, rows / g)
+            grad_norm = self.runner.clip(self.cfg.train.grad_clip)
+            if self.replicas.should_commit():
+                break
+            self.optimizer.zero_grad(set_to_none=True)  # a replica was lost inside the step: redo it
+            self.retried_steps += 1
+        if self.options.capture_grads:
+            self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        self.position += g
+        self.last_span = span
+        if self.options.record_samples and ids is not None:
+            self.sample_log.append(ids)
+        stats = StepStats(None, loss, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
+        stats.replicas = count
+        return stats
+
+    def _reduce_over_replicas(self, local_loss: torch.Tensor, weight: float) -> float:
+        """Gradients and loss <- sum over the quorum of weight_r x (this replica's), weight_r = rows_r / G: the
+        mean over the global batch when replicas hold unequal shares. One flat all-reduce."""
+        params = [p for p in self.pm.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.detach().float().reshape(-1) for g in grads] +
+                         [local_loss.detach().float().reshape(1)]) * weight
+        self.replicas.all_reduce_sum(flat)
+        offset = 0
+        for param, grad in zip(params, grads):
+            n = grad.numel()
+            param.grad = flat[offset:offset + n].view_as(grad).to(grad.dtype)
+            offset += n
+        return float(flat[-1])
 
     def evaluate(self) -> float:
         batches = self.cfg.train.eval_batches

@@ -9,7 +9,9 @@ max_step is time lost to the restart (detection, restart, checkpoint load and th
 Checkpoint stalls are the seconds training waited for staging or for a previous save.
 
 RUN_DIR/events.jsonl gets one line per event: launch (a worker group is up), start, restart, resize,
-checkpoint, checkpoint_skipped, worker_error (a worker saw a failure, e.g. a dead peer), end. Events come
+checkpoint, checkpoint_skipped, worker_error (a worker saw a failure, e.g. a dead peer), replica_lost and
+replica_joined (live recovery: a replica left or rejoined the quorum; replica_time_out_s sums the replica-
+seconds the run trained without a lost replica, while restarts and steps_redone stay 0), end. Events come
 from several writers (rank 0 in `fit`, any rank outside it, each attempt); see logger.py for how their
 lines stay whole, and `read_events` for the merged, time-ordered view. Every string in an event is passed
 through `redact` (a checkpoint path or an error message may hold a storage URI with credentials).
@@ -44,6 +46,8 @@ class EventLog(MetricsWriter):
         now = time.time()
         record = redact_tree({"kind": kind, "step": step, "time": round(now, 3),
                               "elapsed_s": round(now - self.run_start, 3), **fields})
+        if self.gate is not None and not self.gate():
+            return record
         self.write(record)
         if self.mirror is not None:
             self.mirror(record)
@@ -66,8 +70,10 @@ class Goodput:
         self.state: dict[str, Any] = {
             "run_start_time": driver_start, "attempts": 0, "restarts": 0, "max_step": 0, "last_time": None,
             "steps_redone": 0, "time_lost_restart_s": 0.0, "time_lost_checkpoint_s": 0.0, "recovering": None,
+            "replicas_lost": 0, "replica_time_out_s": 0.0,
             **state,
         }
+        self.gate: Callable[[], bool] | None = None  # live recovery: only the quorum's rank 0 writes
 
     @property
     def run_start(self) -> float:
@@ -103,7 +109,16 @@ class Goodput:
     def add_checkpoint_stall(self, seconds: float) -> None:
         self.state["time_lost_checkpoint_s"] += seconds
 
+    def on_replica_lost(self) -> None:
+        self.state["replicas_lost"] += 1
+
+    def on_replica_joined(self, time_out_s: float) -> None:
+        """A replica (live recovery) is back after `time_out_s`: replica-seconds the run trained without it."""
+        self.state["replica_time_out_s"] += time_out_s
+
     def save(self) -> None:
+        if self.gate is not None and not self.gate():
+            return
         if self.background is None:
             write_json(self.path, self.state)
             return
@@ -118,6 +133,8 @@ class Goodput:
             "steps_redone": s["steps_redone"],
             "time_lost_restart_s": round(s["time_lost_restart_s"], 3),
             "time_lost_checkpoint_s": round(s["time_lost_checkpoint_s"], 3),
+            "replicas_lost": s["replicas_lost"],
+            "replica_time_out_s": round(s["replica_time_out_s"], 3),
             "run_wall_s": round(wall, 3),
             "useful_tokens_per_s": round(final_step * tokens_per_step / max(wall, 1e-9), 2),
         }

@@ -27,7 +27,7 @@ import secrets
 import socket
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 
@@ -66,8 +66,13 @@ class MetricsWriter:
         self.lines: list[str] = []
         self.part_path = None if self.local else f"{self.fs_path}.d/{writer_id()}.jsonl"
         self.background = background  # a BackgroundWriter (metrics/background.py): writes leave the caller
+        # live recovery: every replica keeps the bookkeeping, only the one the gate names (the quorum's
+        # rank 0, which may change during the run) writes it
+        self.gate: Callable[[], bool] | None = None
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.gate is not None and not self.gate():
+            return
         line = json.dumps(_clean(record), sort_keys=False)  # serialised now: the record may change later
         if self.background is not None:
             self.background.submit(lambda: self._write_line(line))
