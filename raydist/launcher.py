@@ -72,6 +72,12 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
 def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     """All driver-side checks; returns where the run goes and how many workers it asks for."""
     cfg = ensure_data(cfg, log)
+    if cfg.elastic.live_recovery:
+        try:
+            import torchft  # noqa: F401
+        except ImportError:
+            raise ConfigError("elastic.live_recovery=true needs torchft, which is not installed; "
+                              "pip install 'raydist[live]' (or set elastic.live_recovery=false)") from None
     if cfg.elastic_enabled:
         num_workers: int | tuple[int, int] = (cfg.elastic.min_workers, cfg.elastic.max_workers)
         sizes = range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1)
