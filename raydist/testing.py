@@ -192,3 +192,31 @@ def logits_after_load(raw: dict, run_dir: str | None, tokens: torch.Tensor, step
     with torch.no_grad():
         out = trainer.pm.module(tokens.to(trainer.device))
     return (out.full_tensor() if hasattr(out, "full_tensor") else out).cpu()
+
+
+# ---- Hugging Face Llama directories for the fine-tuning tests -----------------------------------
+
+
+def save_tiny_llama(path, *, tied: bool = True, seed: int = 0, **shape) -> Any:
+    """A transformers LlamaForCausalLM of TINY_MODEL's shape (overridden by `shape`, in raydist's names)
+    with weights of order one (every matrix ~ N(0, 1/D_in), norm gains ~ 1 + N(0, 0.2): logits that a wrong
+    layout would visibly change), saved with save_pretrained at `path`; returns the model (fp32, eager)."""
+    import math
+
+    import transformers
+
+    m = {**TINY_MODEL, "rope_theta": 10000.0, "norm_eps": 1e-5, **shape}
+    config = transformers.LlamaConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["d_model"], num_hidden_layers=m["num_layers"],
+        num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"], intermediate_size=m["ffn_hidden"],
+        rope_theta=m["rope_theta"], rms_norm_eps=m["norm_eps"], tie_word_embeddings=tied,
+        max_position_embeddings=256, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if p.dim() == 1 else noise / math.sqrt(p.shape[1]))
+    model.save_pretrained(str(path))
+    return model

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from raydist.checkpoint.compat import compat_record
 from raydist.checkpoint.state import AttributeState, ModelOptimizerState, RNGState, SchedulerState, Stateful
-from raydist.config import Config, ConfigError
+from raydist.config import Config, ConfigError, hf_dir_of
 from raydist.data.position import SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.stream import SampleStream, Split, make_reader
@@ -38,7 +38,9 @@ from raydist.layout import Layout
 from raydist.metrics.kernels import kernel_calls, kernels_ran
 from raydist.mesh import Mesh
 from raydist.models.gpt import build_model
+from raydist.models.hf_load import load_into_shards
 from raydist.parallel import ParallelModel, parallelize
+from raydist.peft import apply_peft, is_adapter, parameter_counts
 from raydist.runner import make_runner
 from raydist.runtime import HOST, new_group, set_default_timeout, to_device
 
@@ -140,9 +142,13 @@ class Trainer:
         self.mesh: Mesh = self.layout.spec.build(device.type)
         self.compute_dtype = compute_dtype_for(cfg, device)
         model = build_model(cfg.model, cfg.data.seq_len, cfg.train.seed)
+        apply_peft(model, cfg.peft, cfg.train.seed)  # adapters / frozen weights, before any parallel wrap
+        self.param_counts = parameter_counts(model)  # trainable and total, unsharded (summary.json)
         self.kernels = apply_kernels(model, cfg.kernels, device)  # which attention / matmul paths were chosen
         self._kernel_calls_at_start = kernel_calls()  # what ran since: kernels_ran()
         self.pm: ParallelModel = parallelize(model, self.mesh, self.layout, device, self.compute_dtype)
+        if cfg.model.init_from:  # pretrained weights into this rank's shards (a resumed checkpoint then wins)
+            load_into_shards(self.pm.model, hf_dir_of(cfg.model.init_from), self.pm.aliases, skip=is_adapter)
         self.runner = make_runner(self.pm, self.layout, self.mesh, device)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))

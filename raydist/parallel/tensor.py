@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 from raydist.mesh import Mesh
 from raydist.models.gpt import cross_entropy
 from raydist.parallel.vocab_loss import vocab_parallel_cross_entropy
+from raydist.peft import lora_tensor_parallel_style
 
 
 class NormParallel(ParallelStyle):
@@ -212,7 +213,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool 
     tp = tp_mesh.size()
     layout: Placement = Shard(1) if sequence_parallel else Replicate()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(model.cfg, tp, layout))
+        plan = {key: lora_tensor_parallel_style(block.get_submodule(key), style)  # LoRA: A/B follow W's split
+                for key, style in block_plan(model.cfg, tp, layout).items()}
+        parallelize_module(block, tp_mesh, plan)
     tied = model.tied
     parallelize_module(model, tp_mesh, root_plan(model, layout))
     if tied:  # both Shard(0) over the vocabulary: share the embedding's matrix again
