@@ -53,3 +53,103 @@ def test_init_from_loads_every_layout_exactly(tiny_data, llama_dirs, parallel, w
         for name, tensor in rank_params.items():
             source = "tok_embeddings.weight" if kind == "tied" and name == "output.weight" else name
             assert torch.equal(tensor, expected[source]), name
+
+
+# ---- raydist eval ------------------------------------------------------------------------------------
+
+
+def _split_rows(data_path: str, split: str = "val") -> torch.Tensor:
+    from raydist.data.stream import Split, read_shard
+
+    data = Split.open(data_path, split)
+    return torch.cat([torch.from_numpy(read_shard(data, i).tokens) for i in range(len(data.shards))])
+
+
+def transformers_loss(model_dir: str, rows: torch.Tensor) -> float:
+    """Mean next-token cross-entropy of transformers' model on `rows` (N, T + 1), summed in float64."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    total = 0.0
+    with torch.no_grad():
+        for chunk in rows.split(32):
+            logits = model(input_ids=chunk[:, :-1], use_cache=False).logits
+            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), chunk[:, 1:].flatten(),
+                                                             reduction="sum"))
+    return total / rows[:, 1:].numel()
+
+
+def run_cli(capsys, *argv) -> dict:
+    from raydist.cli import main
+
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_eval_of_hf_dir_equals_transformers_loss(tiny_data, llama_dirs, capsys, kind):
+    rows = _split_rows(tiny_data)
+    got = run_cli(capsys, "eval", f"hf:{llama_dirs[kind]}", "--data", tiny_data)
+    expected = transformers_loss(llama_dirs[kind], rows)
+    print(f"eval hf:{kind}: raydist {got['loss']:.6f} transformers {expected:.6f} over {got['tokens']} tokens")
+    assert got["tokens"] == rows[:, 1:].numel() > 10_000
+    assert abs(got["loss"] - expected) / expected < 1e-4
+    assert got["loss"] > 3.0  # random order-one weights: far from a trained model, so the check is not vacuous
+
+
+def _val_loss(raw: dict) -> float:
+    from raydist.runtime import pick_device
+    from raydist.trainer import Trainer
+
+    trainer = Trainer(Config.from_dict(raw), pick_device())
+    try:
+        return trainer.evaluate()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}], ids=["fsdp2", "tp2"])
+def test_loading_under_fsdp_and_tp_gives_transformers_loss(tiny_data, llama_dirs, parallel):
+    raw = tiny_config(tiny_data, model={"init_from": f"hf:{llama_dirs['untied']}"}, parallel=parallel,
+                      train={"eval_every": 1, "eval_batches": 2, "global_batch": 8})
+    rows = _split_rows(tiny_data)[:16]  # eval_batches x global_batch rows, in file order
+    expected = transformers_loss(llama_dirs["untied"], rows)
+    for loss in spawn(_val_loss, 2, raw):
+        assert abs(loss - expected) / expected < 1e-4, (loss, expected)
+
+
+def test_init_from_errors(tmp_path, llama_dirs, tiny_data):
+    d = llama_dirs["tied"]
+    with pytest.raises(ConfigError, match=r"model.d_model=128 disagrees with hf:.* hidden_size=64"):
+        Config.from_dict(tiny_config(tiny_data, model={"init_from": f"hf:{d}", "d_model": 128}))
+    with pytest.raises(ConfigError, match="must be 'hf:DIR'"):
+        Config.from_dict({"model": {"init_from": d}})
+    with pytest.raises(ConfigError, match="is not a directory"):
+        Config.from_dict({"model": {"init_from": f"hf:{tmp_path}/nope"}})
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="model_type='gpt2' is not supported"):
+        Config.from_dict({"model": {"init_from": f"hf:{tmp_path}/gpt2"}})
+    cfg = Config.from_dict(tiny_config(tiny_data, model={"init_from": f"hf:{d}"}))
+    assert cfg.model.tie_embeddings and cfg.model.d_model == 64 and cfg.model.init_from == f"hf:{d}"
+
+
+def test_cli_init_from_errors_before_workers(tmp_path, llama_dirs, tiny_data, capsys):
+    """One `error:` line, exit 2, from the driver's checks: no safetensors, a mismatched vocabulary."""
+    import shutil
+
+    from raydist.cli import main
+
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    shutil.copy(os.path.join(llama_dirs["tied"], "config.json"), empty / "config.json")
+    small = tmp_path / "small-vocab"
+    save_tiny_llama(small, vocab_size=128)
+    for init, match in [(empty, "no \\*.safetensors files"), (small, "tokenized with a vocabulary of 257 but")]:
+        config = tmp_path / "finetune.toml"  # only the pretrained directory: its config.json gives the shape
+        config.write_text(f'[model]\ninit_from = "hf:{init}"\n[data]\npath = "{tiny_data}"\nseq_len = 32\n'
+                          f'[checkpoint]\nstorage = "{tmp_path}/runs"\n')
+        capsys.readouterr()
+        code = main(["train", str(config)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+        assert __import__("re").search(match, err[0]), err[0]
