@@ -153,3 +153,55 @@ def test_cli_init_from_errors_before_workers(tmp_path, llama_dirs, tiny_data, ca
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
         assert __import__("re").search(match, err[0]), err[0]
+
+
+# ---- raydist export ------------------------------------------------------------------------------
+
+
+TOKENS = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(3))
+
+
+def _write_run_config(raw: dict, run_dir: str) -> None:
+    """What the launcher writes into a run directory (run_fit, as the tests drive it, does not)."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.toml"), "w") as f:
+        f.write(Config.from_dict(raw).to_toml())
+
+
+def _trained_run(tiny_data, hf_dir: str, run_dir: str, parallel: dict, steps: int = 3, **sections) -> dict:
+    from raydist.testing import run_fit
+
+    raw = tiny_config(tiny_data, model={"init_from": f"hf:{hf_dir}"}, parallel=parallel,
+                      train={"steps": steps, "lr": 1e-2, "warmup_steps": 0},
+                      checkpoint={"every_steps": 0, "async_save": False}, **sections)
+    _write_run_config(raw, run_dir)
+    run_fit(raw, 2 if parallel else 1, run_dir)
+    return raw
+
+
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}], ids=["fsdp2", "tp2", "pp2"])
+def test_export_after_training_loads_in_transformers(tiny_data, llama_dirs, tmp_path, capsys, parallel):
+    from raydist.testing import logits_after_load
+
+    run_dir, out = str(tmp_path / "run"), str(tmp_path / "hf-out")
+    raw = _trained_run(tiny_data, llama_dirs["tied"], run_dir, parallel)
+    written = run_cli(capsys, "export", run_dir, "--hf", out, "--max-shard-size-mb", "0.1")
+    assert written["step"] == 3 and "model.safetensors.index.json" in written["files"]
+
+    # raydist's logits: the checkpoint loaded by the layout that wrote it (PP: one process, resharded by DCP)
+    layout_raw, world = (raw, 2) if "pp" not in parallel else (tiny_config(tiny_data, model=raw["model"]), 1)
+    ours = spawn(logits_after_load, world, layout_raw, run_dir, TOKENS, 3)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = model(input_ids=TOKENS, use_cache=False).logits
+        original = transformers.AutoModelForCausalLM.from_pretrained(llama_dirs["tied"]).eval()(
+            input_ids=TOKENS, use_cache=False).logits
+    assert (theirs - original).abs().max() > 1e-2  # training moved the weights
+    diff = (theirs - ours).abs().max().item()
+    print(f"export {parallel}: max abs logit diff {diff:.2e} (max abs logit {ours.abs().max():.1f})")
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+    # `raydist eval` of the run equals transformers' loss on the export
+    got = run_cli(capsys, "eval", run_dir, "--data", tiny_data)
+    expected = transformers_loss(out, _split_rows(tiny_data))
+    assert abs(got["loss"] - expected) / expected < 1e-4 and got["step"] == 3
