@@ -117,7 +117,8 @@ class VocabParallelEmbedding(ParallelStyle):
         if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
             raise ValueError(f"VocabParallelEmbedding supports a plain nn.Embedding, got {module}")
         module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight.detach(), device_mesh,
-                                                                           (Shard(0),))))
+                                                                           (Shard(0),)),
+                                                         requires_grad=module.weight.requires_grad))  # peft
         layout = self.layout
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:  # tokens (B, T), the same on every tp rank
@@ -199,7 +200,7 @@ def register_gradient_layout(module: nn.Module) -> None:
     """Install `gradient_in_parameter_layout` on every DTensor parameter of `module` (FSDP2 replaces the
     parameters and redistributes their gradients itself before its reduce-scatter)."""
     for param in module.parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and param.requires_grad:  # frozen (peft) weights get no gradient
             param.register_post_accumulate_grad_hook(gradient_in_parameter_layout)
 
 
