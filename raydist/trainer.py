@@ -70,8 +70,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group (LoRA trains only matrices) is left out: DCP's flattened optimizer state cannot load one
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.train.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8,
                              foreach=True)
 
