@@ -154,3 +154,17 @@ def test_lora_export_merges_and_adapter_only_is_peft_format(tiny_data, llama_dir
                 modules[name].weight += config["lora_alpha"] / config["r"] * (b @ a)
         applied = base(input_ids=tokens).logits
     torch.testing.assert_close(applied, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_run_resumes_exactly(tiny_data, llama_dir, tmp_path):
+    """A LoRA run killed after step 3 resumes from its checkpoint (adapters, their AdamW state; the
+    checkpoint wins over init_from) with the losses of an uninterrupted run."""
+    from raydist.testing import run_fit
+
+    raw = lora_config(tiny_data, llama_dir, {"dp_shard": 2})
+    raw["train"].update(steps=5)
+    raw["checkpoint"] = {"every_steps": 3, "async_save": False}
+    reference = run_fit(raw, 2, str(tmp_path / "reference"))[0].losses
+    assert run_fit(raw, 2, str(tmp_path / "run"), crash_after_step=4) is None
+    resumed = run_fit(raw, 2, str(tmp_path / "run"))[0].losses
+    assert resumed == pytest.approx(reference[3:], rel=1e-6)
