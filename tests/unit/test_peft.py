@@ -168,3 +168,13 @@ def test_lora_run_resumes_exactly(tiny_data, llama_dir, tmp_path):
     assert run_fit(raw, 2, str(tmp_path / "run"), crash_after_step=4) is None
     resumed = run_fit(raw, 2, str(tmp_path / "run"))[0].losses
     assert resumed == pytest.approx(reference[3:], rel=1e-6)
+
+
+def test_finetune_workload_loads_and_takes_the_model_from_init_from(llama_dir):
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "workloads" / "finetune_lora.toml"
+    cfg = Config.load(path)
+    assert cfg.peft.method == "lora" and cfg.model.init_from == ""
+    tuned = Config.load(path, [f"model.init_from=hf:{llama_dir}"])
+    assert (tuned.model.vocab_size, tuned.model.d_model, tuned.model.num_layers) == (320, 64, 2)
