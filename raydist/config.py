@@ -45,6 +45,10 @@ class ModelConfig:
     """Share the input embedding with the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2*layers))."""
+    init_from: str = ""
+    """Start from pretrained weights: `hf:DIR`, a Hugging Face Llama directory (config.json and
+    *.safetensors). The shape keys above are then read from its config.json (one set here must agree);
+    each rank reads only its shards. Resuming from a run's own checkpoint wins over it."""
 
 
 @dataclass(frozen=True)
@@ -211,7 +215,24 @@ class KernelsConfig:
     """`auto` (Triton on CUDA, torch on CPU), `triton`, `torch`."""
 
 
+@dataclass(frozen=True)
+class PeftConfig:
+    method: str = "none"
+    """Parameter-efficient fine-tuning: `none` (train everything), `lora` (low-rank adapters on frozen
+    weights; Hu et al., 2021), `freeze` (train only the last `trainable_last_layers` blocks)."""
+    lora_rank: int = 8
+    """LoRA rank r: each adapted weight W (out x in) gains B (out x r) A (r x in)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the update is (lora_alpha / lora_rank) B A x."""
+    lora_targets: str = "attention"
+    """Which projections get adapters: `attention` (wq, wk, wv, wo), `mlp` (w1, w2, w3), `all`."""
+    trainable_last_layers: int = 1
+    """For `freeze`: the last this many blocks (and the final norm; the head too when untied) train."""
+
+
 CHOICES: dict[str, tuple[str, ...]] = {
+    "peft.method": ("none", "lora", "freeze"),
+    "peft.lora_targets": ("attention", "mlp", "all"),
     "data.reader": ("auto", "ray", "arrow"),
     "parallel.cp_impl": ("ring", "ulysses"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved", "zbh1", "zbv"),
@@ -231,6 +252,7 @@ SECTIONS: dict[str, type] = {
     "elastic": ElasticConfig,
     "ray": RayConfig,
     "kernels": KernelsConfig,
+    "peft": PeftConfig,
 }
 
 
@@ -244,6 +266,7 @@ class Config:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -254,6 +277,8 @@ class Config:
         for item in overrides:
             section, key, value = parse_override(item)
             raw.setdefault(section, {})[key] = value
+        if isinstance(raw.get("model"), dict) and raw["model"].get("init_from"):
+            raw["model"] = _model_from_init(raw["model"])
         sections = {}
         for name, value in raw.items():
             if name not in SECTIONS:
@@ -339,6 +364,12 @@ class Config:
             raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1; set tp or turn sequence_parallel off")
         if p.num_microbatches < 0:
             raise ConfigError(f"parallel.num_microbatches={p.num_microbatches} must be >= 0 (0: automatic)")
+        pe = self.peft
+        if pe.method == "lora" and not (pe.lora_rank > 0 and pe.lora_alpha > 0):
+            raise ConfigError(f"peft.lora_rank={pe.lora_rank} and peft.lora_alpha={pe.lora_alpha} must be > 0")
+        if pe.method == "freeze" and not 0 < pe.trainable_last_layers <= m.num_layers:
+            raise ConfigError(f"peft.trainable_last_layers={pe.trainable_last_layers} must be in 1..model.num_layers="
+                              f"{m.num_layers} for peft.method='freeze'")
         e = self.elastic
         if e.min_workers < 0 or e.max_workers < 0:
             raise ConfigError("elastic.min_workers and elastic.max_workers must be >= 0")
@@ -387,6 +418,30 @@ class Config:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+
+
+def hf_dir_of(init_from: str) -> str:
+    """The directory of `model.init_from = "hf:DIR"` (ConfigError for any other form)."""
+    if not isinstance(init_from, str) or not init_from.startswith("hf:") or not init_from[3:]:
+        raise ConfigError(f"model.init_from={init_from!r} must be 'hf:DIR', a Hugging Face Llama directory "
+                          "(config.json and *.safetensors), e.g. init_from = \"hf:./Llama-3.2-1B\"")
+    return init_from[3:]
+
+
+def _model_from_init(section: dict[str, Any]) -> dict[str, Any]:
+    """[model] with the shape keys of `init_from`'s config.json filled in (DIR made absolute); a key the
+    user set that disagrees is a ConfigError."""
+    from raydist.models.hf import check_explicit_keys, model_config_from_hf
+
+    path = hf_dir_of(section["init_from"])
+    path = path if "://" in path else str(Path(path).expanduser().resolve())
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.init_from={section['init_from']!r}: {path} is not a directory; download the "
+                          "model (e.g. `huggingface-cli download meta-llama/Llama-3.2-1B --local-dir DIR`)")
+    from_hf = model_config_from_hf(path)
+    check_explicit_keys({k: v for k, v in section.items() if k != "init_from"}, from_hf, f"hf:{path}")
+    return {**section, **from_hf, "init_from": f"hf:{path}"}
+
 
 
 def _positive(name: str, value: int) -> None:

@@ -61,6 +61,10 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} but {cfg.data.path} was prepared with seq_len="
                           f"{manifest['seq_len']}; set data.seq_len={manifest['seq_len']} or prepare again")
     vocab = manifest["tokenizer"]["vocab_size"]
+    if vocab > cfg.model.vocab_size and cfg.model.init_from:
+        raise ConfigError(f"{cfg.data.path} was tokenized with a vocabulary of {vocab} but {cfg.model.init_from} "
+                          f"has vocab_size={cfg.model.vocab_size}; prepare the data with the model's tokenizer "
+                          f"(data.tokenizer = \"{cfg.model.init_from[3:]}/tokenizer.json\")")
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({vocab}); set model.vocab_size >= {vocab}")
@@ -78,6 +82,11 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
         except ImportError:
             raise ConfigError("elastic.live_recovery=true needs torchft, which is not installed; "
                               "pip install 'raydist[live]' (or set elastic.live_recovery=false)") from None
+    if cfg.model.init_from:  # names and shapes from the safetensors headers, before any worker starts
+        from raydist.config import hf_dir_of
+        from raydist.models.hf_load import check_checkpoint
+
+        check_checkpoint(hf_dir_of(cfg.model.init_from), cfg.model)
     if cfg.elastic_enabled:
         num_workers: int | tuple[int, int] = (cfg.elastic.min_workers, cfg.elastic.max_workers)
         sizes = range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1)

@@ -233,3 +233,31 @@ def _construct(raw: dict) -> Constructed:
 def constructed(raw: dict, world_size: int) -> list[Constructed]:
     """Build the Trainer of config `raw` on `world_size` processes (no step); what each rank holds."""
     return spawn(_construct, world_size, raw, device=harness_device(world_size))
+
+
+# ---- Hugging Face Llama directories for the fine-tuning tests -----------------------------------
+
+
+def save_tiny_llama(path, *, tied: bool = True, seed: int = 0, **shape) -> Any:
+    """A transformers LlamaForCausalLM of TINY_MODEL's shape (overridden by `shape`, in raydist's names)
+    with weights of order one (every matrix ~ N(0, 1/D_in), norm gains ~ 1 + N(0, 0.2): logits that a wrong
+    layout would visibly change), saved with save_pretrained at `path`; returns the model (fp32, eager)."""
+    import math
+
+    import transformers
+
+    m = {**TINY_MODEL, "rope_theta": 10000.0, "norm_eps": 1e-5, **shape}
+    config = transformers.LlamaConfig(
+        vocab_size=m["vocab_size"], hidden_size=m["d_model"], num_hidden_layers=m["num_layers"],
+        num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"], intermediate_size=m["ffn_hidden"],
+        rope_theta=m["rope_theta"], rms_norm_eps=m["norm_eps"], tie_word_embeddings=tied,
+        max_position_embeddings=256, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if p.dim() == 1 else noise / math.sqrt(p.shape[1]))
+    model.save_pretrained(str(path))
+    return model

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from raydist.checkpoint.compat import compat_record
 from raydist.checkpoint.state import AttributeState, ModelOptimizerState, RNGState, SchedulerState, Stateful
-from raydist.config import Config, ConfigError
+from raydist.config import Config, ConfigError, hf_dir_of
 from raydist.data.position import SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.stream import SampleStream, Split, make_reader
@@ -39,8 +39,10 @@ from raydist.layout import Layout
 from raydist.metrics.kernels import kernel_calls, kernels_ran
 from raydist.mesh import Mesh
 from raydist.models.gpt import GPT
+from raydist.models.hf_load import load_into_shards
 from raydist.models.init import init_weights, materialize
 from raydist.parallel import ParallelModel, parallelize
+from raydist.peft import apply_peft, is_adapter, parameter_counts
 from raydist.runner import make_runner
 from raydist.runtime import HOST, new_group, set_default_timeout, to_device
 
@@ -70,8 +72,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.ndim >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    # An empty group (LoRA trains only matrices) is left out: DCP's flattened optimizer state cannot load one
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.train.weight_decay},
+                          {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
     # One fused kernel per parameter group on CUDA (torch.optim.AdamW's `fused`, which takes DTensor
     # parameters too); the multi-tensor `foreach` path elsewhere (CPU results stay what the tests compare).
     params = [p for group in groups for p in group["params"]]
@@ -181,18 +184,23 @@ class Trainer:
         # initialises only what it holds (`materialize`: to_empty, RoPE tables, init keyed by parameter name)
         with torch.device("meta"):
             model = GPT(cfg.model, cfg.data.seq_len)
+        apply_peft(model, cfg.peft, cfg.train.seed)  # adapters / frozen weights, before any parallel wrap
+        self.param_counts = parameter_counts(model)  # trainable and total, unsharded (summary.json)
         self.kernels = apply_kernels(model, cfg.kernels, device)  # which attention / matmul paths were chosen
         self._kernel_calls_at_start = kernel_calls()  # what ran since: kernels_ran()
-        # "init" (keyed random init), "checkpoint" (loaded), or None (deferred: neither yet)
-        self.weights_from: str | None = None if self.options.defer_init else "init"
+        # "init" (keyed random init, then model.init_from's pretrained weights), "checkpoint" (loaded), or
+        # None (deferred: neither yet)
+        self.weights_from: str | None = None
         self._materialized: list[torch.nn.Module] = []
 
         def materialize_module(module: torch.nn.Module) -> None:
-            materialize(module, device, cfg.model, cfg.train.seed, init=not self.options.defer_init)
+            materialize(module, device, cfg.model, cfg.train.seed, init=False)
             self._materialized.append(module)
 
         self.pm: ParallelModel = parallelize(model, self.mesh, self.layout, device, self.compute_dtype,
                                              materialize=materialize_module)
+        if not self.options.defer_init:
+            self.init_weights()
         self.runner = make_runner(self.pm, self.layout, self.mesh, device)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -283,10 +291,13 @@ class Trainer:
             stats._resolve(loss)
 
     def init_weights(self) -> None:
-        """The keyed random init (raydist.models.init) into this rank's shards: the same values in every
-        layout. The Trainer does this itself unless `options.defer_init`."""
+        """The keyed random init (raydist.models.init) into this rank's shards, the same values in every
+        layout, then `model.init_from`'s pretrained weights (read straight into the shards). The Trainer does
+        this itself unless `options.defer_init` (a resumed checkpoint then replaces both)."""
         for module in self._materialized:
             init_weights(module, self.cfg.model, self.cfg.train.seed)
+        if self.cfg.model.init_from:  # pretrained weights into this rank's shards (adapters keep their init)
+            load_into_shards(self.pm.model, hf_dir_of(self.cfg.model.init_from), self.pm.aliases, skip=is_adapter)
         self.weights_from = "init"
 
     def _weights_loaded(self) -> None:

@@ -95,6 +95,12 @@ def read_json(uri: str):
         return json.load(f)
 
 
+def read_text(uri: str) -> str:
+    fs, path = fsspec.core.url_to_fs(uri)
+    with fs.open(path, "r") as f:
+        return f.read()
+
+
 def crc32_file(fs, path: str, chunk: int = 8 << 20) -> tuple[int, int]:
     """(size, CRC-32) of a file, read once."""
     crc, size = 0, 0

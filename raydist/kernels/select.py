@@ -97,7 +97,8 @@ def install_triton_matmul(model: nn.Module) -> int:
         if type(module) in (nn.Linear, TorchLinear):
             module.__class__ = TritonLinear
             changed += 1
-        elif type(module) is FeedForward:
+        elif type(module) is FeedForward and not any(hasattr(m, "lora_a") for m in module.children()):
+            # (the fused SwiGLU reads w1/w3's weights directly: it would skip LoRA adapters on them)
             module.__class__ = TritonFeedForward
             changed += 1
     return changed

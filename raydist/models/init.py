@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 BLOCK_ELEMENTS = 1 << 20  # about this many elements per generator block (whole rows; at least one row)
-RESIDUAL_OUTPUTS = ("wo", "w2")  # projections into the residual stream: std / sqrt(2 L) (GPT-2's scaling)
+RESIDUAL_OUTPUTS = ("wo", "w2")
+LORA_A, LORA_B = ".lora_a", ".lora_b"  # LoRA adapters (raydist.peft), named under their projection  # projections into the residual stream: std / sqrt(2 L) (GPT-2's scaling)
 
 
 def canonical_name(name: str, tied: bool) -> str:
@@ -64,16 +65,22 @@ def full_rows(name: str, shape: tuple[int, ...], start: int, stop: int, cfg, see
     rest = tuple(shape[1:])
     if is_norm(name):
         return torch.ones((stop - start, *rest))
+    if name.endswith(LORA_B):  # LoRA's B starts at zero: the adapted model starts as the base model
+        return torch.zeros((stop - start, *rest))
     if stop <= start:
         return torch.empty((0, *rest))
     per = rows_per_block(shape)
-    std = init_std(name, cfg)
     first, last = start // per, (stop - 1) // per
     parts = []
     for block in range(first, last + 1):
         rows = min(per, shape[0] - block * per)
         gen = torch.Generator().manual_seed(block_seed(seed, name, block))
-        parts.append(torch.empty((rows, *rest)).normal_(0.0, std, generator=gen))
+        values = torch.empty((rows, *rest))
+        if name.endswith(LORA_A):  # LoRA's A: uniform(+-1/sqrt(in)), as nn.Linear's default (Hu et al., 2021)
+            bound = 1 / math.sqrt(shape[1])
+            parts.append(values.uniform_(-bound, bound, generator=gen))
+        else:
+            parts.append(values.normal_(0.0, init_std(name, cfg), generator=gen))
     values = parts[0] if len(parts) == 1 else torch.cat(parts)
     return values[start - first * per: stop - first * per]
 

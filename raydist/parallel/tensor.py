@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 from raydist.mesh import Mesh
 from raydist.models.gpt import cross_entropy
 from raydist.parallel.vocab_loss import vocab_parallel_cross_entropy
+from raydist.peft import lora_tensor_parallel_style
 
 
 class NormParallel(ParallelStyle):
@@ -116,7 +117,8 @@ class VocabParallelEmbedding(ParallelStyle):
         if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
             raise ValueError(f"VocabParallelEmbedding supports a plain nn.Embedding, got {module}")
         module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight.detach(), device_mesh,
-                                                                           (Shard(0),))))
+                                                                           (Shard(0),)),
+                                                         requires_grad=module.weight.requires_grad))  # peft
         layout = self.layout
 
         def forward(tokens: torch.Tensor) -> torch.Tensor:  # tokens (B, T), the same on every tp rank
@@ -198,7 +200,7 @@ def register_gradient_layout(module: nn.Module) -> None:
     """Install `gradient_in_parameter_layout` on every DTensor parameter of `module` (FSDP2 replaces the
     parameters and redistributes their gradients itself before its reduce-scatter)."""
     for param in module.parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and param.requires_grad:  # frozen (peft) weights get no gradient
             param.register_post_accumulate_grad_hook(gradient_in_parameter_layout)
 
 
@@ -212,7 +214,9 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool 
     tp = tp_mesh.size()
     layout: Placement = Shard(1) if sequence_parallel else Replicate()
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(model.cfg, tp, layout))
+        plan = {key: lora_tensor_parallel_style(block.get_submodule(key), style)  # LoRA: A/B follow W's split
+                for key, style in block_plan(model.cfg, tp, layout).items()}
+        parallelize_module(block, tp_mesh, plan)
     tied = model.tied
     parallelize_module(model, tp_mesh, root_plan(model, layout))
     if tied:  # both Shard(0) over the vocabulary: share the embedding's matrix again

@@ -1,0 +1,119 @@
+"""`model.init_from = "hf:DIR"`: a Hugging Face Llama checkpoint streamed into this rank's parameters.
+
+After the model is parallelized, each rank holds, per parameter, one rectangle of the unsharded tensor:
+all of it (a replica, a pipeline stage's own blocks), or the block that FSDP's Shard(0) and tensor
+parallelism's Shard(0)/Shard(1) leave it (a DTensor's local shard; `compute_local_shape_and_global_offset`
+gives the rectangle for any placements). `load_into_shards` reads exactly that rectangle from the
+safetensors file (`safe_open(...).get_slice`, which reads only those bytes) and copies it into the local
+shard, so no rank materialises a tensor it does not hold. The q/k rotary permutation between the two
+conventions (raydist.models.hf) moves rows only within a head, so a row range is widened to whole heads,
+permuted, and narrowed back.
+
+`check_checkpoint` validates names and shapes from the files' headers alone (the driver calls it before
+any worker starts); adapter parameters (raydist.peft) are not in a Hugging Face checkpoint and keep their
+own init.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+from raydist.config import ConfigError, ModelConfig
+from raydist.models import hf
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """raydist name -> unsharded shape of every parameter of the model (both halves of a tied pair)."""
+    from raydist.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg, max_seq_len=2)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+
+def check_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig) -> None:
+    """ConfigError unless `hf_dir` holds every tensor of a `cfg` model with its shape (headers only)."""
+    from safetensors import safe_open
+
+    hf.check_explicit_keys({k: getattr(cfg, k) for k in hf.HF_CONFIG_KEYS}, hf.model_config_from_hf(hf_dir),
+                           source=f"hf:{hf_dir}")
+    sources = hf._raydist_sources(hf_dir, cfg)
+    shapes = expected_shapes(cfg)
+    missing, unexpected = sorted(set(shapes) - set(sources)), sorted(set(sources) - set(shapes))
+    if missing or unexpected:
+        raise ConfigError(f"hf:{hf_dir}: " + "; ".join(
+            f"{what} tensors {[hf.raydist_to_hf_name(n) for n in names[:5]]}"
+            for what, names in (("missing", missing), ("unexpected", unexpected)) if names)
+            + " for the model its config.json describes")
+    for f in sorted({f for _, f in sources.values()}):
+        with safe_open(str(f), framework="pt") as fh:
+            for name, (hf_name, where) in sources.items():
+                if where != f:
+                    continue
+                shape = tuple(fh.get_slice(hf_name).get_shape())
+                if shape != shapes[name]:
+                    raise ConfigError(f"hf:{hf_dir}: {hf_name} has shape {shape}, but config.json describes "
+                                      f"{shapes[name]} (raydist's {name}); the directory's files disagree")
+
+
+def local_region(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of the block of the unsharded tensor that this rank's local shard of `param` holds."""
+    if not hasattr(param, "device_mesh"):
+        return (0,) * param.dim(), tuple(param.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(offset), tuple(shape)
+
+
+def read_block(fh, hf_name: str, name: str, offsets, sizes, cfg: ModelConfig) -> torch.Tensor:
+    """tensor[offsets : offsets + sizes] of raydist parameter `name`, in raydist layout, reading that block
+    (rows widened to whole heads for wq/wk, whose rotary permutation moves rows within a head)."""
+    starts, stops = list(offsets), [o + s for o, s in zip(offsets, sizes)]
+    trim = None
+    if hf._is_rotary(name) and starts:
+        e = cfg.d_model // cfg.num_heads
+        row0, row1 = starts[0] // e * e, -(-stops[0] // e) * e
+        trim = (starts[0] - row0, sizes[0])
+        starts[0], stops[0] = row0, row1
+    block = fh.get_slice(hf_name)[tuple(slice(a, b) for a, b in zip(starts, stops))]
+    block = hf.to_raydist(name, block, cfg)
+    return block.narrow(0, *trim) if trim is not None else block
+
+
+def load_into_shards(model: torch.nn.Module, hf_dir: str | os.PathLike, aliases: dict[str, str] | None = None,
+                     skip=lambda name: False) -> list[str]:
+    """Copy `hf_dir` into this rank's parameters of `model` (a parallelized GPT or its pipeline stage view,
+    with the unsharded names), each reading only its local block; returns the names loaded. `skip(name)`
+    leaves a parameter alone (adapters); `aliases` maps a name to the one the checkpoint knows it by."""
+    from safetensors import safe_open
+
+    cfg: ModelConfig = model.cfg
+    sources = hf._raydist_sources(hf_dir, cfg)
+    loaded = []
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        handles: dict[Path, object] = {}
+        for name, param in model.named_parameters():
+            if skip(name):
+                continue
+            key = (aliases or {}).get(name, name)
+            if key not in sources:
+                raise ConfigError(f"hf:{hf_dir}: missing tensor {hf.raydist_to_hf_name(key)} (raydist's {key})")
+            hf_name, f = sources[key]
+            if f not in handles:
+                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+            local = param.to_local() if hasattr(param, "to_local") else param
+            offsets, sizes = local_region(param)
+            if local.numel() == 0:
+                continue
+            block = read_block(handles[f], hf_name, key, offsets, sizes, cfg)
+            if tuple(block.shape) != tuple(local.shape):
+                raise ConfigError(f"hf:{hf_dir}: {hf_name} block {tuple(block.shape)} does not fit raydist's {name} "
+                                  f"local shard {tuple(local.shape)}; the checkpoint's shapes disagree with its config")
+            local.copy_(block)
+            loaded.append(name)
+    return loaded

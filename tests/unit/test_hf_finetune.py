@@ -1,0 +1,207 @@
+"""Fine-tuning real models: `model.init_from = "hf:DIR"` loads into every layout's shards, `raydist eval`
+equals transformers' loss, and exports from FSDP / TP / PP runs load in transformers with equal logits."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from raydist.config import Config, ConfigError
+from raydist.runtime import spawn
+from raydist.testing import save_tiny_llama, tiny_config
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def llama_dirs(tmp_path_factory):
+    """Two transformers Llama directories of the tiny shape: tied, and untied saved in several shards."""
+    tied = tmp_path_factory.mktemp("llama-tied")
+    untied = tmp_path_factory.mktemp("llama-untied")
+    save_tiny_llama(tied, tied=True, seed=1)
+    model = save_tiny_llama(untied, tied=False, seed=2)
+    model.save_pretrained(str(untied), max_shard_size="100KB")  # several files with an index
+    assert (untied / "model.safetensors.index.json").is_file()
+    return {"tied": str(tied), "untied": str(untied)}
+
+
+def _full_parameters(raw: dict) -> dict[str, torch.Tensor]:
+    from raydist.runtime import pick_device
+    from raydist.trainer import Trainer
+
+    trainer = Trainer(Config.from_dict(raw), pick_device())
+    try:
+        return trainer.full_parameters()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("parallel, world", [({}, 1), ({"dp_shard": 2}, 2), ({"tp": 2}, 2), ({"pp": 2}, 2)],
+                         ids=["single", "fsdp2", "tp2", "pp2"])
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_init_from_loads_every_layout_exactly(tiny_data, llama_dirs, parallel, world, kind):
+    from raydist.models.hf import iter_hf_tensors
+
+    raw = tiny_config(tiny_data, model={"init_from": f"hf:{llama_dirs[kind]}"}, parallel=parallel)
+    expected = dict(iter_hf_tensors(llama_dirs[kind]))
+    for rank_params in spawn(_full_parameters, world, raw):
+        assert rank_params
+        for name, tensor in rank_params.items():
+            source = "tok_embeddings.weight" if kind == "tied" and name == "output.weight" else name
+            assert torch.equal(tensor, expected[source]), name
+
+
+# ---- raydist eval ------------------------------------------------------------------------------------
+
+
+def _split_rows(data_path: str, split: str = "val") -> torch.Tensor:
+    from raydist.data.stream import Split, read_shard
+
+    data = Split.open(data_path, split)
+    return torch.cat([torch.from_numpy(read_shard(data, i).tokens) for i in range(len(data.shards))])
+
+
+def transformers_loss(model_dir: str, rows: torch.Tensor) -> float:
+    """Mean next-token cross-entropy of transformers' model on `rows` (N, T + 1), summed in float64."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    total = 0.0
+    with torch.no_grad():
+        for chunk in rows.split(32):
+            logits = model(input_ids=chunk[:, :-1], use_cache=False).logits
+            total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), chunk[:, 1:].flatten(),
+                                                             reduction="sum"))
+    return total / rows[:, 1:].numel()
+
+
+def run_cli(capsys, *argv) -> dict:
+    from raydist.cli import main
+
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied"])
+def test_eval_of_hf_dir_equals_transformers_loss(tiny_data, llama_dirs, capsys, kind):
+    rows = _split_rows(tiny_data)
+    got = run_cli(capsys, "eval", f"hf:{llama_dirs[kind]}", "--data", tiny_data)
+    expected = transformers_loss(llama_dirs[kind], rows)
+    print(f"eval hf:{kind}: raydist {got['loss']:.6f} transformers {expected:.6f} over {got['tokens']} tokens")
+    assert got["tokens"] == rows[:, 1:].numel() > 10_000
+    assert abs(got["loss"] - expected) / expected < 1e-4
+    assert got["loss"] > 3.0  # random order-one weights: far from a trained model, so the check is not vacuous
+
+
+def _val_loss(raw: dict) -> float:
+    from raydist.runtime import pick_device
+    from raydist.trainer import Trainer
+
+    trainer = Trainer(Config.from_dict(raw), pick_device())
+    try:
+        return trainer.evaluate()
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}], ids=["fsdp2", "tp2"])
+def test_loading_under_fsdp_and_tp_gives_transformers_loss(tiny_data, llama_dirs, parallel):
+    raw = tiny_config(tiny_data, model={"init_from": f"hf:{llama_dirs['untied']}"}, parallel=parallel,
+                      train={"eval_every": 1, "eval_batches": 2, "global_batch": 8})
+    rows = _split_rows(tiny_data)[:16]  # eval_batches x global_batch rows, in file order
+    expected = transformers_loss(llama_dirs["untied"], rows)
+    for loss in spawn(_val_loss, 2, raw):
+        assert abs(loss - expected) / expected < 1e-4, (loss, expected)
+
+
+def test_init_from_errors(tmp_path, llama_dirs, tiny_data):
+    d = llama_dirs["tied"]
+    with pytest.raises(ConfigError, match=r"model.d_model=128 disagrees with hf:.* hidden_size=64"):
+        Config.from_dict(tiny_config(tiny_data, model={"init_from": f"hf:{d}", "d_model": 128}))
+    with pytest.raises(ConfigError, match="must be 'hf:DIR'"):
+        Config.from_dict({"model": {"init_from": d}})
+    with pytest.raises(ConfigError, match="is not a directory"):
+        Config.from_dict({"model": {"init_from": f"hf:{tmp_path}/nope"}})
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="model_type='gpt2' is not supported"):
+        Config.from_dict({"model": {"init_from": f"hf:{tmp_path}/gpt2"}})
+    cfg = Config.from_dict(tiny_config(tiny_data, model={"init_from": f"hf:{d}"}))
+    assert cfg.model.tie_embeddings and cfg.model.d_model == 64 and cfg.model.init_from == f"hf:{d}"
+
+
+def test_cli_init_from_errors_before_workers(tmp_path, llama_dirs, tiny_data, capsys):
+    """One `error:` line, exit 2, from the driver's checks: no safetensors, a mismatched vocabulary."""
+    import shutil
+
+    from raydist.cli import main
+
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    shutil.copy(os.path.join(llama_dirs["tied"], "config.json"), empty / "config.json")
+    small = tmp_path / "small-vocab"
+    save_tiny_llama(small, vocab_size=128)
+    for init, match in [(empty, "no \\*.safetensors files"), (small, "tokenized with a vocabulary of 257 but")]:
+        config = tmp_path / "finetune.toml"  # only the pretrained directory: its config.json gives the shape
+        config.write_text(f'[model]\ninit_from = "hf:{init}"\n[data]\npath = "{tiny_data}"\nseq_len = 32\n'
+                          f'[checkpoint]\nstorage = "{tmp_path}/runs"\n')
+        capsys.readouterr()
+        code = main(["train", str(config)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+        assert __import__("re").search(match, err[0]), err[0]
+
+
+# ---- raydist export ------------------------------------------------------------------------------
+
+
+TOKENS = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(3))
+
+
+def _write_run_config(raw: dict, run_dir: str) -> None:
+    """What the launcher writes into a run directory (run_fit, as the tests drive it, does not)."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "config.toml"), "w") as f:
+        f.write(Config.from_dict(raw).to_toml())
+
+
+def _trained_run(tiny_data, hf_dir: str, run_dir: str, parallel: dict, steps: int = 3, **sections) -> dict:
+    from raydist.testing import run_fit
+
+    raw = tiny_config(tiny_data, model={"init_from": f"hf:{hf_dir}"}, parallel=parallel,
+                      train={"steps": steps, "lr": 1e-2, "warmup_steps": 0},
+                      checkpoint={"every_steps": 0, "async_save": False}, **sections)
+    _write_run_config(raw, run_dir)
+    run_fit(raw, 2 if parallel else 1, run_dir)
+    return raw
+
+
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}], ids=["fsdp2", "tp2", "pp2"])
+def test_export_after_training_loads_in_transformers(tiny_data, llama_dirs, tmp_path, capsys, parallel):
+    from raydist.testing import logits_after_load
+
+    run_dir, out = str(tmp_path / "run"), str(tmp_path / "hf-out")
+    raw = _trained_run(tiny_data, llama_dirs["tied"], run_dir, parallel)
+    written = run_cli(capsys, "export", run_dir, "--hf", out, "--max-shard-size-mb", "0.1")
+    assert written["step"] == 3 and "model.safetensors.index.json" in written["files"]
+
+    # raydist's logits: the checkpoint loaded by the layout that wrote it (PP: one process, resharded by DCP)
+    layout_raw, world = (raw, 2) if "pp" not in parallel else (tiny_config(tiny_data, model=raw["model"]), 1)
+    ours = spawn(logits_after_load, world, layout_raw, run_dir, TOKENS, 3)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = model(input_ids=TOKENS, use_cache=False).logits
+        original = transformers.AutoModelForCausalLM.from_pretrained(llama_dirs["tied"]).eval()(
+            input_ids=TOKENS, use_cache=False).logits
+    assert (theirs - original).abs().max() > 1e-2  # training moved the weights
+    diff = (theirs - ours).abs().max().item()
+    print(f"export {parallel}: max abs logit diff {diff:.2e} (max abs logit {ours.abs().max():.1f})")
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+    # `raydist eval` of the run equals transformers' loss on the export
+    got = run_cli(capsys, "eval", run_dir, "--data", tiny_data)
+    expected = transformers_loss(out, _split_rows(tiny_data))
+    assert abs(got["loss"] - expected) / expected < 1e-4 and got["step"] == 3

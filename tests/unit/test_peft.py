@@ -1,0 +1,180 @@
+"""LoRA (Hu et al., 2021) and layer freezing: LoRA under FSDP 2 and TP 2 equals LoRA in one process (losses
+every step, adapters after the last), base weights stay bit-identical, frozen weights hold no optimizer
+state; exports merge the adapters or write PEFT's adapter format."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from raydist.config import Config, ConfigError
+from raydist.runtime import spawn
+from raydist.testing import run_layout, save_tiny_llama, tiny_config
+
+transformers = pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+LORA = {"method": "lora", "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "all"}
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    save_tiny_llama(path, tied=True, seed=5)
+    return str(path)
+
+
+def lora_config(tiny_data, llama_dir, parallel=None, **peft):
+    return tiny_config(tiny_data, model={"init_from": f"hf:{llama_dir}"}, parallel=parallel or {},
+                       train={"lr": 1e-2, "warmup_steps": 0}, peft={**LORA, **peft})
+
+
+@pytest.fixture(scope="module")
+def single_lora(tiny_data, llama_dir):
+    [ref] = run_layout(lora_config(tiny_data, llama_dir), 1, steps=STEPS)
+    return ref
+
+
+def _adapters(params: dict) -> dict:
+    return {n: t for n, t in params.items() if n.endswith((".lora_a", ".lora_b"))}
+
+
+def test_lora_single_process_trains_only_adapters(single_lora, llama_dir):
+    from raydist.models.hf import iter_hf_tensors
+
+    adapters = _adapters(single_lora.params)
+    assert len(adapters) == 2 * 7 * 2  # A and B on 7 projections in each of 2 blocks
+    assert set(single_lora.grads) == set(adapters)  # only adapters receive gradients
+    assert all(adapters[n].abs().max() > 0 for n in adapters if n.endswith("lora_b"))  # B left zero
+    assert single_lora.losses[-1] < single_lora.losses[0]
+    for name, tensor in iter_hf_tensors(llama_dir):
+        assert torch.equal(single_lora.params[name], tensor), name  # base weights bit-identical
+
+
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}, {"dp_replicate": 2}], ids=["fsdp2", "tp2", "ddp2"])
+def test_lora_layouts_equal_single_process(tiny_data, llama_dir, single_lora, parallel):
+    from raydist.models.hf import iter_hf_tensors
+
+    base = dict(iter_hf_tensors(llama_dir))
+    for rank in run_layout(lora_config(tiny_data, llama_dir, parallel), 2, steps=STEPS):
+        ref, got = np.asarray(single_lora.losses), np.asarray(rank.losses)
+        rel = np.abs(got - ref) / np.abs(ref)
+        assert (rel <= 1e-4).all(), (ref.tolist(), got.tolist())
+        for name, tensor in _adapters(rank.params).items():
+            want = single_lora.params[name]
+            error = float((tensor - want).norm() / want.norm())
+            assert error <= 1e-4, f"{name} differs by {error:.2e} (relative norm)"
+        assert set(_adapters(rank.params)) == set(_adapters(single_lora.params))
+        for name, tensor in base.items():
+            assert torch.equal(rank.params[name], tensor), f"{name} changed"
+
+
+def _optimizer_view(raw: dict) -> dict:
+    from raydist.runtime import pick_device
+    from raydist.trainer import Trainer
+
+    trainer = Trainer(Config.from_dict(raw), pick_device())
+    try:
+        in_optimizer = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+        return {"optimized": sorted(n for n, p in trainer.pm.model.named_parameters() if id(p) in in_optimizer),
+                "frozen_sharded": all(hasattr(p, "to_local") for n, p in trainer.pm.model.named_parameters()
+                                      if not p.requires_grad),
+                **trainer.param_counts}
+    finally:
+        trainer.close()
+
+
+def test_frozen_weights_have_no_optimizer_state_and_stay_sharded(tiny_data, llama_dir):
+    [view, _] = spawn(_optimizer_view, 2, lora_config(tiny_data, llama_dir, {"dp_shard": 2}, lora_targets="mlp"))
+    assert view["optimized"] and all(n.endswith((".lora_a", ".lora_b")) for n in view["optimized"])
+    assert len(view["optimized"]) == 2 * 3 * 2 and view["frozen_sharded"]
+    r, d, f = 4, 64, 128
+    assert view["trainable_params"] == 2 * (2 * (r * d + f * r) + (r * f + d * r))
+    [freeze] = spawn(_optimizer_view, 1, lora_config(tiny_data, llama_dir, method="freeze", trainable_last_layers=1))
+    assert {n.split(".")[0] + "." + n.split(".")[1] for n in freeze["optimized"] if n.startswith("layers.")} \
+        == {"layers.1"} and "norm.weight" in freeze["optimized"]
+    assert "tok_embeddings.weight" not in freeze["optimized"]
+
+
+def test_peft_config_errors():
+    with pytest.raises(ConfigError, match="peft.method='prefix' is not one of none, lora, freeze"):
+        Config.from_dict({"peft": {"method": "prefix"}})
+    with pytest.raises(ConfigError, match="peft.lora_rank=0"):
+        Config.from_dict({"peft": {"method": "lora", "lora_rank": 0}})
+    with pytest.raises(ConfigError, match="peft.trainable_last_layers=9 must be in 1..model.num_layers=4"):
+        Config.from_dict({"peft": {"method": "freeze", "trainable_last_layers": 9}})
+
+
+def test_lora_export_merges_and_adapter_only_is_peft_format(tiny_data, llama_dir, tmp_path, capsys):
+    """A LoRA run exported merged loads in transformers with raydist's logits; the adapter-only export,
+    applied to the base model by PEFT's rule W + (lora_alpha / r) B A on the named modules, gives the same."""
+    from safetensors.torch import load_file
+
+    from raydist.cli import main
+    from raydist.testing import logits_after_load, run_fit
+
+    run_dir, merged, adapter = str(tmp_path / "run"), str(tmp_path / "merged"), str(tmp_path / "adapter")
+    raw = lora_config(tiny_data, llama_dir, {"dp_shard": 2}, lora_targets="all")
+    raw["train"].update(steps=3)
+    raw["checkpoint"] = {"every_steps": 0, "async_save": False}
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "config.toml"), "w") as f:
+        f.write(Config.from_dict(raw).to_toml())
+    [summary, _] = [r.summary for r in run_fit(raw, 2, run_dir)]
+    assert 0 < summary["trainable_params"] < summary["total_params"] / 10
+
+    assert main(["export", run_dir, "--hf", merged]) == 0
+    assert main(["export", run_dir, "--hf", adapter, "--adapter-only"]) == 0
+    capsys.readouterr()
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(4))
+    ours = spawn(logits_after_load, 2, raw, run_dir, tokens, 3)[0]
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=tokens).logits
+        base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
+        untrained = base(input_ids=tokens).logits
+    assert (ours - untrained).abs().max() > 1e-2  # the adapters changed the model
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+    config = json.loads(open(os.path.join(adapter, "adapter_config.json")).read())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8.0
+    assert sorted(config["target_modules"]) == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"])
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    modules = dict(base.named_modules())
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if ".lora_A." in key:
+                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = tensors[key.replace("lora_A", "lora_B")]
+                modules[name].weight += config["lora_alpha"] / config["r"] * (b @ a)
+        applied = base(input_ids=tokens).logits
+    torch.testing.assert_close(applied, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_run_resumes_exactly(tiny_data, llama_dir, tmp_path):
+    """A LoRA run killed after step 3 resumes from its checkpoint (adapters, their AdamW state; the
+    checkpoint wins over init_from) with the losses of an uninterrupted run."""
+    from raydist.testing import run_fit
+
+    raw = lora_config(tiny_data, llama_dir, {"dp_shard": 2})
+    raw["train"].update(steps=5)
+    raw["checkpoint"] = {"every_steps": 3, "async_save": False}
+    reference = run_fit(raw, 2, str(tmp_path / "reference"))[0].losses
+    assert run_fit(raw, 2, str(tmp_path / "run"), crash_after_step=4) is None
+    resumed = run_fit(raw, 2, str(tmp_path / "run"))[0].losses
+    assert resumed == pytest.approx(reference[3:], rel=1e-6)
+
+
+def test_finetune_workload_loads_and_takes_the_model_from_init_from(llama_dir):
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "workloads" / "finetune_lora.toml"
+    cfg = Config.load(path)
+    assert cfg.peft.method == "lora" and cfg.model.init_from == ""
+    tuned = Config.load(path, [f"model.init_from=hf:{llama_dir}"])
+    assert (tuned.model.vocab_size, tuned.model.d_model, tuned.model.num_layers) == (320, 64, 2)
