@@ -90,8 +90,8 @@ def train_losses(kernels: KernelsConfig, steps: int = 3) -> tuple[dict, list[flo
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     g = torch.Generator().manual_seed(1)
     losses = []
+    tokens = torch.randint(0, TINY.vocab_size, (2, 33), generator=g)  # one batch: the loss must fall on it
     for _ in range(steps):
-        tokens = torch.randint(0, TINY.vocab_size, (2, 33), generator=g)
         loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         opt.step()
