@@ -293,7 +293,19 @@ def _warn_local_paths(cfg: Config, lp: LaunchPlan, log: Callable[[str], None]) -
 
 def format_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def format_rate(per_s: float | None) -> str:
+    """12.3k, 1.25M: three significant figures."""
+    if not per_s:
+        return "0"
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if per_s >= scale:
+            return f"{per_s / scale:.3g}{suffix}"
+    return f"{per_s:.3g}"
 
 
 # ---- safety: before anything is started or written -----------------------------------------------
@@ -351,7 +363,24 @@ def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] =
     cfg = lp.cfg
     check_storage(cfg.checkpoint.storage)
     with RunLease(lp.run_dir, lp.run_name, log=log):
-        return _launch(cfg, lp, address, start_time, log)
+        try:
+            return _launch(cfg, lp, address, start_time, log)
+        except KeyboardInterrupt:
+            record_end(lp.run_dir, start_time, "interrupted", "interrupted (Ctrl-C or SIGINT)")
+            raise
+        except BaseException as exc:
+            record_end(lp.run_dir, start_time, "failed", failures.describe(exc))
+            raise
+
+
+def record_end(run_dir: str, start_time: float, status: str, error: str) -> None:
+    """The driver's `end` event for a run that did not complete (what `raydist status` reads)."""
+    from raydist.metrics.goodput import EventLog
+
+    try:
+        EventLog(run_dir, start_time).event("end", None, status=status, error=redact(error)[:500], source="driver")
+    except Exception:  # bookkeeping must never hide the run's own outcome
+        pass
 
 
 def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
