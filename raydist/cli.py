@@ -31,8 +31,10 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 def cmd_train(args) -> int:
     from raydist.launcher import launch
 
+    from raydist.console import Console
+
     cfg = Config.load(args.config or _default_config_path(), args.overrides)
-    launch(cfg, address=args.address)
+    launch(cfg, address=args.address, console=Console(verbose=args.verbose))
     return 0
 
 
@@ -59,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a workload on Ray (embedded local Ray unless an address is given)")
     train.add_argument("config", nargs="?", help=f"TOML config (default: workloads/{DEFAULT_WORKLOAD})")
     train.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
+    train.add_argument("--verbose", "-v", action="store_true",
+                       help="show Ray's own driver and worker output on the console (default: RUN_DIR/logs/)")
     _add_set(train)
     train.set_defaults(func=cmd_train)
 

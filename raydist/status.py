@@ -185,7 +185,7 @@ def _num(value: Any, digits: int = 4) -> str:
 
 
 def format_status(s: dict[str, Any]) -> str:
-    from raydist.launcher import format_duration, format_rate
+    from raydist.console import format_duration, format_rate
 
     lines = [f"run         {s['run_name']}  ({s['run_dir']})", f"state       {s['state']}  ({s['detail']})"]
     if s["steps"]:

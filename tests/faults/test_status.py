@@ -69,6 +69,7 @@ def test_status_of_a_failed_run(tiny_data, tmp_path, capsys, launch_without_ray)
         launch(Config.load(tmp_path / "run.toml", [f"checkpoint.storage={tmp_path}", "train.run_name=broken",
                                                                "ray.num_workers=1"]),
                log=lambda *_: None)
+    capsys.readouterr()
     s, text = status(capsys, run_dir)
     assert s["state"] == "failed" and (s["step"], s["steps"]) == (6, 10)
     assert s["checkpoint"]["step"] == 5
