@@ -10,6 +10,7 @@ logs and the config.toml it writes are redacted (raydist.redact); the I/O uses t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import time
@@ -323,21 +324,33 @@ def record_end(run_dir: str, start_time: float, status: str, error: str) -> None
 
 def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
             log: Callable[[str], None], console: Console) -> dict[str, Any]:
+    from raydist.tracking import open_tracker
+
     write_text(join(lp.run_dir, "config.toml"), redact(cfg.to_toml()))
-    with console.quiet(lp.run_dir, lp.run_name) as logs:
-        ray_log = RayLogFile(os.path.join(logs, "workers.log")) if logs else None
-        try:
-            _run_on_ray(cfg, lp, address, start_time, log, console, ray_log)
-        finally:
-            if ray_log is not None:
-                ray_log.close()
+    tracker = open_tracker(cfg, lp.run_dir, lp.run_name, log)  # before Ray: a bad tracking URI fails fast
+    status = "FAILED"
+    try:
+        with console.quiet(lp.run_dir, lp.run_name) as logs:
+            ray_log = RayLogFile(os.path.join(logs, "workers.log")) if logs else None
+            try:
+                _run_on_ray(cfg, lp, address, start_time, log, console, ray_log, tracker)
+            finally:
+                if ray_log is not None:
+                    ray_log.close()
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        if tracker is not None:
+            tracker.end(status)
     summary = read_json(join(lp.run_dir, "summary.json")) or {}
     log(result_line(summary, lp.run_dir, time.time() - start_time))
     return summary
 
 
 def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float, log: Callable[[str], None],
-                console: Console, ray_log: RayLogFile | None) -> None:
+                console: Console, ray_log: RayLogFile | None, tracker=None) -> None:
     import ray
 
     needed = cfg.elastic.min_workers if cfg.elastic_enabled else cfg.ray.num_workers
@@ -360,7 +373,8 @@ def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: fl
             log(f"Ray's own output goes to {console.logs_dir}/ (driver.log, workers.log); --verbose shows it here")
         trainer = build_trainer(lp, use_gpu, start_time)
         try:
-            with Progress(lp.run_dir, cfg.train.steps, console=console):
+            tracking = Follower(lp.run_dir, [tracker], name="raydist-tracking") if tracker else contextlib.nullcontext()
+            with Progress(lp.run_dir, cfg.train.steps, console=console), tracking:
                 trainer.fit()
         finally:
             fatal = failures.recorded(lp.run_dir, start_time)
