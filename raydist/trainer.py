@@ -33,6 +33,7 @@ from raydist.data.position import SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.stream import SampleStream, Split, make_reader
 from raydist.elastic.policy import plan_layout
+from raydist.hang import ACTIONS, doing
 from raydist.kernels import apply_kernels
 from raydist.layout import Layout
 from raydist.metrics.kernels import kernel_calls, kernels_ran
@@ -221,27 +222,34 @@ class Trainer:
 
     def train_step(self, batch: tuple[torch.Tensor, np.ndarray | None] | None = None) -> StepStats:
         start = time.perf_counter()
-        tokens, ids = batch if batch is not None else self.next_batch()
+        ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.hang)
+        with doing("data: next batch"):
+            tokens, ids = batch if batch is not None else self.next_batch()
         data_wait = time.perf_counter() - start
-        out = self.runner.step(tokens, record_timeline=self.step == TIMELINE_STEP)
-        grad_norm = self.runner.clip(self.cfg.train.grad_clip)
+        with doing("forward/backward"):
+            out = self.runner.step(tokens, record_timeline=self.step == TIMELINE_STEP)
+        with doing("clip: gradient norm"):
+            grad_norm = self.runner.clip(self.cfg.train.grad_clip)
         if self.options.capture_grads:
             self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with doing("optimizer step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
         self.position += self.layout.global_batch
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
-        loss_value = self._data_mean(out.loss)
+        with doing("loss: mean over data ranks"):
+            loss_value = self._data_mean(out.loss)
         return StepStats(loss_value, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids,
                          out.pipeline, out.timeline)
 
     def evaluate(self) -> float:
         batches = self.cfg.train.eval_batches
-        return sum(self.loss_on(self.val_batch(b)) for b in range(batches)) / batches
+        with doing("evaluate"):
+            return sum(self.loss_on(self.val_batch(b)) for b in range(batches)) / batches
 
     # ---- checkpoint state ---------------------------------------------------------------------------
     def state_parts(self) -> dict[str, Stateful]:
