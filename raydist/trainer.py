@@ -107,6 +107,7 @@ class StepStats:
     sample_ids: np.ndarray | None = None
     pipeline: dict | None = None  # per-stage busy/idle seconds and the bubble (pp > 1)
     pipeline_timeline: list[dict] | None = None  # every action's start/end on every stage, one step
+    busy_s: float = 0.0  # this rank's own work: data wait + its forwards (its pipeline actions with pp > 1)
 
 
 @dataclass
@@ -243,8 +244,9 @@ class Trainer:
             self.sample_log.append(ids)
         with doing("loss: mean over data ranks"):
             loss_value = self._data_mean(out.loss)
+        busy = data_wait + (out.compute_s() if out.compute_s is not None else 0.0)
         return StepStats(loss_value, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids,
-                         out.pipeline, out.timeline)
+                         out.pipeline, out.timeline, busy)
 
     def evaluate(self) -> float:
         batches = self.cfg.train.eval_batches
