@@ -33,7 +33,6 @@ from raydist.metrics.logger import join, read_jsonl
 from raydist.redact import redact
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "events.jsonl", "lease.json", "progress.json", "summary.json")
-ERROR_EVENTS = ("worker_error", "hang", "end")
 
 
 def _exists(run_dir: str, name: str) -> bool:
