@@ -8,6 +8,14 @@ step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metr
     load       -> the `restart` event (Trainer built: mesh, model, data; checkpoint verified and loaded)
     first step -> the first step completed after it
 
+Live recovery, measured in the same run (`elastic.live_recovery`, dp_replicate 2: each worker one torchft
+replica): replica 1 is SIGKILLed; the survivor keeps stepping and Ray Train replaces only that worker:
+
+    detection      kill -> the survivor's `replica_lost` (its quorum without the dead replica)
+    survivor stall the longest gap between the survivor's consecutive steps from the kill on
+    rejoin         the replacement's `replica_joined` time_to_rejoin_s (lost -> back in the quorum)
+    restarts, steps_redone from summary.json (both 0: nothing restarted, nothing redone)
+
 Save throughput (2 gloo processes, a model of --params parameters, fp32 weights + AdamW moments): a
 blocking `CheckpointManager.save` (DCP shards + checksums + commit) against writing the same bytes as
 one raw file per rank through fsspec to the same directory, best of --repeats each, as a ratio; and
@@ -76,6 +84,49 @@ def recovery(data_path: str, root: str) -> dict[str, float]:
             "resumed_step": restarted["step"], "steps_redone": restarted.get("steps_to_redo", 0)}
 
 
+def live_recovery(data_path: str, root: str, steps: int = 400) -> dict[str, float | None]:
+    import ray
+
+    from raydist.launcher import launch
+
+    cfg = Config.load("workloads/gpt_tiny.toml", [f"data.path={data_path}", "data.reader=arrow", f"train.steps={steps}",
+                                                  "train.eval_every=0", "train.log_every=1",
+                                                  "checkpoint.every_steps=10", "checkpoint.async_save=false",
+                                                  f"checkpoint.storage={root}", "train.run_name=live",
+                                                  "parallel.dp_replicate=2", "elastic.live_recovery=true",
+                                                  "elastic.collective_timeout_s=60"])
+    run_dir = os.path.join(root, "live")
+    ray.init(address="local", num_cpus=4, logging_level="warning")
+    try:
+        done: list = []
+        job = threading.Thread(target=lambda: done.append(launch(cfg, log=lambda *_: None)), daemon=True)
+        job.start()
+        while not any(r["step"] >= 35 for r in _lines(os.path.join(run_dir, "metrics.jsonl"))):
+            time.sleep(0.2)
+        victim = next(e["pid"] for e in _lines(os.path.join(run_dir, "events.jsonl"))
+                      if e["kind"] == "launch" and e.get("replica") == 1)
+        killed_at = time.time()
+        os.kill(victim, signal.SIGKILL)
+        job.join(900)
+    finally:
+        ray.shutdown()
+    summary = done[0] if done else {}
+    events = _lines(os.path.join(run_dir, "events.jsonl"))
+    lost = next((e for e in events if e["kind"] == "replica_lost"), None)
+    joined = next((e for e in events if e["kind"] == "replica_joined"), None)
+    metrics = _lines(os.path.join(run_dir, "metrics.jsonl"))
+    offset = events[0]["time"] - events[0]["elapsed_s"]  # elapsed_s -> wall time (every record's origin)
+    times = sorted(offset + r["elapsed_s"] for r in metrics if r.get("replicas"))
+    after = [t for t in times if t >= killed_at]
+    stall = max(b - a for a, b in zip([killed_at] + after, after)) if after else None
+    step_s = statistics.median(b - a for a, b in zip(times, times[1:])) if len(times) > 1 else None
+    return {"detection": lost["time"] - killed_at if lost else None, "survivor stall": stall,
+            "median step": step_s, "rejoin": joined["time_to_rejoin_s"] if joined else None,
+            "lost_step": lost["step"] if lost else None, "joined_step": joined["step"] if joined else None,
+            "restarts": summary.get("restarts"), "steps_redone": summary.get("steps_redone"),
+            "steps_retried": summary.get("replica_steps_retried")}
+
+
 def _save_vs_raw(params: int, directory: str, repeats: int) -> dict[str, float]:
     import fsspec
     import torch.distributed as dist
@@ -134,22 +185,32 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=25e6, help="parameters (x 3 fp32 tensors: ~300 MB)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-recovery", action="store_true", help="only the save throughput")
+    parser.add_argument("--skip-live", action="store_true", help="no live-recovery measurement")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
     from raydist.launcher import ensure_data
 
     cfg = Config.load("workloads/gpt_tiny.toml")
     cfg = ensure_data(cfg)
-    r = None
+    r = live = None
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_recovery:
             r = recovery(cfg.data.path, tmp)
+            if not args.skip_live:
+                live = live_recovery(cfg.data.path, tmp)
         t = spawn(_save_vs_raw, 2, int(args.params), os.path.join(tmp, "save"), args.repeats)[0]
     if r is not None:
         print(f"\nworker kill -> first step after restart: {r['total']:.1f} s "
               f"(resumed at step {r['resumed_step']}, {r['steps_redone']} steps to redo)")
         for part in ("detection", "restart", "load", "first step"):
             print(f"  {part:<11} {r[part]:6.2f} s")
+    if live is not None:
+        def secs(v):
+            return "n/a" if v is None else f"{v:.2f} s"
+        print(f"\nlive recovery (worker kill, dp_replicate 2): survivor stall {secs(live['survivor stall'])} "
+              f"(median step {secs(live['median step'])}), detection {secs(live['detection'])}, replacement back in "
+              f"the quorum after {secs(live['rejoin'])} (lost at step {live['lost_step']}, joined at step "
+              f"{live['joined_step']}); restarts {live['restarts']}, steps redone {live['steps_redone']}")
     mb = t["bytes"] / 2**20
     print(f"\ncheckpoint save of {mb:.0f} MiB (2 ranks): {t['save_s']:.2f} s = {mb / t['save_s']:.0f} MiB/s; "
           f"raw write of the same bytes {t['raw_s']:.2f} s = {mb / t['raw_s']:.0f} MiB/s; "
@@ -163,6 +224,10 @@ def main() -> None:
         if r is not None:
             figures.update({f"recovery_{k.replace(' ', '_')}_s": round(r[k], 3)
                             for k in ("detection", "restart", "load", "first step", "total")})
+        if live is not None:
+            figures.update({f"live_{k.replace(' ', '_')}" + ("_s" if k in ("detection", "survivor stall", "median step",
+                                                                           "rejoin") else ""):
+                            (round(v, 3) if isinstance(v, float) else v) for k, v in live.items()})
         print(json.dumps(figures))
 
 

@@ -183,6 +183,10 @@ class ElasticConfig:
     checkpoint, and the first step (which waits for the first data)."""
     checkpoint_timeout_s: float = 1800.0
     """The longest a checkpoint save (or waiting for one in flight) may take before the worker fails."""
+    live_recovery: bool = False
+    """Live recovery (torchft): each of the parallel.dp_replicate workers is a replica; when one dies the
+    others keep stepping and its replacement receives the live state from a peer (no restart, no reload).
+    Needs dp_replicate >= 2 with every other degree 1 (Ray Train replaces replica groups of one worker)."""
 
 
 @dataclass(frozen=True)
@@ -384,6 +388,29 @@ class Config:
         for key in ("collective_timeout_s", "startup_timeout_s", "checkpoint_timeout_s"):
             if not getattr(e, key) > 0:
                 raise ConfigError(f"elastic.{key}={getattr(e, key)} must be > 0 (seconds)")
+        if e.live_recovery:
+            self._validate_live_recovery()
+
+    def _validate_live_recovery(self) -> None:
+        """Live recovery runs replicas of one worker each: Ray Train 2.60 builds replica groups of size 1
+        (its worker group's `replica_group_size=1`) and replaces only a failed one, so a replica with an
+        FSDP/TP/PP/CP mesh inside has no group to be replaced as a whole."""
+        p = self.parallel
+        inner = {k: getattr(p, k) for k in ("dp_shard", "tp", "pp", "cp") if getattr(p, k) != 1}
+        if p.auto or inner:
+            got = "parallel.auto=true" if p.auto else ", ".join(f"parallel.{k}={v}" for k, v in inner.items())
+            raise ConfigError(f"elastic.live_recovery=true with {got}: Ray Train 2.60 replaces replica groups of one "
+                              "worker only, so live recovery needs replicas of one worker (parallel.dp_replicate=N, "
+                              "every other degree 1); set those degrees to 1 or elastic.live_recovery=false")
+        if p.dp_replicate < 2:
+            raise ConfigError(f"elastic.live_recovery=true needs parallel.dp_replicate >= 2 replicas (got "
+                              f"{p.dp_replicate}); set parallel.dp_replicate to the worker count")
+        if self.elastic_enabled:
+            raise ConfigError(f"elastic.live_recovery=true with elastic.max_workers={self.elastic.max_workers}: live "
+                              "recovery keeps a fixed replica count; set elastic.min_workers=0 and max_workers=0")
+        if self.ray.num_workers != p.dp_replicate:
+            raise ConfigError(f"elastic.live_recovery=true needs one worker per replica: ray.num_workers="
+                              f"{self.ray.num_workers} but parallel.dp_replicate={p.dp_replicate}; set them equal")
 
     @property
     def elastic_enabled(self) -> bool:

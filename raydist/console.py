@@ -329,7 +329,7 @@ class ProgressSink:
                 parts.append(f"ETA {format_duration(rec['step_time_s'] * max(0, self.total - rec.get('step', 0)))}")
         if rec.get("mfu") is not None:
             parts.append(f"MFU {100 * rec['mfu']:.1f}%")
-        parts.append(f"{rec.get('world_size')} workers")
+        parts.append(f"{rec['replicas']} replicas" if rec.get("replicas") else f"{rec.get('world_size')} workers")
         return " | ".join(parts)
 
     def format(self, rec: dict[str, Any]) -> str:
@@ -374,6 +374,11 @@ def describe_event(ev: dict[str, Any]) -> str | None:
         return f"resized: {ev.get('from_world_size')} -> {ev.get('world_size')} workers ({degrees})"
     if kind == "worker_error":
         return f"warning: rank {ev.get('rank')} failed: {ev.get('error', '').splitlines()[0] if ev.get('error') else ''}"
+    if kind == "replica_lost":
+        return f"warning: replica {ev.get('replica')} lost at step {ev.get('step')}; training goes on with {ev.get('replicas')}"
+    if kind == "replica_joined":
+        return (f"replica {ev.get('replica')} rejoined at step {ev.get('step')} after {ev.get('time_to_rejoin_s', 0):.0f}s; "
+                f"{ev.get('replicas')} replicas")
     if kind == "checkpoint_skipped":
         return f"warning: {ev.get('reason')}"
     if kind == "hang":

@@ -72,6 +72,12 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
 def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     """All driver-side checks; returns where the run goes and how many workers it asks for."""
     cfg = ensure_data(cfg, log)
+    if cfg.elastic.live_recovery:
+        try:
+            import torchft  # noqa: F401
+        except ImportError:
+            raise ConfigError("elastic.live_recovery=true needs torchft, which is not installed; "
+                              "pip install 'raydist[live]' (or set elastic.live_recovery=false)") from None
     if cfg.elastic_enabled:
         num_workers: int | tuple[int, int] = (cfg.elastic.min_workers, cfg.elastic.max_workers)
         sizes = range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1)
@@ -91,7 +97,7 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, storage=resolve_storage(cfg.checkpoint.storage)),
                   train=replace(cfg.train, run_name=run_name))
     run_dir = join(cfg.checkpoint.storage, run_name)
-    check_storage(cfg.checkpoint.storage)  # before anything reads it: an unreachable one is one error line
+    check_storage(cfg.checkpoint.storage)  # before anything reads it: an unreachable store is one error line
     check_run_dir(run_dir, cfg, read_manifest(cfg.data.path))  # a resumed run's checkpoints must fit
     return LaunchPlan(cfg, run_name, run_dir, num_workers, layout)
 
@@ -198,7 +204,7 @@ def resolve_use_gpu(cfg: Config) -> bool:
     return cfg.ray.use_gpu == "true"
 
 
-def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float):
+def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -209,11 +215,23 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float):
                             resources_per_worker=worker_resources(cfg, use_gpu), placement_strategy="PACK")
     if cfg.elastic_enabled:
         scaling.elastic_resize_monitor_interval_s = cfg.elastic.resize_check_interval_s
-    payload = {"config": cfg.to_dict(), "run_dir": lp.run_dir, "use_gpu": use_gpu, "start_time": start_time}
+    payload = {"config": cfg.to_dict(), "run_dir": lp.run_dir, "use_gpu": use_gpu, "start_time": start_time,
+               "record_samples": record_samples}
+    backend = dict(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s))
+    if cfg.elastic.live_recovery:
+        # Ray Train runs torchft's Lighthouse and makes every worker a replica group of its own, replacing
+        # only a failed one (raydist.elastic.live)
+        from ray.train.v2.torch.torchft_config import TorchftConfig
+
+        from raydist.elastic.live import LIGHTHOUSE_KWARGS
+
+        torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), **backend)
+    else:
+        torch_config = TorchConfig(**backend)
     return TorchTrainer(
         ray_worker_entry,
         train_loop_config=payload,
-        torch_config=TorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s)),
+        torch_config=torch_config,
         scaling_config=scaling,
         run_config=RunConfig(name=lp.run_name, storage_path=cfg.checkpoint.storage,
                              failure_config=FailureConfig(max_failures=cfg.elastic.max_failures)),
@@ -291,9 +309,11 @@ def check_storage(storage: str) -> None:
 
 
 def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] | None = None,
-           console: Console | None = None) -> dict[str, Any]:
+           console: Console | None = None, record_samples: bool = False) -> dict[str, Any]:
     """Runs a training job to completion; returns summary.json's content. `console` (the CLI's) keeps
-    Ray's output in RUN_DIR/logs/ unless it is verbose; `log` defaults to its lines (else print)."""
+    Ray's output in RUN_DIR/logs/ unless it is verbose; `log` defaults to its lines (else print).
+    `record_samples` (tests): with live recovery, every replica appends the sample ids of its committed
+    steps to RUN_DIR/samples/."""
     start_time = time.time()
     log = redacting(log or (console.line if console is not None else print))
     done = completed_summary(cfg, log)
@@ -303,7 +323,7 @@ def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] |
     cfg = lp.cfg
     with RunLease(lp.run_dir, lp.run_name, log=log):
         try:
-            return _launch(cfg, lp, address, start_time, log, console or Console(verbose=True))
+            return _launch(cfg, lp, address, start_time, log, console or Console(verbose=True), record_samples)
         except KeyboardInterrupt:
             record_end(lp.run_dir, start_time, "interrupted", "interrupted (Ctrl-C or SIGINT)")
             raise
@@ -323,7 +343,7 @@ def record_end(run_dir: str, start_time: float, status: str, error: str) -> None
 
 
 def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
-            log: Callable[[str], None], console: Console) -> dict[str, Any]:
+            log: Callable[[str], None], console: Console, record_samples: bool = False) -> dict[str, Any]:
     from raydist.tracking import open_tracker
 
     write_text(join(lp.run_dir, "config.toml"), redact(cfg.to_toml()))
@@ -333,7 +353,7 @@ def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
         with console.quiet(lp.run_dir, lp.run_name) as logs:
             ray_log = RayLogFile(os.path.join(logs, "workers.log")) if logs else None
             try:
-                _run_on_ray(cfg, lp, address, start_time, log, console, ray_log, tracker)
+                _run_on_ray(cfg, lp, address, start_time, log, console, ray_log, tracker, record_samples)
             finally:
                 if ray_log is not None:
                     ray_log.close()
@@ -350,7 +370,7 @@ def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
 
 
 def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float, log: Callable[[str], None],
-                console: Console, ray_log: RayLogFile | None, tracker=None) -> None:
+                console: Console, ray_log: RayLogFile | None, tracker=None, record_samples: bool = False) -> None:
     import ray
 
     needed = cfg.elastic.min_workers if cfg.elastic_enabled else cfg.ray.num_workers
@@ -371,7 +391,7 @@ def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: fl
             f"run directory {lp.run_dir}")
         if console.logs_dir:
             log(f"Ray's own output goes to {console.logs_dir}/ (driver.log, workers.log); --verbose shows it here")
-        trainer = build_trainer(lp, use_gpu, start_time)
+        trainer = build_trainer(lp, use_gpu, start_time, record_samples)
         try:
             tracking = Follower(lp.run_dir, [tracker], name="raydist-tracking") if tracker else contextlib.nullcontext()
             with Progress(lp.run_dir, cfg.train.steps, console=console), tracking:

@@ -52,11 +52,12 @@ class AccumulationRunner:
     def autocast(self):
         return self.pm.data_parallel.autocast(self.device.type)
 
-    def micro_batches(self, tokens: torch.Tensor) -> list[MicroBatch]:
+    def micro_batches(self, tokens: torch.Tensor, micro_batch: int | None = None) -> list[MicroBatch]:
         """(inputs, targets, positions) per micro-batch of this rank's rows; `positions` is None unless a
-        parallel plan shards the sequence (context parallelism: `pm.shard_sequence`)."""
+        parallel plan shards the sequence (context parallelism: `pm.shard_sequence`). `micro_batch` must
+        divide the rows (equal micro-batches keep the mean of their means the mean over the rows)."""
         out = []
-        for chunk in tokens.split(self.layout.micro_batch):
+        for chunk in tokens.split(micro_batch or self.layout.micro_batch):
             inputs, targets, positions = chunk[:, :-1], chunk[:, 1:], None
             if self.pm.shard_sequence is not None:
                 inputs, targets, positions = self.pm.shard_sequence(inputs, targets)
@@ -69,8 +70,10 @@ class AccumulationRunner:
         with self.autocast():
             return self.pm.loss_fn(self.pm.module(micro.inputs, micro.positions), micro.targets)
 
-    def step(self, tokens: torch.Tensor, record_timeline: bool = False) -> StepOutput:
-        micro = self.micro_batches(tokens)
+    def step(self, tokens: torch.Tensor, record_timeline: bool = False, micro_batch: int | None = None) -> StepOutput:
+        """`micro_batch` overrides the layout's for this step (live recovery: a replica's share of the global
+        batch changes with the number of live replicas)."""
+        micro = self.micro_batches(tokens, micro_batch)
         total = torch.zeros((), device=self.device)
         timer = ForwardTimer(self.device)
         for i, mb in enumerate(micro):
@@ -122,7 +125,10 @@ class ForwardTimer:
 
     def seconds(self) -> float:
         if self.cuda:
-            return sum(start.elapsed_time(end) for start, end in self.spans if end is not None) / 1e3
+            done = [(start, end) for start, end in self.spans if end is not None]
+            if done:
+                done[-1][1].synchronize()  # (the step's loss was read by then: no wait in practice)
+            return sum(start.elapsed_time(end) for start, end in done) / 1e3
         return self.total
 
 

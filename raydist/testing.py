@@ -129,7 +129,8 @@ def _fit(raw: dict, run_dir: str, crash_after_step: int | None, before_commit_ex
     from raydist.train_loop import fit
     from raydist.trainer import Trainer, TrainerOptions
 
-    trainer = Trainer(Config.from_dict(raw), pick_device(), options=TrainerOptions(record_samples=True))
+    trainer = Trainer(Config.from_dict(raw), pick_device(), options=TrainerOptions(record_samples=True,
+                                                                                   defer_init=True))
     losses: list[float] = []
     step_fn = trainer.train_step
 
@@ -192,3 +193,43 @@ def logits_after_load(raw: dict, run_dir: str | None, tokens: torch.Tensor, step
     with torch.no_grad():
         out = trainer.pm.module(tokens.to(trainer.device))
     return (out.full_tensor() if hasattr(out, "full_tensor") else out).cpu()
+
+
+# ---- construction ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Constructed:
+    params: dict[str, torch.Tensor]  # full (unsharded) parameters this rank's layout holds, by unsplit name
+    local_param_bytes: int  # bytes of the parameter storage this rank holds (its shards)
+    meta_tensors: list[str]  # parameters or buffers still on the meta device (none expected)
+    rope_exact: bool  # every RoPE table this rank holds equals a fresh computation
+    tied: bool  # the model's embedding and head are one parameter wherever a rank holds both
+
+
+def _construct(raw: dict) -> Constructed:
+    from raydist.models.gpt import rope_tables
+    from raydist.runtime import pick_device
+    from raydist.trainer import Trainer
+
+    cfg = Config.from_dict(raw)
+    trainer = Trainer(cfg, pick_device())
+    try:
+        local_bytes = 0
+        for param in trainer.pm.model.parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            local_bytes += local.numel() * local.element_size()
+        modules = trainer.pm.chunks or [trainer.pm.model]
+        meta = [name for m in modules for name, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
+        cos, sin = rope_tables(cfg.model.d_model // cfg.model.num_heads, cfg.data.seq_len, cfg.model.rope_theta)
+        rope = all(torch.equal(m.rope_cos.cpu(), cos) and torch.equal(m.rope_sin.cpu(), sin) for m in modules)
+        tied = all(m.output.weight is m.tok_embeddings.weight for m in modules
+                   if cfg.model.tie_embeddings and m.output is not None and m.tok_embeddings is not None)
+        return Constructed(trainer.full_parameters(), local_bytes, meta, rope, tied)
+    finally:
+        trainer.close()
+
+
+def constructed(raw: dict, world_size: int) -> list[Constructed]:
+    """Build the Trainer of config `raw` on `world_size` processes (no step); what each rank holds."""
+    return spawn(_construct, world_size, raw, device=harness_device(world_size))

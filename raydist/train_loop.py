@@ -1,6 +1,7 @@
 """The per-worker loop around `Trainer`: resume, train, evaluate, log, checkpoint, report.
 
-    resume from the newest valid checkpoint in RUN_DIR/checkpoints (if any)
+    resume from the newest valid checkpoint in RUN_DIR/checkpoints (if any), straight into the shards;
+        otherwise the keyed random init (a Trainer built with `defer_init` has not drawn it yet)
     step 0: untrained validation loss and first-batch loss
     steps: train; evaluate every eval_every; log every log_every; checkpoint every checkpoint.every_steps
     end: final checkpoint, summary.json (with goodput across restarts)
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -22,6 +24,7 @@ import torch.distributed as dist
 from raydist.checkpoint import CheckpointManager, compat
 from raydist.checkpoint.manager import read_extra
 from raydist.elastic.session import LocalSession, Session
+from raydist.metrics.background import BackgroundWriter
 from raydist.metrics.flops import peak_flops
 from raydist.metrics.goodput import EventLog, Goodput
 from raydist.metrics.logger import MetricsWriter, join, write_json
@@ -37,11 +40,11 @@ class RunLogger:
     """Rank 0 writes metrics.jsonl; every rank keeps the interval's timings."""
 
     def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int, tensorboard=None,
-                 events: EventLog | None = None, workers: list[dict] | None = None):
+                 background=None, events: EventLog | None = None, workers: list[dict] | None = None):
         self.trainer = trainer
         self.events, self.workers = events, workers or []
         self.rank0 = dist.get_rank() == 0
-        self.writer = MetricsWriter(run_dir) if run_dir and self.rank0 else None
+        self.writer = MetricsWriter(run_dir, background=background) if run_dir and self.rank0 else None
         self.tensorboard = tensorboard
         cfg = trainer.cfg
         self.run_start = run_start
@@ -56,12 +59,13 @@ class RunLogger:
         self.interval_time = self.interval_wait = 0.0
         self.interval_steps = 0
         self.step_times: list[float] = []  # this rank's step and busy times of the interval (stragglers)
-        self.busy_times: list[float] = []
+        self.busy_steps: list[StepStats] = []
         per_stage = max(1, trainer.world_size // trainer.layout.pp)  # pp is the outermost mesh axis
         self.stragglers = StragglerDetector(
             cfg.monitor.straggler_factor, cfg.monitor.straggler_intervals,
             [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(trainer.layout.pp)])
         self.last: dict[str, Any] = {}
+        self.gate: Callable[[], bool] = lambda: True  # live recovery: only the quorum's rank 0 writes
 
     def base(self) -> dict[str, Any]:
         t = self.trainer
@@ -74,13 +78,13 @@ class RunLogger:
         self.interval_wait += stats.data_wait_s
         self.interval_steps += 1
         self.step_times.append(stats.step_time_s)
-        self.busy_times.append(stats.busy_s)
+        self.busy_steps.append(stats)  # busy_s is read at the record (on CUDA it reads events)
 
     def _ranks(self, rec: dict) -> None:
         """Per-rank step and busy time percentiles of the interval (a collective over the active ranks), and
         on rank 0 the straggler rule (raydist.metrics.stragglers)."""
-        mine = {"step_time_s": percentiles(self.step_times), "busy_s": percentiles(self.busy_times)}
-        self.step_times, self.busy_times = [], []
+        mine = {"step_time_s": percentiles(self.step_times), "busy_s": percentiles([s.busy_s for s in self.busy_steps])}
+        self.step_times, self.busy_steps = [], []
         if self.trainer.world_size == 1:
             return
         gathered: list = [None] * self.trainer.world_size
@@ -97,13 +101,19 @@ class RunLogger:
     def record(self, stats: StepStats | None, val_loss: float | None = None, loss: float | None = None) -> dict:
         rec = self.base()
         if stats is not None:
+            # Settling reduces the losses of the steps since the last record (one collective, one device
+            # sync); the wait for the device's queued work belongs to those steps' time.
+            settle_start = time.perf_counter()
+            stats.loss
+            self.interval_time += time.perf_counter() - settle_start
             if self.records % 10 == 0:
                 peak, self.peak_source = peak_flops(self.trainer.device)
                 self.peak_flops = max(self.peak_flops, peak)
             self.records += 1
             steps = max(self.interval_steps, 1)
             tokens_per_s = self.tokens_per_step * self.interval_steps / max(self.interval_time, 1e-9)
-            achieved = tokens_per_s * self.flops_per_token / self.trainer.world_size
+            # (live recovery: the step's replicas share the work, each in a world of one)
+            achieved = tokens_per_s * self.flops_per_token / (stats.replicas or self.trainer.world_size)
             rec.update(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm, tokens_per_s=round(tokens_per_s, 2),
                        step_time_s=round(self.interval_time / steps, 5),
                        data_wait_s=round(self.interval_wait / steps, 5),
@@ -120,9 +130,11 @@ class RunLogger:
             rec.update(loss=loss, tokens_per_s=0.0, tokens=self.trainer.step * self.tokens_per_step)
         if val_loss is not None:
             rec["val_loss"] = val_loss
-        if self.writer is not None:
+        if getattr(stats, "replicas", None) is not None:
+            rec["replicas"] = stats.replicas
+        if self.writer is not None and self.gate():
             self.writer.write(rec)
-        if self.tensorboard is not None:
+        if self.tensorboard is not None and self.gate():
             self.tensorboard.write(rec)
         self.last = rec
         return rec
@@ -193,28 +205,72 @@ def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
     The session hears every step (`heartbeat`), every newly committed checkpoint (`commit`, also the final
     one) and the end (`finish`)."""
     session = session or LocalSession()
+    rank0 = dist.get_rank() == 0
+    # rank 0's progress.json, metrics and event lines are written by one background thread, off the step
+    bookkeeping = BackgroundWriter() if run_dir and rank0 else None
+    try:
+        summary = _fit(trainer, run_dir, session, log, bookkeeping)
+    except BaseException:
+        if bookkeeping is not None:
+            try:
+                bookkeeping.close()  # keep what can be kept; the run's own error is the one to report
+            except Exception:
+                pass
+        raise
+    if bookkeeping is not None:
+        bookkeeping.close()  # raises a write error the run has not seen yet
+    return summary
+
+
+def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[[str], None],
+         bookkeeping: BackgroundWriter | None) -> dict[str, Any]:
     cfg, t = trainer.cfg, trainer.cfg.train
     rank0 = dist.get_rank() == 0
-    goodput = Goodput(run_dir, trainer.options.start_time) if run_dir and rank0 else None
+    goodput = Goodput(run_dir, trainer.options.start_time, bookkeeping) if run_dir and rank0 else None
     run_start = goodput.run_start if goodput else trainer.options.start_time
     tensorboard = open_tensorboard(run_dir) if run_dir and rank0 else None
-    events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None) if run_dir and rank0 else None
+    events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None,
+                      background=bookkeeping) if run_dir and rank0 else None
     ckpt = _Checkpoints(trainer, run_dir, events, goodput, session, log, tensorboard) if run_dir else None
+    replicas = trainer.replicas  # live recovery (raydist.elastic.live): this worker is one replica
+    lead = replicas.is_leader if replicas is not None else (lambda: True)
+    if replicas is not None:
+        for writer in (events, goodput):
+            if writer is not None:
+                writer.gate = lead
+        _attach_replicas(trainer, replicas, goodput, events)
     session.phase("resume")
-    resumed = ckpt.resume() if ckpt else None  # restores trainer.step, position, notes
-    attempt = goodput.on_start(trainer.step) if goodput else {"attempt": 1}
+    # A replacement replica receives the live state from a peer in its first quorum: no storage round trip
+    healed = replicas.join() if replicas is not None else False
+    resumed = ckpt.resume() if ckpt and not healed else None  # restores trainer.step, position, notes (and the weights)
+    if not healed and resumed is None and trainer.weights_from != "init":
+        # nothing resumed (or only a checkpoint that then failed to load: its partial weights are dropped)
+        trainer.init_weights()
+    if replicas is not None and not healed:
+        if trainer.step >= t.steps:  # a replacement that arrived after the others finished: nothing to do
+            trainer.close()
+            session.finish({})
+            return {"status": "completed", "steps": trainer.step}
+        replicas.set_step(trainer.step)
+    if healed:
+        attempt = {"attempt": goodput.state["attempts"] if goodput else 1}
+    else:
+        attempt = goodput.on_start(trainer.step) if goodput else {"attempt": 1}
     workers = [None] * trainer.world_size  # where each rank runs, for operators (and failure tests)
     dist.all_gather_object(workers, {"host": socket.gethostname(), "pid": os.getpid()}, group=trainer.group)
-    if events:
+    if events and not healed:
         kind = "start" if attempt["attempt"] == 1 else "restart"
         events.event(kind, trainer.step, world_size=trainer.world_size, mesh=trainer.layout.degrees(),
                      idle_workers=dist.get_world_size() - trainer.world_size, layout=trainer.layout.reason,
-                     workers=workers, **attempt)
+                     workers=workers, weights=trainer.weights_from, **attempt)
         previous = (resumed or {}).get("run", {}).get("world_size")
         if previous is not None and previous != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,
                          mesh=trainer.layout.degrees())
-    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard, events, workers)
+    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard, bookkeeping, events=events,
+                       workers=workers)
+    if replicas is not None:
+        logger.gate = lead
     first_val = last_val = None
     pending = None
     session.phase("first_step")  # the first data, and the untrained model's evaluation
@@ -224,6 +280,8 @@ def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
         first_val = last_val = trainer.evaluate() if t.eval_every else None
         trainer.notes["first_val_loss"] = first_val
         logger.record(None, val_loss=first_val, loss=trainer.loss_on(pending[0]))
+        if replicas is not None:
+            pending = None  # the whole global batch; a live step takes its share of it by the quorum
     wall_start, start_step = time.perf_counter(), trainer.step
     every = cfg.checkpoint.every_steps
     while trainer.step < t.steps:
@@ -240,12 +298,14 @@ def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
             session.phase("evaluate")
             val = last_val = trainer.evaluate()
             session.phase("step")
-        if ckpt and every and trainer.step % every == 0 and not done:
+        if ckpt and every and trainer.step % every == 0 and not done and lead():
             session.phase("save")  # waits for the save in flight, stages (and writes, when blocking)
             ckpt.save(blocking=not cfg.checkpoint.async_save)
             session.phase("step")
         if goodput:
             goodput.on_progress(trainer.step, logged)
+        if replicas is not None and trainer.options.record_samples and run_dir:
+            _record_live_samples(run_dir, trainer, stats)
         if stats.pipeline_timeline is not None and run_dir and rank0:
             write_json(join(run_dir, "pipeline_timeline.json"), stats.pipeline_timeline)
         if logged or val is not None:
@@ -264,19 +324,57 @@ def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
         "mesh": trainer.layout.degrees(), "elapsed_s": round(time.time() - run_start, 3),
         "kernels": trainer.kernels_ran(), "kernels_selected": trainer.kernels,
     }
-    if ckpt:
+    if ckpt and lead():
         session.phase("save")
         ckpt.save(blocking=True)
     if goodput:
         summary.update(goodput.summary(trainer.step, logger.tokens_per_step))
     if ckpt:
         ckpt.sync(_numbers(summary))
-    if run_dir and rank0:
+    if replicas is not None:
+        summary["replica_steps_retried"] = trainer.retried_steps
+    if run_dir and rank0 and lead():
+        bookkeeping.flush()  # progress, metrics and events are on storage before the summary says so
         write_json(join(run_dir, "summary.json"), summary)
         events.event("end", trainer.step, status="completed")
+        bookkeeping.flush()
     logger.close()
     session.finish(summary)
     return summary
+
+
+def _attach_replicas(trainer: Trainer, replicas, goodput: Goodput | None, events: EventLog | None) -> None:
+    """Live recovery: the live state a replacement receives is the checkpoint's parts plus the goodput
+    accounting; quorum changes become replica_lost / replica_joined events (written by the leader)."""
+    from raydist.checkpoint.state import AttributeState
+
+    if goodput is not None:
+        replicas.add_state("goodput", AttributeState(goodput, "state"))
+
+    def on_events(changes: list[tuple[str, dict]]) -> None:
+        for kind, fields in changes:
+            if goodput is not None:
+                if kind == "replica_lost":
+                    goodput.on_replica_lost()
+                else:
+                    goodput.on_replica_joined(fields["time_to_rejoin_s"])
+            if events is not None:
+                events.event(kind, trainer.step, **fields)
+
+    replicas.on_events = on_events
+
+
+def _record_live_samples(run_dir: str, trainer: Trainer, stats: StepStats) -> None:
+    """Tests (TrainerOptions.record_samples): every replica appends the sample ids of each step it
+    committed to RUN_DIR/samples/replica-<pid>.jsonl, so a test can account for every sample of a run."""
+    from raydist.metrics.logger import append_line
+
+    if stats.sample_ids is None:
+        return
+    path = join(run_dir, "samples", f"replica-{os.getpid()}.jsonl")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    append_line(path, json.dumps({"step": trainer.step, "span": list(trainer.last_span),
+                                  "ids": [int(i) for i in stats.sample_ids]}))
 
 
 def _numbers(record: dict) -> dict:

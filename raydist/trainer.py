@@ -32,13 +32,15 @@ from raydist.config import Config, ConfigError
 from raydist.data.position import SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.stream import SampleStream, Split, make_reader
+from raydist.elastic.live import Replicas, live_slice, micro_batch_for
 from raydist.elastic.policy import plan_layout
 from raydist.hang import ACTIONS, doing
 from raydist.kernels import apply_kernels
 from raydist.layout import Layout
 from raydist.metrics.kernels import kernel_calls, kernels_ran
 from raydist.mesh import Mesh
-from raydist.models.gpt import build_model
+from raydist.models.gpt import GPT
+from raydist.models.init import init_weights, materialize
 from raydist.parallel import ParallelModel, parallelize
 from raydist.runner import make_runner
 from raydist.runtime import HOST, new_group, set_default_timeout, to_device
@@ -71,8 +73,12 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
             (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8,
-                             foreach=True)
+    # One fused kernel per parameter group on CUDA (torch.optim.AdamW's `fused`, which takes DTensor
+    # parameters too); the multi-tensor `foreach` path elsewhere (CPU results stay what the tests compare).
+    params = [p for group in groups for p in group["params"]]
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    kind = {"fused": True} if fused else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8, **kind)
 
 
 def full_gradients(model: torch.nn.Module, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
@@ -97,17 +103,54 @@ def peak_memory_mb(device: torch.device) -> float:
 TIMELINE_STEP = 2  # the (0-based) step whose pipeline actions are timed for the report, after warm-up
 
 
-@dataclass
 class StepStats:
-    loss: float
-    grad_norm: float
-    lr: float
-    step_time_s: float
-    data_wait_s: float
-    sample_ids: np.ndarray | None = None
-    pipeline: dict | None = None  # per-stage busy/idle seconds and the bubble (pp > 1)
-    pipeline_timeline: list[dict] | None = None  # every action's start/end on every stage, one step
-    busy_s: float = 0.0  # this rank's own work: data wait + its forwards (its pipeline actions with pp > 1)
+    """One step's figures. The loss and gradient norm stay on the device until read: reading `loss` or
+    `grad_norm` settles every step still pending (`Trainer.settle`: one all-reduce over dp x cp for all of
+    their losses, one host sync), so a loop that reads them only on logged steps pays no per-step
+    collective or device sync. Reading is a collective: every active rank must read on the same steps."""
+
+    def __init__(self, trainer: "Trainer | None", local_loss: torch.Tensor | float, grad_norm: torch.Tensor | float,
+                 lr: float, step_time_s: float, data_wait_s: float, sample_ids: np.ndarray | None = None,
+                 pipeline: dict | None = None, pipeline_timeline: list[dict] | None = None,
+                 compute_s: "Callable[[], float] | float" = 0.0):
+        self._trainer = trainer
+        self._local_loss, self._grad_norm = local_loss, grad_norm
+        self._loss: float | None = None if trainer is not None else float(local_loss)
+        self.lr, self.step_time_s, self.data_wait_s = lr, step_time_s, data_wait_s
+        self.sample_ids = sample_ids
+        self.pipeline = pipeline  # per-stage busy/idle seconds and the bubble (pp > 1)
+        self.pipeline_timeline = pipeline_timeline  # every action's start/end on every stage, one step
+        self.replicas: int | None = None  # live recovery: replicas in this step's quorum
+        self._compute_s = compute_s  # this rank's own compute (its forwards, or its pipeline actions)
+
+    @property
+    def busy_s(self) -> float:
+        """This rank's own work in the step: data wait + its forwards (its pipeline actions with pp > 1),
+        the straggler signal (raydist.metrics.stragglers). Read lazily: on CUDA it reads events."""
+        compute = self._compute_s() if callable(self._compute_s) else self._compute_s
+        return self.data_wait_s + compute
+
+    @property
+    def settled(self) -> bool:
+        return self._loss is not None
+
+    def _resolve(self, loss: float) -> None:
+        self._loss = loss
+        self._grad_norm = float(self._grad_norm)
+        self._trainer = None
+
+    @property
+    def loss(self) -> float:
+        """The mean loss over the global batch (every rank the same number)."""
+        if self._loss is None:
+            self._trainer.settle()
+        return self._loss
+
+    @property
+    def grad_norm(self) -> float:
+        if self._loss is None:
+            self._trainer.settle()
+        return self._grad_norm
 
 
 @dataclass
@@ -115,6 +158,9 @@ class TrainerOptions:
     record_samples: bool = False  # keep every sample id this rank's batch leader consumed (tests)
     capture_grads: bool = False  # keep each step's full (unsharded) gradients by parameter name (tests)
     start_time: float = field(default_factory=time.time)  # the run's wall-clock origin for elapsed_s
+    # Leave the weights uninitialised until `init_weights()` or a checkpoint load (`fit` resumes first and
+    # initialises only when there was nothing to resume); the step methods refuse to run before either.
+    defer_init: bool = False
 
 
 class Trainer:
@@ -141,10 +187,22 @@ class Trainer:
         self.checkpoint_group = new_group(active, HOST, device.type, timeout_s)
         self.mesh: Mesh = self.layout.spec.build(device.type)
         self.compute_dtype = compute_dtype_for(cfg, device)
-        model = build_model(cfg.model, cfg.data.seq_len, cfg.train.seed)
+        # Built on the meta device (no storage), parallelized there, then each rank allocates and
+        # initialises only what it holds (`materialize`: to_empty, RoPE tables, init keyed by parameter name)
+        with torch.device("meta"):
+            model = GPT(cfg.model, cfg.data.seq_len)
         self.kernels = apply_kernels(model, cfg.kernels, device)  # which attention / matmul paths were chosen
         self._kernel_calls_at_start = kernel_calls()  # what ran since: kernels_ran()
-        self.pm: ParallelModel = parallelize(model, self.mesh, self.layout, device, self.compute_dtype)
+        # "init" (keyed random init), "checkpoint" (loaded), or None (deferred: neither yet)
+        self.weights_from: str | None = None if self.options.defer_init else "init"
+        self._materialized: list[torch.nn.Module] = []
+
+        def materialize_module(module: torch.nn.Module) -> None:
+            materialize(module, device, cfg.model, cfg.train.seed, init=not self.options.defer_init)
+            self._materialized.append(module)
+
+        self.pm: ParallelModel = parallelize(model, self.mesh, self.layout, device, self.compute_dtype,
+                                             materialize=materialize_module)
         self.runner = make_runner(self.pm, self.layout, self.mesh, device)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
@@ -152,6 +210,10 @@ class Trainer:
         self.position = 0  # training samples consumed (global sample index of the next one)
         self.sample_log: list[np.ndarray] = []
         self.notes: dict = {}  # small JSON facts that survive restarts with the checkpoint (first_val_loss)
+        self._unsettled: list[StepStats] = []  # steps whose loss is not yet reduced (`settle`)
+        # live recovery (raydist.elastic.live): this worker is one replica of a quorum; set before training
+        self.replicas: Replicas | None = None
+        self.retried_steps = 0  # live steps redone because a replica was lost inside them
         self._open_data()
 
     # ---- data --------------------------------------------------------------------------------------
@@ -181,11 +243,14 @@ class Trainer:
             dist.broadcast(tokens, src=self.mesh.batch_leader_rank, group=self.mesh.batch_peers.get_group())
         return tokens
 
-    def next_batch(self) -> tuple[torch.Tensor, np.ndarray | None]:
-        """This dp rank's rows of the next global batch, and (on the batch leader) their sample ids."""
-        start, stop = rank_slice(self.position, self.layout.global_batch, self.mesh.dp_rank, self.layout.dp)
+    def next_batch(self, span: tuple[int, int] | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
+        """This dp rank's rows of the next global batch (or the positions `span`), and (on the batch
+        leader) their sample ids."""
+        start, stop = span or rank_slice(self.position, self.layout.global_batch, self.mesh.dp_rank, self.layout.dp)
         ids = rows = None
         if self.mesh.is_batch_leader:
+            if self._stream is not None and start < self._stream.position:
+                self.close()  # a step redone with another split reads its rows again: reopen there
             if self._stream is None:
                 self._stream = SampleStream(self.train_split, self.train_order, self._reader(), start)
             ids, rows = self._stream.take(start, stop)
@@ -208,20 +273,49 @@ class Trainer:
         return self._share(rows, stop - start)
 
     # ---- compute -----------------------------------------------------------------------------------
-    def _data_mean(self, value: torch.Tensor) -> float:
-        """Mean over the ranks that hold different tokens (dp x cp; each holds the same number)."""
+    def _data_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean over the ranks that hold different tokens (dp x cp; each holds the same number), on the
+        device: `value` may hold several steps' losses (one collective for all of them)."""
         ranks = self.layout.dp * self.layout.cp
         if ranks > 1:
             value = value.clone()
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.dp_cp.get_group())
             value /= ranks
-        return float(value)
+        return value
+
+    def settle(self) -> None:
+        """Reduces the losses of every step not yet read (see `StepStats`)."""
+        pending, self._unsettled = self._unsettled, []
+        if not pending:
+            return
+        local = torch.stack([s._local_loss.detach().float().reshape(()) for s in pending])
+        for stats, loss in zip(pending, self._data_mean(local).tolist()):
+            stats._resolve(loss)
+
+    def init_weights(self) -> None:
+        """The keyed random init (raydist.models.init) into this rank's shards: the same values in every
+        layout. The Trainer does this itself unless `options.defer_init`."""
+        for module in self._materialized:
+            init_weights(module, self.cfg.model, self.cfg.train.seed)
+        self.weights_from = "init"
+
+    def _weights_loaded(self) -> None:
+        self.weights_from = "checkpoint"
+
+    def _require_weights(self) -> None:
+        if self.weights_from is None:
+            raise RuntimeError("the model's weights are neither initialised nor loaded (TrainerOptions.defer_init):"
+                               " call Trainer.init_weights() or load a checkpoint into state_parts() first")
 
     def loss_on(self, tokens: torch.Tensor) -> float:
         """Mean loss over the global batch whose local rows are `tokens`, without touching gradients."""
-        return self._data_mean(self.runner.evaluate(tokens))
+        self._require_weights()
+        return float(self._data_mean(self.runner.evaluate(tokens).detach().float().reshape(())))
 
     def train_step(self, batch: tuple[torch.Tensor, np.ndarray | None] | None = None) -> StepStats:
+        self._require_weights()
+        if self.replicas is not None:
+            return self._live_step()
         start = time.perf_counter()
         ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.hang)
         with doing("data: next batch"):
@@ -242,11 +336,61 @@ class Trainer:
         self.position += self.layout.global_batch
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
-        with doing("loss: mean over data ranks"):
-            loss_value = self._data_mean(out.loss)
-        busy = data_wait + (out.compute_s() if out.compute_s is not None else 0.0)
-        return StepStats(loss_value, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids,
-                         out.pipeline, out.timeline, busy)
+        stats = StepStats(self, out.loss, grad_norm, lr, time.perf_counter() - start, data_wait, ids,
+                          out.pipeline, out.timeline, out.compute_s or 0.0)
+        self._unsettled.append(stats)
+        return stats
+
+    def _live_step(self) -> StepStats:
+        """One step as a replica of a torchft quorum (raydist.elastic.live): this replica's share of the global
+        batch, gradients and loss summed over the quorum weighted by rows / G, committed only if the whole
+        quorum finished; a step that fails is redone with the next quorum over the same [P, P + G)."""
+        g = self.layout.global_batch
+        start = time.perf_counter()
+        data_wait = 0.0
+        while True:
+            rank, count = self.replicas.begin_step()  # a replacement receives the live state here
+            span = live_slice(self.position, g, rank, count)
+            wait_start = time.perf_counter()
+            tokens, ids = self.next_batch(span)
+            data_wait += time.perf_counter() - wait_start
+            rows = span[1] - span[0]
+            out = self.runner.step(tokens, micro_batch=micro_batch_for(rows, self.layout.micro_batch))
+            loss = self._reduce_over_replicas(out.loss, rows / g)
+            grad_norm = self.runner.clip(self.cfg.train.grad_clip)
+            if self.replicas.should_commit():
+                break
+            self.optimizer.zero_grad(set_to_none=True)  # a replica was lost inside the step: redo it
+            self.retried_steps += 1
+        if self.options.capture_grads:
+            self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        self.position += g
+        self.last_span = span
+        if self.options.record_samples and ids is not None:
+            self.sample_log.append(ids)
+        stats = StepStats(None, loss, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
+        stats.replicas = count
+        return stats
+
+    def _reduce_over_replicas(self, local_loss: torch.Tensor, weight: float) -> float:
+        """Gradients and loss <- sum over the quorum of weight_r x (this replica's), weight_r = rows_r / G: the
+        mean over the global batch when replicas hold unequal shares. One flat all-reduce."""
+        params = [p for p in self.pm.model.parameters() if p.requires_grad]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.detach().float().reshape(-1) for g in grads] +
+                         [local_loss.detach().float().reshape(1)]) * weight
+        self.replicas.all_reduce_sum(flat)
+        offset = 0
+        for param, grad in zip(params, grads):
+            n = grad.numel()
+            param.grad = flat[offset:offset + n].view_as(grad).to(grad.dtype)
+            offset += n
+        return float(flat[-1])
 
     def evaluate(self) -> float:
         batches = self.cfg.train.eval_batches
@@ -257,7 +401,8 @@ class Trainer:
     def state_parts(self) -> dict[str, Stateful]:
         """The checkpoint's stateful parts (raydist.checkpoint.state)."""
         return {
-            "model_optim": ModelOptimizerState(self.pm.model, self.optimizer, self.pm.aliases),
+            "model_optim": ModelOptimizerState(self.pm.model, self.optimizer, self.pm.aliases,
+                                               on_load=self._weights_loaded),
             "schedule": SchedulerState(self.scheduler),
             # the stream restarts at the restored position
             "data": AttributeState(self, "step", "position", fixed={"global_batch": self.layout.global_batch},
@@ -277,6 +422,7 @@ class Trainer:
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """{name: unsharded parameter} on every rank (a collective for sharded parameters), by the unsplit
         model's names."""
+        self._require_weights()
         out = {}
         for name, param in self.pm.model.named_parameters():
             full = param.full_tensor() if hasattr(param, "full_tensor") else param

@@ -39,8 +39,9 @@ class ModelOptimizerState:
     each other."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 aliases: dict[str, str] | None = None):
-        self.model, self.optimizer, self.aliases = model, optimizer, aliases or {}
+                 aliases: dict[str, str] | None = None, on_load: Callable[[], None] | None = None):
+        """`on_load`: called after the state is loaded (the Trainer then knows its weights came from it)."""
+        self.model, self.optimizer, self.aliases, self.on_load = model, optimizer, aliases or {}, on_load
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIONS)
@@ -55,6 +56,8 @@ class ModelOptimizerState:
         optim_sd = _rename(optim_sd, {new: old for old, new in self.aliases.items()}, keep=held)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd,
                        options=OPTIONS)
+        if self.on_load is not None:
+            self.on_load()
 
 
 class SchedulerState:

@@ -13,11 +13,18 @@ raydist adds here:
 - hang diagnosis (`raydist.hang`): every rank publishes what it is doing; when a collective times out or
   the watchdog fires, the rank names the ranks that never arrived, writes every live rank's stack to
   RUN_DIR/logs/hang-<time>/ and a `hang` event, then fails so that Ray Train restarts the run.
+
+With `elastic.live_recovery` each worker is one replica in its own world of one (Ray Train's TorchftConfig
+builds a process group per replica group) and joins the others through torchft (raydist.elastic.live).
+Commits are then not reported to Ray Train: `ray.train.report` waits for every worker, so a survivor would
+block on it while a replica is being replaced. raydist's own checkpoints on storage are what a whole-group
+restart resumes from; Ray Train's checkpoint record is not used.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -36,6 +43,8 @@ from raydist.metrics.goodput import EventLog, Goodput
 class RaySession(Session):
     def __init__(self, cfg: Config, run_dir: str, start_time: float, heartbeat_interval_s: float = 1.0):
         self.cfg, self.run_dir, self.start_time = cfg, run_dir, start_time
+        self.live = cfg.elastic.live_recovery
+        self.replica = ray_world_rank() if self.live else None
         self.rank = dist.get_rank()
         self.channel = ControlChannel(dist.distributed_c10d._get_default_store(), self.rank)
         e = cfg.elastic
@@ -45,12 +54,16 @@ class RaySession(Session):
                        "evaluate": step_s * max(1, cfg.train.eval_batches), "save": e.checkpoint_timeout_s,
                        "report": step_s}
         self.monitor: HangMonitor | None = None
-        try:  # what each rank is doing, published for hang diagnosis (never a reason to fail training)
+        try:  # what each rank is doing, published for hang diagnosis (never a reason to fail training;
+            # live recovery's replicas are each a world of one and meet only through torchft: not monitored)
+            if self.live:
+                raise RuntimeError("not with live recovery")
             track_collectives()
             self.monitor = HangMonitor(self.rank, dist.get_world_size(), run_dir, cfg.monitor.heartbeat_interval_s,
                                        cfg.monitor.hang_stacks, on_hang=self._hang_event).start()
         except Exception as exc:
-            print(f"warning: rank {self.rank}: hang monitoring is off ({type(exc).__name__}: {exc})", flush=True)
+            if not self.live:
+                print(f"warning: rank {self.rank}: hang monitoring is off ({type(exc).__name__}: {exc})", flush=True)
         # from the first moment: construction, planning and resume can hang too
         self.watchdog = Watchdog(self.limits["start"], phase="start", on_hang=self._watchdog_fired).start()
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -77,7 +90,10 @@ class RaySession(Session):
 
     def start(self, cfg: Config) -> Layout | Idle:
         started = super().start(cfg)
-        if self.rank == 0:  # the attempt's worker group is up (restart timing: detection -> restart -> load)
+        if self.live:  # every worker is rank 0 of its own world: say which replica started, and where
+            run_event(self.run_dir, self.start_time, "launch", world_size=dist.get_world_size(), replica=self.replica,
+                      host=socket.gethostname(), pid=os.getpid())
+        elif self.rank == 0:  # the attempt's worker group is up (restart timing: detection -> restart -> load)
             run_event(self.run_dir, self.start_time, "launch", world_size=dist.get_world_size())
         if isinstance(started, Idle):
             self.watchdog.stop()  # an idle worker follows rank 0's heartbeat instead
@@ -100,6 +116,8 @@ class RaySession(Session):
         from ray.train import Checkpoint
         from ray.train.v2.api.report_config import CheckpointUploadMode
 
+        if self.live:  # no barrier over the replicas on the step path (see the module docstring)
+            return
         previous = (self.watchdog.name, self.watchdog.timeout_s)
         self.phase("report")  # a barrier over every worker: bounded by the watchdog
         self.channel.publish({"kind": "report", "metrics": metrics, "checkpoint": uri})
@@ -140,7 +158,12 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     from raydist.train_loop import fit
     from raydist.trainer import Trainer, TrainerOptions
 
+    from raydist.elastic.live import TorchftReplicas, replica_config
+
     cfg = Config.from_dict(payload["config"])
+    live = cfg.elastic.live_recovery
+    if live:  # this worker is one replica: its own world of one trains the dp_replicate=1 layout
+        cfg = replica_config(cfg)
     ctx = ray.train.get_context()
     threads = max(1, int(cfg.ray.cpus_per_worker))
     torch.set_num_threads(threads)
@@ -159,11 +182,26 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
             print(f"worker {dist.get_rank()} is idle: {started.reason}", flush=True)
             session.follow()
             return
-        trainer = Trainer(cfg, device, started, TrainerOptions(start_time=payload["start_time"]))
-        fit(trainer, payload["run_dir"], session)
+        trainer = Trainer(cfg, device, started, TrainerOptions(start_time=payload["start_time"], defer_init=True,
+                                                               record_samples=payload.get("record_samples", False)))
+        if live:  # after the trainer is built: the quorum waits for a replica only once it can step
+            trainer.replicas = TorchftReplicas(session.replica, device, cfg.elastic.collective_timeout_s,
+                                               trainer.state_parts)
+        try:
+            fit(trainer, payload["run_dir"], session)
+        finally:
+            if trainer.replicas is not None:
+                trainer.replicas.shutdown()
     except BaseException as exc:  # a peer died, a collective timed out, bad input...: say so before Ray Train
         session.fail(exc)         # restarts (and whether a restart can help)
         raise
+
+
+def ray_world_rank() -> int:
+    """Ray Train's world rank of this worker (with replica groups of one worker: the replica's index)."""
+    import ray.train
+
+    return ray.train.get_context().get_world_rank()
 
 
 def run_event(run_dir: str, driver_start: float, kind: str, step: int | None = None, **fields: Any) -> None:

@@ -1,15 +1,17 @@
 """Goodput across restarts: what failures and checkpoints cost, kept in the run directory.
 
-RUN_DIR/progress.json (rank 0 rewrites it after every step on local storage, at logged steps on object
-stores, where each write is a request) remembers the run's first start, the
-newest step reached and the time it was reached. A new attempt (a Ray Train restart after a worker or
+RUN_DIR/progress.json (rank 0 rewrites it after every step on local storage, from its background
+bookkeeping thread, and at logged steps on object stores, where each write is a request) remembers the
+run's first start, the newest step reached and the time it was reached. A new attempt (a Ray Train restart after a worker or
 node loss, a resize, or a rerun of the same run name) that resumes at step r < max_step redoes
 max_step - r steps (completed steps; the one in flight when the failure hit is not counted); the time from the failed attempt's last progress until the new attempt is back at
 max_step is time lost to the restart (detection, restart, checkpoint load and the redone steps).
 Checkpoint stalls are the seconds training waited for staging or for a previous save.
 
 RUN_DIR/events.jsonl gets one line per event: launch (a worker group is up), start, restart, resize,
-checkpoint, checkpoint_skipped, worker_error (a worker saw a failure, e.g. a dead peer), end. Events come
+checkpoint, checkpoint_skipped, worker_error (a worker saw a failure, e.g. a dead peer), replica_lost and
+replica_joined (live recovery: a replica left or rejoined the quorum; replica_time_out_s sums the replica-
+seconds the run trained without a lost replica, while restarts and steps_redone stay 0), end. Events come
 from several writers (rank 0 in `fit`, any rank outside it, each attempt); see logger.py for how their
 lines stay whole, and `read_events` for the merged, time-ordered view. Every string in an event is passed
 through `redact` (a checkpoint path or an error message may hold a storage URI with credentials).
@@ -20,6 +22,7 @@ from this attempt instead of stopping the run.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Callable
 
@@ -33,8 +36,9 @@ from raydist.redact import redact_tree
 class EventLog(MetricsWriter):
     """events.jsonl: {"kind", "time", "elapsed_s", "step", ...}."""
 
-    def __init__(self, run_dir: str, run_start: float, mirror: Callable[[dict], None] | None = None):
-        super().__init__(run_dir, name="events.jsonl")
+    def __init__(self, run_dir: str, run_start: float, mirror: Callable[[dict], None] | None = None,
+                 background=None):
+        super().__init__(run_dir, name="events.jsonl", background=background)
         self.run_start = run_start
         self.mirror = mirror  # e.g. the TensorBoard writer's `event`
 
@@ -42,6 +46,8 @@ class EventLog(MetricsWriter):
         now = time.time()
         record = redact_tree({"kind": kind, "step": step, "time": round(now, 3),
                               "elapsed_s": round(now - self.run_start, 3), **fields})
+        if self.gate is not None and not self.gate():
+            return record
         self.write(record)
         if self.mirror is not None:
             self.mirror(record)
@@ -55,16 +61,19 @@ def read_events(run_dir: str, problems: list[str] | None = None) -> list[dict[st
 
 
 class Goodput:
-    def __init__(self, run_dir: str, driver_start: float):
+    def __init__(self, run_dir: str, driver_start: float, background=None):
         self.path = join(run_dir, "progress.json")
+        self.background = background  # a BackgroundWriter: the newest state is written off the step
         self.local = is_local(fsspec.core.url_to_fs(run_dir)[0])
         state = read_json_or_none(self.path, "restart accounting starts over from this attempt")
         state = state if isinstance(state, dict) else {}
         self.state: dict[str, Any] = {
             "run_start_time": driver_start, "attempts": 0, "restarts": 0, "max_step": 0, "last_time": None,
             "steps_redone": 0, "time_lost_restart_s": 0.0, "time_lost_checkpoint_s": 0.0, "recovering": None,
+            "replicas_lost": 0, "replica_time_out_s": 0.0,
             **state,
         }
+        self.gate: Callable[[], bool] | None = None  # live recovery: only the quorum's rank 0 writes
 
     @property
     def run_start(self) -> float:
@@ -100,8 +109,21 @@ class Goodput:
     def add_checkpoint_stall(self, seconds: float) -> None:
         self.state["time_lost_checkpoint_s"] += seconds
 
+    def on_replica_lost(self) -> None:
+        self.state["replicas_lost"] += 1
+
+    def on_replica_joined(self, time_out_s: float) -> None:
+        """A replica (live recovery) is back after `time_out_s`: replica-seconds the run trained without it."""
+        self.state["replica_time_out_s"] += time_out_s
+
     def save(self) -> None:
-        write_json(self.path, self.state)
+        if self.gate is not None and not self.gate():
+            return
+        if self.background is None:
+            write_json(self.path, self.state)
+            return
+        state = json.loads(json.dumps(self.state))  # a snapshot: the training thread goes on changing it
+        self.background.submit(lambda: write_json(self.path, state), key=self.path)
 
     def summary(self, final_step: int, tokens_per_step: int) -> dict[str, Any]:
         s = self.state
@@ -111,6 +133,8 @@ class Goodput:
             "steps_redone": s["steps_redone"],
             "time_lost_restart_s": round(s["time_lost_restart_s"], 3),
             "time_lost_checkpoint_s": round(s["time_lost_checkpoint_s"], 3),
+            "replicas_lost": s["replicas_lost"],
+            "replica_time_out_s": round(s["replica_time_out_s"], 3),
             "run_wall_s": round(wall, 3),
             "useful_tokens_per_s": round(final_step * tokens_per_step / max(wall, 1e-9), 2),
         }

@@ -27,7 +27,7 @@ import secrets
 import socket
 import time
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
 
@@ -59,15 +59,27 @@ def writer_id() -> str:
 class MetricsWriter:
     """Appends JSON lines to RUN_DIR/<name> (see the module docstring for object stores)."""
 
-    def __init__(self, run_dir: str, name: str = "metrics.jsonl"):
+    def __init__(self, run_dir: str, name: str = "metrics.jsonl", background=None):
         self.path = join(run_dir, name)
         self.fs, self.fs_path = fsspec.core.url_to_fs(self.path)
         self.local = is_local(self.fs)
         self.lines: list[str] = []
         self.part_path = None if self.local else f"{self.fs_path}.d/{writer_id()}.jsonl"
+        self.background = background  # a BackgroundWriter (metrics/background.py): writes leave the caller
+        # live recovery: every replica keeps the bookkeeping, only the one the gate names (the quorum's
+        # rank 0, which may change during the run) writes it
+        self.gate: Callable[[], bool] | None = None
 
     def write(self, record: dict[str, Any]) -> None:
-        line = json.dumps(_clean(record), sort_keys=False)
+        if self.gate is not None and not self.gate():
+            return
+        line = json.dumps(_clean(record), sort_keys=False)  # serialised now: the record may change later
+        if self.background is not None:
+            self.background.submit(lambda: self._write_line(line))
+        else:
+            self._write_line(line)
+
+    def _write_line(self, line: str) -> None:
         if self.local:
             append_line(self.fs_path, line)
         else:

@@ -142,24 +142,30 @@ class GPT(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         # run_layers(blocks, h, cos, sin) -> h replaces the plain loop (activation checkpointing policies)
         self.run_layers: Callable | None = None
-        self.reset_parameters()
+        if self.tied:
+            self.output.weight = self.tok_embeddings.weight
+        # Weights are torch's module defaults until `init_weights(seed)` (build_model; the Trainer builds
+        # on the meta device and initialises each rank's shards: raydist.models.init)
 
     @property
     def tied(self) -> bool:
         return self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None
 
-    def reset_parameters(self) -> None:
-        """Normal(0, std) weights; residual output projections scaled by 1/sqrt(2 * num_layers)."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                last = name.rsplit(".", 1)[-1]
-                nn.init.normal_(module.weight, 0.0, out_std if last in ("wo", "w2") else std)
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
-        if self.tied:
-            self.output.weight = self.tok_embeddings.weight
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, std) weights keyed by (seed, parameter name), residual output projections scaled by
+        1/sqrt(2 * num_layers), norms ones: the same values in every layout (raydist.models.init)."""
+        from raydist.models.init import init_weights
+
+        init_weights(self, self.cfg, seed)
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the RoPE tables in place (after `to_empty`, which leaves buffers uninitialised)."""
+        if "rope_cos" not in self._buffers or self.rope_cos.is_meta:  # a stage view holds none
+            return
+        cos, sin = rope_tables(self.cfg.d_model // self.cfg.num_heads, self.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V); on a middle pipeline stage (B, T, D) -> (B, T, D).
@@ -187,11 +193,13 @@ class GPT(nn.Module):
 
 
 def build_model(cfg: ModelConfig, max_seq_len: int, seed: int, device: torch.device | str = "cpu") -> GPT:
-    """The same seed gives the same weights on every rank and in every layout."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    """The whole model on one device: built on the meta device, given storage, initialised by
+    (seed, parameter name), so it holds exactly what every parallel layout's shards hold."""
+    from raydist.models.init import materialize
+
+    with torch.device("meta"):
         model = GPT(cfg, max_seq_len)
-    return model.to(device)
+    return materialize(model, torch.device(device), cfg, seed)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

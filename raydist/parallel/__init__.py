@@ -8,6 +8,11 @@ TP comes first because FSDP shards the TP-local DTensors (a 2-D dp_shard x tp la
 comes before FSDP so that recompute re-runs FSDP's unshard hooks inside the region. Context parallelism
 replaces each block's attention function (on the TP-local heads) and returns the sequence-sharding hook.
 Everything is read from the `Layout`; model dimensions come from the model itself.
+
+A model on the meta device (the Trainer builds it there) is parallelized without storage and given it by
+`materialize(module)` (raydist.models.init: `to_empty` + buffers + keyed init) at the last point before
+anything needs real values: after FSDP's wrap, so that `to_empty` allocates only this rank's shards, and
+before DDP's, which broadcasts rank 0's parameters when it wraps.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import nn
 from raydist.layout import Layout
 from raydist.mesh import Mesh
 from raydist.models.gpt import cross_entropy
+from raydist.models.init import is_meta
 from raydist.parallel.checkpointing import apply_activation_checkpointing
 from raydist.parallel.data_parallel import NoDataParallel, make_data_parallel
 
@@ -55,11 +61,18 @@ class ParallelModel:
         return self.data_parallel.kind
 
 
+Materialize = Callable[[nn.Module], object]  # gives a meta-device module storage and initial values
+
+
 def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_parallel: NoDataParallel,
-                        device: torch.device) -> tuple[nn.Module, Callable, Callable | None]:
+                        device: torch.device, materialize: Materialize | None = None
+                        ) -> tuple[nn.Module, Callable, Callable | None]:
     """TP -> CP -> activation checkpointing -> the data-parallel wrap, on one module (the model, or a
     pipeline chunk). Returns (the module forward is called on, the loss function, the sequence hook)."""
-    if not data_parallel.moves_model:
+    on_meta = is_meta(model)
+    if on_meta and materialize is None:
+        raise ValueError("a model on the meta device needs `materialize` to give it storage")
+    if not data_parallel.moves_model and not on_meta:
         model.to(device)  # before TP: Module.to() swaps DTensor parameters, dropping their gradient hooks
     loss_fn = cross_entropy
     if layout.tp > 1:
@@ -72,22 +85,30 @@ def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_paral
 
         shard_sequence = apply_context_parallel(model, mesh, layout.cp_impl)
     apply_activation_checkpointing(model, layout.activation_checkpoint, layout.activation_checkpoint_k)
-    return data_parallel.wrap(model), loss_fn, shard_sequence
+    if on_meta and not data_parallel.moves_model:
+        materialize(model)  # the whole (TP-local) model: DDP and single replicas hold all of it
+    wrapped = data_parallel.wrap(model)
+    if on_meta and data_parallel.moves_model:
+        materialize(model)  # FSDP: to_empty allocates this rank's shards only
+    return wrapped, loss_fn, shard_sequence
 
 
 def parallelize(model: nn.Module, mesh: Mesh, layout: Layout, device: torch.device,
-                compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
+                compute_dtype: torch.dtype = torch.float32, materialize: Materialize | None = None
+                ) -> ParallelModel:
+    """`materialize(module)`: required when `model` is on the meta device (see the module docstring)."""
     data_parallel = make_data_parallel(layout.data_parallel_kind, mesh, device, compute_dtype,
                                        reshard_after_forward=layout.fsdp_reshard_after_forward,
                                        forward_prefetch=layout.fsdp_forward_prefetch)
     if layout.pp == 1:
-        module, loss_fn, shard_sequence = _parallelize_module(model, mesh, layout, data_parallel, device)
+        module, loss_fn, shard_sequence = _parallelize_module(model, mesh, layout, data_parallel, device,
+                                                              materialize)
         return ParallelModel(model, [module], data_parallel, loss_fn, shard_sequence)
-    return _parallelize_pipeline(model, mesh, layout, data_parallel, device)
+    return _parallelize_pipeline(model, mesh, layout, data_parallel, device, materialize)
 
 
 def _parallelize_pipeline(model: nn.Module, mesh: Mesh, layout: Layout, data_parallel: NoDataParallel,
-                          device: torch.device) -> ParallelModel:
+                          device: torch.device, materialize: Materialize | None = None) -> ParallelModel:
     """Split into this pipeline rank's chunks (pp is the outer mesh axis; the schedule's placement), then
     parallelize each chunk on the rest of the mesh; `model` becomes a view over the chunks with the
     unsharded names. The loss function is the last stage's (vocabulary-parallel under TP); the sequence
@@ -99,7 +120,8 @@ def _parallelize_pipeline(model: nn.Module, mesh: Mesh, layout: Layout, data_par
                          stage_layers=layout.stage_layers, placement=placement_of(layout.pp_schedule))
     wrapped, loss_fn, shard_sequence = [], cross_entropy, None
     for chunk in chunks:
-        module, chunk_loss, shard_sequence = _parallelize_module(chunk, mesh, layout, data_parallel, device)
+        module, chunk_loss, shard_sequence = _parallelize_module(chunk, mesh, layout, data_parallel, device,
+                                                                 materialize)
         wrapped.append(module)
         if chunk.output is not None:
             loss_fn = chunk_loss

@@ -38,7 +38,7 @@ def launch_without_ray(monkeypatch):
 
     control: dict = {"fail": None, "trainers": 0}
 
-    def build_trainer(lp, use_gpu, start_time):
+    def build_trainer(lp, use_gpu, start_time, record_samples=False):
         control["trainers"] += 1
         return _SpawnTrainer(lp, control["fail"])
 

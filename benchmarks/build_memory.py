@@ -1,0 +1,135 @@
+"""Peak resident memory per rank while the model is constructed, against 4N/p, for FSDP over p = 1, 2, 4.
+
+Each rank (gloo, CPU) starts from its resident set after imports and process-group setup (the baseline),
+resets the kernel's peak counter (/proc/self/clear_refs), builds, and reads the peak (VmHWM) at the end of
+construction (before any optimizer state exists). Two ways, side by side in one run:
+
+    meta   the Trainer: model on the meta device, FSDP applied there, `to_empty` allocates each rank's
+           shards, init keyed by parameter name (raydist.models.init)
+    eager  what the Trainer did before: the whole fp32 model built on every rank, then sharded
+
+The figure to read is the peak above the baseline against 4N/p (this rank's share of the fp32 weights):
+eager stays at or above 4N whatever p, meta follows 4N/p plus the largest single parameter, which each
+rank draws whole for the rows it keeps (bounded by the row blocks it needs; see init.py).
+
+    python benchmarks/build_memory.py [--d-model 1024 --layers 8 --ffn 2816 --vocab 32000] [--p 1 2 4] [--json]
+    python benchmarks/build_memory.py --preset 750m     # the issue's case: d_model 2048, 16 layers, ffn 5632
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import tempfile
+
+import torch
+
+from raydist.config import Config
+from raydist.runtime import spawn
+
+PRESETS = {"750m": dict(d_model=2048, layers=16, ffn=5632, heads=16, kv_heads=16, vocab=32000)}
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")  # resets VmHWM to the current resident set (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+def _build_on_rank(raw: dict, mode: str) -> dict:
+    import torch.distributed as dist
+
+    from raydist.elastic.policy import plan_layout
+    from raydist.trainer import Trainer
+
+    cfg = Config.from_dict(raw)
+    layout = plan_layout(cfg, dist.get_world_size())
+    torch.zeros(1)  # touch the allocator before the baseline
+    dist.barrier()
+    baseline = _rss_kib("VmRSS")
+    exact = _reset_peak()
+    if mode == "meta":
+        trainer = Trainer(cfg, torch.device("cpu"), layout)
+        model, close = trainer.pm.model, trainer.close
+    else:
+        from raydist.models.gpt import build_model
+        from raydist.parallel import parallelize
+
+        model = build_model(cfg.model, cfg.data.seq_len, cfg.train.seed)
+        model = parallelize(model, layout.spec.build("cpu"), layout, torch.device("cpu")).model
+        close = lambda: None  # noqa: E731
+    peak = _rss_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
+    close()
+    dist.barrier()
+    return {"baseline_mib": baseline / 1024, "peak_mib": peak / 1024, "above_baseline_mib": (peak - baseline) / 1024,
+            "local_param_mib": local / 2**20, "peak_exact": exact}
+
+
+def config(args, data: str) -> dict:
+    from raydist.testing import tiny_config
+
+    model = dict(num_layers=args.layers, d_model=args.d_model, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                 ffn_hidden=args.ffn, vocab_size=args.vocab, tie_embeddings=False)
+    return tiny_config(data, seq_len=32, model=model, train={"global_batch": 4, "micro_batch": 1})
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", choices=sorted(PRESETS))
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=2816)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--p", type=int, nargs="+", default=[1, 2, 4], help="FSDP degrees (one process each)")
+    p.add_argument("--modes", nargs="+", default=["meta", "eager"], choices=["meta", "eager"])
+    p.add_argument("--json", action="store_true", help="also print one JSON line of every figure")
+    args = p.parse_args()
+    for key, value in PRESETS.get(args.preset, {}).items():
+        setattr(args, key, value)
+
+    from raydist.config import DataConfig
+    from raydist.data.prepare import prepare
+    from raydist.models.gpt import param_counts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "data")
+        prepare(DataConfig(corpus="stdlib", seq_len=32, max_corpus_mb=0.2, shard_rows=1024, val_fraction=0.1),
+                data, log=lambda *_: None)
+        raw = config(args, data)
+        n = param_counts(Config.from_dict(raw).model)["total"]
+        full_mib = 4 * n / 2**20
+        print(f"model: {n / 1e6:.1f}M parameters, 4N = {full_mib:.0f} MiB (fp32); per rank, MiB:")
+        print(f"{'mode':6} {'p':>2} {'4N/p':>8} {'local params':>13} {'peak-baseline':>14} {'peak':>8} {'baseline':>9}")
+        rows = []
+        for mode in args.modes:
+            for size in args.p:
+                raw_p = json.loads(json.dumps(raw))
+                raw_p["parallel"].update(dp_shard=size)
+                ranks = spawn(_build_on_rank, size, raw_p, mode, timeout_s=1200)
+                worst = max(ranks, key=lambda r: r["above_baseline_mib"])
+                rows.append({"mode": mode, "p": size, "share_mib": full_mib / size, **worst,
+                             "ranks": ranks})
+                print(f"{mode:6} {size:2d} {full_mib / size:8.0f} {worst['local_param_mib']:13.0f} "
+                      f"{worst['above_baseline_mib']:14.0f} {worst['peak_mib']:8.0f} {worst['baseline_mib']:9.0f}")
+    if args.json:
+        print(json.dumps({"benchmark": "build_memory", "params": n, "full_fp32_mib": full_mib, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Weight initialisation that does not depend on where a parameter lives.
+
+The model is built on the meta device (no storage), parallelized there, and only then given memory:
+`to_empty(device=...)` allocates each rank's own shards (raydist.trainer; torchtitan builds the same
+way). A random init drawn from one generator in module order would then depend on the layout (which
+parameters this rank holds, in which order, in which shape), so every value is instead a pure function of
+(seed, the parameter's name in the unsharded model, its position in the full tensor):
+
+    full tensor (R, ...) of parameter `name`  =  rows cut into fixed blocks of ROWS(R, ...) rows
+    block b  =  normal(0, std(name)) drawn from a generator seeded by sha256(seed, name, b)
+
+The block size depends only on the full shape, so a rank that holds rows [r0, r1) of the tensor (and any
+column range) draws just the blocks covering those rows and keeps its box: the single-process model, DDP
+replicas, FSDP shards, TP column/row splits, FSDP x TP boxes and pipeline stages all hold the same values
+at the same coordinates. A tied output head is named by its embedding (`tok_embeddings.weight`), so a
+pipeline's output copy of a tied embedding starts identical to it. Norm weights are ones.
+
+Non-persistent buffers (the RoPE tables) are recomputed after `to_empty`, which leaves them uninitialised;
+parameters shared between modules (a tied embedding and head) are tied again after it, since moving a
+plain parameter off the meta device makes a new Parameter in each module that held it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import nn
+
+BLOCK_ELEMENTS = 1 << 20  # about this many elements per generator block (whole rows; at least one row)
+RESIDUAL_OUTPUTS = ("wo", "w2")  # projections into the residual stream: std / sqrt(2 L) (GPT-2's scaling)
+
+
+def canonical_name(name: str, tied: bool) -> str:
+    """The name whose values parameter `name` takes: a tied head is its embedding."""
+    return "tok_embeddings.weight" if tied and name == "output.weight" else name
+
+
+def block_seed(seed: int, name: str, block: int) -> int:
+    """A 63-bit generator seed for block `block` of parameter `name` (stable across processes and runs)."""
+    digest = hashlib.sha256(f"{seed}\0{name}\0{block}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def rows_per_block(shape: torch.Size | tuple[int, ...]) -> int:
+    return max(1, BLOCK_ELEMENTS // max(1, math.prod(shape[1:])))
+
+
+def init_std(name: str, cfg) -> float:
+    """Normal(0, init_std) weights; residual output projections scaled by 1/sqrt(2 * num_layers)."""
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else name
+    if module in RESIDUAL_OUTPUTS:
+        return cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    return cfg.init_std
+
+
+def is_norm(name: str) -> bool:
+    return name.rsplit(".", 2)[-2].endswith("norm") if "." in name else False
+
+
+def full_rows(name: str, shape: tuple[int, ...], start: int, stop: int, cfg, seed: int) -> torch.Tensor:
+    """Rows [start, stop) of parameter `name`'s initial value (full shape `shape`), fp32 on the CPU."""
+    rest = tuple(shape[1:])
+    if is_norm(name):
+        return torch.ones((stop - start, *rest))
+    if stop <= start:
+        return torch.empty((0, *rest))
+    per = rows_per_block(shape)
+    std = init_std(name, cfg)
+    first, last = start // per, (stop - 1) // per
+    parts = []
+    for block in range(first, last + 1):
+        rows = min(per, shape[0] - block * per)
+        gen = torch.Generator().manual_seed(block_seed(seed, name, block))
+        parts.append(torch.empty((rows, *rest)).normal_(0.0, std, generator=gen))
+    values = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return values[start - first * per: stop - first * per]
+
+
+def full_value(name: str, shape: tuple[int, ...], cfg, seed: int) -> torch.Tensor:
+    """Parameter `name`'s whole initial value (the single-process model's)."""
+    return full_rows(name, shape, 0, shape[0], cfg, seed) if shape else torch.ones(())
+
+
+def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(local shape, global offset) of a DTensor's local piece when it is one box of the full tensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return (tuple(shape), tuple(offset)) if tuple(shape) == tuple(param.to_local().shape) else None
+
+
+def local_value(name: str, param: torch.Tensor, cfg, seed: int) -> torch.Tensor:
+    """The initial value of the piece of `name` that `param` holds on this rank (a plain tensor: all of it;
+    a DTensor: its local shard), fp32 on the CPU."""
+    shape = tuple(param.shape)
+    if not hasattr(param, "device_mesh"):
+        return full_value(name, shape, cfg, seed)
+    box = _local_box(param) if shape else None
+    if box is None:  # a placement whose local piece is not one box: cut the full value as DTensor does
+        from torch.distributed.tensor import distribute_tensor
+
+        full = full_value(name, shape, cfg, seed)
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+    local_shape, offset = box
+    if 0 in local_shape:
+        return torch.empty(local_shape)
+    rows = full_rows(name, shape, offset[0], offset[0] + local_shape[0], cfg, seed)
+    for dim in range(1, len(shape)):
+        rows = rows.narrow(dim, offset[dim], local_shape[dim])
+    return rows
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, cfg, seed: int) -> None:
+    """Initialise every parameter `module` holds (a whole GPT, a pipeline chunk, sharded or not) in place,
+    by its name in the unsharded model. Tied parameters are written once (they are one tensor)."""
+    tied = bool(cfg.tie_embeddings)
+    for name, param in module.named_parameters():
+        value = local_value(canonical_name(name, tied), param, cfg, seed)
+        target = param.to_local() if hasattr(param, "to_local") else param
+        target.copy_(value.to(dtype=target.dtype))
+
+
+@torch.no_grad()
+def init_buffers(module: nn.Module) -> None:
+    """Recompute the non-persistent buffers of every GPT in `module` (after `to_empty`)."""
+    for sub in module.modules():
+        reset = getattr(sub, "reset_buffers", None)
+        if reset is not None:
+            reset()
+
+
+def _shared_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Every parameter registered in more than one place (a tied embedding and head), as its places."""
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((sub, name))
+    return [p for p in places.values() if len(p) > 1]
+
+
+def materialize(module: nn.Module, device: torch.device, cfg, seed: int, init: bool = True) -> nn.Module:
+    """Give a meta-device `module` storage on `device` (each rank only its own shards), recompute its
+    buffers and, when `init`, its initial weights (skipped when a checkpoint will overwrite them)."""
+    shared = _shared_parameters(module)
+    module.to_empty(device=device)
+    for places in shared:  # a meta -> device move makes a new Parameter per module: tie them again
+        owner, name = places[0]
+        param = getattr(owner, name)
+        for other, other_name in places[1:]:
+            if getattr(other, other_name) is not param:
+                other.register_parameter(other_name, param)
+    init_buffers(module)
+    if init:
+        init_weights(module, cfg, seed)
+    return module
+
+
+def is_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in module.parameters())
