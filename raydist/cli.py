@@ -1,4 +1,4 @@
-"""`raydist` command line: train, data prepare, schedule, plan, report, verify, eval, export.
+"""`raydist` command line: train, status, data prepare, schedule, plan, report, verify, eval, export.
 
 Bad input exits with status 2 and one line `error: ...` on stderr; a failed run exits 1. Error lines are
 redacted (no credentials of a storage URI are printed).
@@ -31,8 +31,10 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 def cmd_train(args) -> int:
     from raydist.launcher import launch
 
+    from raydist.console import Console
+
     cfg = Config.load(args.config or _default_config_path(), args.overrides)
-    launch(cfg, address=args.address)
+    launch(cfg, address=args.address, console=Console(verbose=args.verbose))
     return 0
 
 
@@ -59,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a workload on Ray (embedded local Ray unless an address is given)")
     train.add_argument("config", nargs="?", help=f"TOML config (default: workloads/{DEFAULT_WORKLOAD})")
     train.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else an embedded local Ray)")
+    train.add_argument("--verbose", "-v", action="store_true",
+                       help="show Ray's own driver and worker output on the console (default: RUN_DIR/logs/)")
     _add_set(train)
     train.set_defaults(func=cmd_train)
 
@@ -83,7 +87,7 @@ def _optional_commands():
     import importlib
 
     for module in ("raydist.schedule.cli", "raydist.planner.cli", "raydist.report.cli",
-                   "raydist.checkpoint.verify", "raydist.finetune"):
+                   "raydist.checkpoint.verify", "raydist.finetune", "raydist.status"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -115,24 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _training_failure(exc: BaseException):
-    """A worker's ConfigError/DataError (raised inside Ray) surfaced as itself; other training
-    failures as a one-line message."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if id(e) in seen or e is None:
-            continue
-        seen.add(id(e))
-        if isinstance(e, (ConfigError, DataError)):
-            return e
-        stack.extend([getattr(e, "cause", None), e.__cause__, e.__context__])
-        stack.extend(getattr(e, "worker_failures", {}).values() if isinstance(getattr(e, "worker_failures", None), dict) else [])
-    name = type(exc).__name__
-    if "Training" in name or "RayTaskError" in name or "ActorDiedError" in name:
-        first = str(exc).strip().splitlines()
-        return RuntimeError(f"training failed ({name}): {first[0] if first else ''}")
-    return None
+    from raydist.elastic.failures import training_failure
+
+    return training_failure(exc)
 
 
 if __name__ == "__main__":

@@ -230,6 +230,30 @@ class PeftConfig:
     """For `freeze`: the last this many blocks (and the final norm; the head too when untied) train."""
 
 
+@dataclass(frozen=True)
+class MonitorConfig:
+    heartbeat_interval_s: float = 2.0
+    """How often each worker publishes what it is doing (its current collective or pipeline action, and
+    since when) to the process group's store, for hang diagnosis."""
+    hang_stacks: bool = True
+    """On a hang (a collective timeout or the step watchdog), write every live rank's Python stack with
+    py-spy (Python's own traceback where py-spy cannot attach) to RUN_DIR/logs/hang-<time>/."""
+    straggler_factor: float = 1.5
+    """A rank whose busy time per step (data wait + forward) is at least this many times the median rank's
+    for straggler_intervals logged intervals in a row gets a `straggler` event (0: never)."""
+    straggler_intervals: int = 3
+    """Consecutive logged intervals a rank must be that slow before the `straggler` event."""
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    mlflow_uri: str = ""
+    """MLflow tracking URI (http://host:5000, a file store path, databricks, ...): the driver logs the run's
+    params, metrics and events there. Empty: no MLflow (TensorBoard files are written either way)."""
+    mlflow_experiment: str = "raydist"
+    """MLflow experiment the run is logged in (created when missing)."""
+
+
 CHOICES: dict[str, tuple[str, ...]] = {
     "peft.method": ("none", "lora", "freeze"),
     "peft.lora_targets": ("attention", "mlp", "all"),
@@ -253,6 +277,8 @@ SECTIONS: dict[str, type] = {
     "ray": RayConfig,
     "kernels": KernelsConfig,
     "peft": PeftConfig,
+    "monitor": MonitorConfig,
+    "tracking": TrackingConfig,
 }
 
 
@@ -267,6 +293,8 @@ class Config:
     ray: RayConfig = field(default_factory=RayConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -381,6 +409,13 @@ class Config:
         _positive("ray.num_workers", self.ray.num_workers)
         if not self.ray.cpus_per_worker > 0:
             raise ConfigError(f"ray.cpus_per_worker={self.ray.cpus_per_worker} must be > 0")
+        mon = self.monitor
+        if not mon.heartbeat_interval_s > 0:
+            raise ConfigError(f"monitor.heartbeat_interval_s={mon.heartbeat_interval_s} must be > 0 (seconds)")
+        if mon.straggler_factor != 0 and not mon.straggler_factor > 1:
+            raise ConfigError(f"monitor.straggler_factor={mon.straggler_factor} must be > 1 (how many times the "
+                              "median rank's busy time), or 0 to turn straggler events off")
+        _positive("monitor.straggler_intervals", mon.straggler_intervals)
         for key in ("collective_timeout_s", "startup_timeout_s", "checkpoint_timeout_s"):
             if not getattr(e, key) > 0:
                 raise ConfigError(f"elastic.{key}={getattr(e, key)} must be > 0 (seconds)")

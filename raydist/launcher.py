@@ -10,21 +10,21 @@ logs and the config.toml it writes are redacted (raydist.redact); the I/O uses t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
-import sys
-import threading
 import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from raydist.atomic import probe_writable
+from raydist.console import Console, Follower, ProgressSink, RayLogFile, result_line
 from raydist.checkpoint.compat import check_run_dir
 from raydist.config import Config, ConfigError
 from raydist.data.prepare import default_data_path, prepare, read_manifest
 from raydist.data.stream import Split
 from raydist.lease import RunLease
-from raydist.metrics.logger import join, read_json, read_metrics, write_text
+from raydist.metrics.logger import join, read_json, write_text
 from raydist.redact import redact
 from raydist.elastic import failures
 from raydist.elastic.policy import plan_layout
@@ -250,60 +250,14 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
 # ---- progress --------------------------------------------------------------------------------------
 
 
-class Progress:
-    """Follows metrics.jsonl on the driver: a live bar on a terminal, a line per record in job logs."""
+class Progress(Follower):
+    """Follows the run directory on the driver: a live bar on a terminal, a line per logged step elsewhere,
+    a line per event an operator should see (raydist.console)."""
 
-    def __init__(self, run_dir: str, total_steps: int, stream=sys.stderr, interval_s: float = 1.0):
-        self.run_dir, self.total, self.stream, self.interval_s = run_dir, total_steps, stream, interval_s
-        self.tty = stream.isatty()
-        self.seen = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="raydist-progress")
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._poll()
-        if self.tty:
-            self.stream.write("\n")
-        self.stream.flush()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self._poll()
-            except Exception:  # a half-written line or a slow object store: try again next tick
-                pass
-
-    def _poll(self) -> None:
-        records = read_metrics(self.run_dir)
-        for rec in records[self.seen:]:
-            self.stream.write(("\r" if self.tty else "") + self.format(rec) + ("" if self.tty else "\n"))
-        self.seen = len(records)
-        self.stream.flush()
-
-    def format(self, rec: dict[str, Any]) -> str:
-        step = rec.get("step", 0)
-        width = 24
-        done = int(width * step / max(self.total, 1))
-        parts = [f"[{'#' * done}{'.' * (width - done)}] step {step}/{self.total}"]
-        if rec.get("loss") is not None:
-            parts.append(f"loss {rec['loss']:.4f}")
-        if rec.get("val_loss") is not None:
-            parts.append(f"val {rec['val_loss']:.4f}")
-        tps = rec.get("tokens_per_s") or 0
-        if tps:
-            parts.append(f"{tps / 1e3:.1f}k tok/s")
-            step_time = rec.get("step_time_s") or 0
-            parts.append(f"ETA {format_duration(step_time * (self.total - step))}")
-        if rec.get("mfu") is not None:
-            parts.append(f"mfu {100 * rec['mfu']:.1f}%")
-        parts.append(f"replicas {rec['replicas']}" if rec.get("replicas") else f"workers {rec.get('world_size')}")
-        return " | ".join(parts)
+    def __init__(self, run_dir: str, total_steps: int, stream=None, console: Console | None = None,
+                 interval_s: float = 1.0):
+        console = console or Console(verbose=True)
+        super().__init__(run_dir, [ProgressSink(total_steps, console, stream)], interval_s, name="raydist-progress")
 
 
 def _warn_local_paths(cfg: Config, lp: LaunchPlan, log: Callable[[str], None]) -> None:
@@ -317,11 +271,6 @@ def _warn_local_paths(cfg: Config, lp: LaunchPlan, log: Callable[[str], None]) -
         if "://" not in value:
             log(f"warning: {key}={value} is a local path; on a multi-node cluster (and under `ray job submit`, "
                 f"whose working directory is temporary) use shared storage such as s3://bucket/prefix")
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 # ---- safety: before anything is started or written -----------------------------------------------
@@ -368,28 +317,75 @@ def check_storage(storage: str) -> None:
 # ---- entry -----------------------------------------------------------------------------------------
 
 
-def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] = print,
-           record_samples: bool = False) -> dict[str, Any]:
-    """Runs a training job to completion; returns summary.json's content. `record_samples` (tests): with
-    live recovery, every replica appends the sample ids of its committed steps to RUN_DIR/samples/."""
+def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] | None = None,
+           console: Console | None = None, record_samples: bool = False) -> dict[str, Any]:
+    """Runs a training job to completion; returns summary.json's content. `console` (the CLI's) keeps
+    Ray's output in RUN_DIR/logs/ unless it is verbose; `log` defaults to its lines (else print).
+    `record_samples` (tests): with live recovery, every replica appends the sample ids of its committed
+    steps to RUN_DIR/samples/."""
     start_time = time.time()
-    log = redacting(log)
+    log = redacting(log or (console.line if console is not None else print))
     done = completed_summary(cfg, log)
     if done is not None:
         return done
     lp = plan(cfg, log)
     cfg = lp.cfg
     with RunLease(lp.run_dir, lp.run_name, log=log):
-        return _launch(cfg, lp, address, start_time, log, record_samples)
+        try:
+            return _launch(cfg, lp, address, start_time, log, console or Console(verbose=True), record_samples)
+        except KeyboardInterrupt:
+            record_end(lp.run_dir, start_time, "interrupted", "interrupted (Ctrl-C or SIGINT)")
+            raise
+        except BaseException as exc:
+            record_end(lp.run_dir, start_time, "failed", failures.describe(exc))
+            raise
+
+
+def record_end(run_dir: str, start_time: float, status: str, error: str) -> None:
+    """The driver's `end` event for a run that did not complete (what `raydist status` reads)."""
+    from raydist.metrics.goodput import EventLog
+
+    try:
+        EventLog(run_dir, start_time).event("end", None, status=status, error=redact(error)[:500], source="driver")
+    except Exception:  # bookkeeping must never hide the run's own outcome
+        pass
 
 
 def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
-            log: Callable[[str], None], record_samples: bool = False) -> dict[str, Any]:
+            log: Callable[[str], None], console: Console, record_samples: bool = False) -> dict[str, Any]:
+    from raydist.tracking import open_tracker
+
     write_text(join(lp.run_dir, "config.toml"), redact(cfg.to_toml()))
+    tracker = open_tracker(cfg, lp.run_dir, lp.run_name, log)  # before Ray: a bad tracking URI fails fast
+    status = "FAILED"
+    try:
+        with console.quiet(lp.run_dir, lp.run_name) as logs:
+            ray_log = RayLogFile(os.path.join(logs, "workers.log")) if logs else None
+            try:
+                _run_on_ray(cfg, lp, address, start_time, log, console, ray_log, tracker, record_samples)
+            finally:
+                if ray_log is not None:
+                    ray_log.close()
+        status = "FINISHED"
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    finally:
+        if tracker is not None:
+            tracker.end(status)
+    summary = read_json(join(lp.run_dir, "summary.json")) or {}
+    log(result_line(summary, lp.run_dir, time.time() - start_time))
+    return summary
+
+
+def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float, log: Callable[[str], None],
+                console: Console, ray_log: RayLogFile | None, tracker=None, record_samples: bool = False) -> None:
     import ray
 
     needed = cfg.elastic.min_workers if cfg.elastic_enabled else cfg.ray.num_workers
     embedded = connect_ray(cfg, address, needed * cfg.ray.cpus_per_worker)
+    if ray_log is not None:
+        ray_log.install()  # the cluster's streamed lines: to logs/workers.log, not the console
     if not embedded:
         _warn_local_paths(cfg, lp, log)
     try:
@@ -399,11 +395,15 @@ def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
         resolve_kernels(cfg.kernels, "cuda" if use_gpu else "cpu", cfg.head_dim)  # a bad choice fails here
         wait_for_capacity(needed, worker_resources(cfg, use_gpu), cfg.ray.max_pending_s, can_grow=not embedded,
                           log=log, setting="elastic.min_workers" if cfg.elastic_enabled else "ray.num_workers")
-        log(f"run {lp.run_name}: {lp.num_workers} worker(s), {'GPU/nccl' if use_gpu else 'CPU/gloo'}, "
+        where = "an embedded local Ray" if embedded else f"the Ray cluster at {ray.get_runtime_context().gcs_address}"
+        log(f"run {lp.run_name}: {lp.num_workers} worker(s), {'GPU/nccl' if use_gpu else 'CPU/gloo'} on {where}; "
             f"run directory {lp.run_dir}")
+        if console.logs_dir:
+            log(f"Ray's own output goes to {console.logs_dir}/ (driver.log, workers.log); --verbose shows it here")
         trainer = build_trainer(lp, use_gpu, start_time, record_samples)
         try:
-            with Progress(lp.run_dir, cfg.train.steps):
+            tracking = Follower(lp.run_dir, [tracker], name="raydist-tracking") if tracker else contextlib.nullcontext()
+            with Progress(lp.run_dir, cfg.train.steps, console=console), tracking:
                 trainer.fit()
         finally:
             fatal = failures.recorded(lp.run_dir, start_time)
@@ -413,7 +413,3 @@ def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
     finally:
         if embedded:
             ray.shutdown()
-    summary = read_json(join(lp.run_dir, "summary.json")) or {}
-    log(f"done: {summary.get('steps')} steps, val loss {summary.get('first_val_loss')} -> "
-        f"{summary.get('final_val_loss')}, {summary.get('tokens_per_s')} tok/s; {lp.run_dir}")
-    return summary

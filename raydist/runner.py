@@ -15,7 +15,9 @@ data ranks. Autocast and gradient sync come from the model's data-parallel strat
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ class StepOutput:
     loss: torch.Tensor  # 0-d fp32: this rank's mean loss over the step's rows
     pipeline: dict | None = None  # pp > 1: every stage's busy and idle seconds and the mean bubble
     timeline: list[dict] | None = None  # pp > 1, when asked: every action's start and end on every stage
+    compute_s: Callable[[], float] | None = None  # this rank's own compute time (read after the step's sync)
 
 
 class AccumulationRunner:
@@ -72,12 +75,14 @@ class AccumulationRunner:
         batch changes with the number of live replicas)."""
         micro = self.micro_batches(tokens, micro_batch)
         total = torch.zeros((), device=self.device)
+        timer = ForwardTimer(self.device)
         for i, mb in enumerate(micro):
             with self.pm.data_parallel.accumulate(self.pm.module, i == len(micro) - 1):
-                loss = self.forward_loss(mb) / len(micro)
+                with timer:
+                    loss = self.forward_loss(mb) / len(micro)
                 loss.backward()
             total += loss.detach().float()
-        return StepOutput(total)
+        return StepOutput(total, compute_s=timer.seconds)
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -89,6 +94,42 @@ class AccumulationRunner:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params, max_norm)
+
+
+class ForwardTimer:
+    """Sums the forwards' durations: with DDP the forward runs no collective, so this is the rank's own
+    compute however long its peers take (the straggler signal; backward waits for the slowest rank's
+    gradients). CUDA: events, read after the step has synchronised."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+        self.total = 0.0
+
+    def __enter__(self):
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.spans.append([start, None])
+        else:
+            self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.spans[-1][1] = end
+        else:
+            self.total += time.perf_counter() - self._start
+
+    def seconds(self) -> float:
+        if self.cuda:
+            done = [(start, end) for start, end in self.spans if end is not None]
+            if done:
+                done[-1][1].synchronize()  # (the step's loss was read by then: no wait in practice)
+            return sum(start.elapsed_time(end) for start, end in done) / 1e3
+        return self.total
 
 
 class PipelineRunner:
@@ -127,7 +168,8 @@ class PipelineRunner:
         with self.pm.data_parallel.autocast(self.device.type):
             stats = self.executor.step(inputs, targets, record_timeline=record_timeline, positions=positions)
         self.tied()
-        out = StepOutput(torch.tensor(stats.loss, device=self.device), self._timings(stats))
+        out = StepOutput(torch.tensor(stats.loss, device=self.device), self._timings(stats),
+                         compute_s=lambda: stats.busy_s)
         if record_timeline:
             out.timeline = self._gather_timeline()
         return out

@@ -28,6 +28,7 @@ from raydist.metrics.background import BackgroundWriter
 from raydist.metrics.flops import peak_flops
 from raydist.metrics.goodput import EventLog, Goodput
 from raydist.metrics.logger import MetricsWriter, join, write_json
+from raydist.metrics.stragglers import StragglerDetector, per_rank, percentiles
 from raydist.metrics.tensorboard import open_tensorboard
 from raydist.models.gpt import flops_per_token
 from raydist.trainer import StepStats, Trainer, TrainerOptions, peak_memory_mb
@@ -39,8 +40,9 @@ class RunLogger:
     """Rank 0 writes metrics.jsonl; every rank keeps the interval's timings."""
 
     def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int, tensorboard=None,
-                 background=None):
+                 background=None, events: EventLog | None = None, workers: list[dict] | None = None):
         self.trainer = trainer
+        self.events, self.workers = events, workers or []
         self.rank0 = dist.get_rank() == 0
         self.writer = MetricsWriter(run_dir, background=background) if run_dir and self.rank0 else None
         self.tensorboard = tensorboard
@@ -56,6 +58,12 @@ class RunLogger:
         self.records = 0
         self.interval_time = self.interval_wait = 0.0
         self.interval_steps = 0
+        self.step_times: list[float] = []  # this rank's step and busy times of the interval (stragglers)
+        self.busy_steps: list[StepStats] = []
+        per_stage = max(1, trainer.world_size // trainer.layout.pp)  # pp is the outermost mesh axis
+        self.stragglers = StragglerDetector(
+            cfg.monitor.straggler_factor, cfg.monitor.straggler_intervals,
+            [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(trainer.layout.pp)])
         self.last: dict[str, Any] = {}
         self.gate: Callable[[], bool] = lambda: True  # live recovery: only the quorum's rank 0 writes
 
@@ -69,6 +77,26 @@ class RunLogger:
         self.interval_time += stats.step_time_s
         self.interval_wait += stats.data_wait_s
         self.interval_steps += 1
+        self.step_times.append(stats.step_time_s)
+        self.busy_steps.append(stats)  # busy_s is read at the record (on CUDA it reads events)
+
+    def _ranks(self, rec: dict) -> None:
+        """Per-rank step and busy time percentiles of the interval (a collective over the active ranks), and
+        on rank 0 the straggler rule (raydist.metrics.stragglers)."""
+        mine = {"step_time_s": percentiles(self.step_times), "busy_s": percentiles([s.busy_s for s in self.busy_steps])}
+        self.step_times, self.busy_steps = [], []
+        if self.trainer.world_size == 1:
+            return
+        gathered: list = [None] * self.trainer.world_size
+        dist.all_gather_object(gathered, mine, group=self.trainer.group)
+        if not self.rank0:
+            return
+        rec["ranks"] = per_rank(gathered)
+        for found in self.stragglers.update(rec["ranks"]["busy_s"]["p50"]):
+            where = self.workers[found["rank"]] if found["rank"] < len(self.workers) else {}
+            if self.events is not None:
+                self.events.event("straggler", self.trainer.step, host=where.get("host"), pid=where.get("pid"),
+                                  factor=self.trainer.cfg.monitor.straggler_factor, **found)
 
     def record(self, stats: StepStats | None, val_loss: float | None = None, loss: float | None = None) -> dict:
         rec = self.base()
@@ -95,6 +123,7 @@ class RunLogger:
                        mem_peak_mb=round(peak_memory_mb(self.trainer.device), 1))
             if stats.pipeline is not None:
                 rec["pipeline"] = stats.pipeline
+            self._ranks(rec)
             self.interval_time = self.interval_wait = 0.0
             self.interval_steps = 0
         else:
@@ -238,7 +267,8 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         if previous is not None and previous != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,
                          mesh=trainer.layout.degrees())
-    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard, bookkeeping)
+    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard, bookkeeping, events=events,
+                       workers=workers)
     if replicas is not None:
         logger.gate = lead
     first_val = last_val = None

@@ -34,6 +34,7 @@ from raydist.data.prepare import read_manifest
 from raydist.data.stream import SampleStream, Split, make_reader
 from raydist.elastic.live import Replicas, live_slice, micro_batch_for
 from raydist.elastic.policy import plan_layout
+from raydist.hang import ACTIONS, doing
 from raydist.kernels import apply_kernels
 from raydist.layout import Layout
 from raydist.metrics.kernels import kernel_calls, kernels_ran
@@ -113,7 +114,8 @@ class StepStats:
 
     def __init__(self, trainer: "Trainer | None", local_loss: torch.Tensor | float, grad_norm: torch.Tensor | float,
                  lr: float, step_time_s: float, data_wait_s: float, sample_ids: np.ndarray | None = None,
-                 pipeline: dict | None = None, pipeline_timeline: list[dict] | None = None):
+                 pipeline: dict | None = None, pipeline_timeline: list[dict] | None = None,
+                 compute_s: "Callable[[], float] | float" = 0.0):
         self._trainer = trainer
         self._local_loss, self._grad_norm = local_loss, grad_norm
         self._loss: float | None = None if trainer is not None else float(local_loss)
@@ -122,6 +124,14 @@ class StepStats:
         self.pipeline = pipeline  # per-stage busy/idle seconds and the bubble (pp > 1)
         self.pipeline_timeline = pipeline_timeline  # every action's start/end on every stage, one step
         self.replicas: int | None = None  # live recovery: replicas in this step's quorum
+        self._compute_s = compute_s  # this rank's own compute (its forwards, or its pipeline actions)
+
+    @property
+    def busy_s(self) -> float:
+        """This rank's own work in the step: data wait + its forwards (its pipeline actions with pp > 1),
+        the straggler signal (raydist.metrics.stragglers). Read lazily: on CUDA it reads events."""
+        compute = self._compute_s() if callable(self._compute_s) else self._compute_s
+        return self.data_wait_s + compute
 
     @property
     def settled(self) -> bool:
@@ -318,22 +328,27 @@ class Trainer:
         if self.replicas is not None:
             return self._live_step()
         start = time.perf_counter()
-        tokens, ids = batch if batch is not None else self.next_batch()
+        ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.hang)
+        with doing("data: next batch"):
+            tokens, ids = batch if batch is not None else self.next_batch()
         data_wait = time.perf_counter() - start
-        out = self.runner.step(tokens, record_timeline=self.step == TIMELINE_STEP)
-        grad_norm = self.runner.clip(self.cfg.train.grad_clip)
+        with doing("forward/backward"):
+            out = self.runner.step(tokens, record_timeline=self.step == TIMELINE_STEP)
+        with doing("clip: gradient norm"):
+            grad_norm = self.runner.clip(self.cfg.train.grad_clip)
         if self.options.capture_grads:
             self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with doing("optimizer step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
         self.position += self.layout.global_batch
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
         stats = StepStats(self, out.loss, grad_norm, lr, time.perf_counter() - start, data_wait, ids,
-                          out.pipeline, out.timeline)
+                          out.pipeline, out.timeline, out.compute_s or 0.0)
         self._unsettled.append(stats)
         return stats
 
@@ -390,7 +405,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         batches = self.cfg.train.eval_batches
-        return sum(self.loss_on(self.val_batch(b)) for b in range(batches)) / batches
+        with doing("evaluate"):
+            return sum(self.loss_on(self.val_batch(b)) for b in range(batches)) / batches
 
     # ---- checkpoint state ---------------------------------------------------------------------------
     def state_parts(self) -> dict[str, Stateful]:

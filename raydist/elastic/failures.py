@@ -72,3 +72,32 @@ def recorded(run_dir: str, since: float) -> dict[str, Any] | None:
     if isinstance(fatal, dict) and fatal.get("time", 0) >= since:
         return fatal
     return None
+
+
+def training_failure(exc: BaseException) -> BaseException | None:
+    """A worker's ConfigError/DataError (raised inside Ray) surfaced as itself; other training failures
+    (Ray Train's, a worker's) as a one-line RuntimeError; None for anything else."""
+    from raydist.data.prepare import DataError
+
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen or e is None:
+            continue
+        seen.add(id(e))
+        if isinstance(e, (ConfigError, DataError)):
+            return e
+        stack.extend([getattr(e, "cause", None), e.__cause__, e.__context__])
+        worker_failures = getattr(e, "worker_failures", None)
+        stack.extend(worker_failures.values() if isinstance(worker_failures, dict) else [])
+    name = type(exc).__name__
+    if "Training" in name or "RayTaskError" in name or "ActorDiedError" in name:
+        return RuntimeError(f"training failed ({name}): {first_line(exc)}")
+    return None
+
+
+def describe(exc: BaseException) -> str:
+    """One line for the run's record of how it ended."""
+    failure = training_failure(exc)
+    return first_line(failure) if failure is not None else f"{type(exc).__name__}: {first_line(exc)}"

@@ -9,7 +9,10 @@ raydist adds here:
 - committed checkpoints are reported to Ray Train (no upload: they already are on the run's storage);
 - a step watchdog ends a worker whose training stops making progress (`control.Watchdog`), so a hang no
   collective notices becomes a failure Ray Train restarts;
-- `launch` and `worker_error` lines in events.jsonl (restart timing, the first error each worker saw).
+- `launch` and `worker_error` lines in events.jsonl (restart timing, the first error each worker saw);
+- hang diagnosis (`raydist.hang`): every rank publishes what it is doing; when a collective times out or
+  the watchdog fires, the rank names the ranks that never arrived, writes every live rank's stack to
+  RUN_DIR/logs/hang-<time>/ and a `hang` event, then fails so that Ray Train restarts the run.
 
 With `elastic.live_recovery` each worker is one replica in its own world of one (Ray Train's TorchftConfig
 builds a process group per replica group) and joins the others through torchft (raydist.elastic.live).
@@ -32,6 +35,7 @@ from raydist.config import Config
 from raydist.elastic import failures
 from raydist.elastic.control import ControlChannel, Watchdog
 from raydist.elastic.session import Idle, Session
+from raydist.hang import ACTIONS, HangMonitor, is_hang, track_collectives
 from raydist.layout import Layout
 from raydist.metrics.goodput import EventLog, Goodput
 
@@ -49,10 +53,40 @@ class RaySession(Session):
                        "first_step": e.startup_timeout_s, "step": step_s,
                        "evaluate": step_s * max(1, cfg.train.eval_batches), "save": e.checkpoint_timeout_s,
                        "report": step_s}
+        self.monitor: HangMonitor | None = None
+        try:  # what each rank is doing, published for hang diagnosis (never a reason to fail training;
+            # live recovery's replicas are each a world of one and meet only through torchft: not monitored)
+            if self.live:
+                raise RuntimeError("not with live recovery")
+            track_collectives()
+            self.monitor = HangMonitor(self.rank, dist.get_world_size(), run_dir, cfg.monitor.heartbeat_interval_s,
+                                       cfg.monitor.hang_stacks, on_hang=self._hang_event).start()
+        except Exception as exc:
+            if not self.live:
+                print(f"warning: rank {self.rank}: hang monitoring is off ({type(exc).__name__}: {exc})", flush=True)
         # from the first moment: construction, planning and resume can hang too
-        self.watchdog = Watchdog(self.limits["start"], phase="start").start()
+        self.watchdog = Watchdog(self.limits["start"], phase="start", on_hang=self._watchdog_fired).start()
         self.heartbeat_interval_s = heartbeat_interval_s
         self._last_beat = 0.0
+        self._diagnosed = False
+
+    def _diagnose(self, trigger: str, error: BaseException | None = None) -> None:
+        if self.monitor is None or self._diagnosed:
+            return
+        self._diagnosed = True
+        try:
+            self.monitor.diagnose(trigger, error)
+        except Exception as exc:  # the diagnosis must never hide the failure itself
+            print(f"warning: rank {self.rank}: hang diagnosis failed ({type(exc).__name__}: {exc})", flush=True)
+
+    def _hang_event(self, diagnosis: dict) -> None:
+        run_event(self.run_dir, self.start_time, "hang", step=ACTIONS.step, rank=self.rank,
+                  trigger=diagnosis["trigger"], culprits=diagnosis["culprits"], waiting=diagnosis["waiting"],
+                  stacks=diagnosis["stacks"], stacks_written=diagnosis["stacks_written"])
+
+    def _watchdog_fired(self) -> None:
+        self._diagnose(f"watchdog: no progress in phase '{self.watchdog.name}' for {self.watchdog.timeout_s:.0f}s")
+        self.watchdog._exit()
 
     def start(self, cfg: Config) -> Layout | Idle:
         started = super().start(cfg)
@@ -67,6 +101,7 @@ class RaySession(Session):
 
     def phase(self, name: str) -> None:
         self.watchdog.phase(name, self.limits[name])
+        ACTIONS.enter(name)
 
     def heartbeat(self, step: int) -> None:
         if self.watchdog is not None:
@@ -92,6 +127,8 @@ class RaySession(Session):
 
     def fail(self, error: BaseException) -> None:
         self.watchdog.stop()
+        if is_hang(error):  # a peer never arrived: name it, write the stacks, then fail
+            self._diagnose(f"collective timeout: {failures.first_line(error)[:200]}", error)
         deterministic = failures.is_deterministic(error)
         run_event(self.run_dir, self.start_time, "worker_error", rank=self.rank, error=str(error).strip()[:300],
                   deterministic=deterministic)
@@ -101,12 +138,15 @@ class RaySession(Session):
     def finish(self, summary: dict) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.monitor is not None:
+            self.monitor.stop()
         self.channel.publish({"kind": "done"})
 
     def follow(self) -> None:
         """An idle worker: report whenever the active workers do, until they are done."""
         import ray.train
 
+        ACTIONS.enter("idle")  # (hang diagnosis leaves idle workers out)
         self.channel.follow(lambda m: ray.train.report(m["metrics"], checkpoint=None),
                             self.cfg.elastic.collective_timeout_s)
 
@@ -164,9 +204,9 @@ def ray_world_rank() -> int:
     return ray.train.get_context().get_world_rank()
 
 
-def run_event(run_dir: str, driver_start: float, kind: str, **fields: Any) -> None:
+def run_event(run_dir: str, driver_start: float, kind: str, step: int | None = None, **fields: Any) -> None:
     """One events.jsonl line from outside `fit` (any rank; local storage appends atomically per line)."""
     try:
-        EventLog(run_dir, Goodput(run_dir, driver_start).run_start).event(kind, None, **fields)
+        EventLog(run_dir, Goodput(run_dir, driver_start).run_start).event(kind, step, **fields)
     except Exception:  # bookkeeping must never mask the real failure
         pass

@@ -22,7 +22,8 @@ import fsspec
 
 SCALARS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "mfu",
            "mem_peak_mb", "world_size", "tokens")
-EVENT_CODES = {"start": 0, "restart": 1, "resize": 2, "checkpoint": 3, "checkpoint_failed": 4, "end": 5}
+EVENT_CODES = {"start": 0, "restart": 1, "resize": 2, "checkpoint": 3, "checkpoint_failed": 4, "end": 5, "hang": 6,
+               "straggler": 7}
 
 
 def _is_local(url: str) -> bool:
@@ -56,6 +57,9 @@ class TensorBoardWriter:
         for rank, value in enumerate(record.get("mem_peak_mb_per_rank") or []):
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(f"memory/peak_mb_rank{rank}", value, step)
+        spread = (record.get("ranks") or {}).get("busy_spread")
+        if isinstance(spread, (int, float)):
+            self.writer.add_scalar("ranks/busy_spread", spread, step)
         pipeline = record.get("pipeline") or {}
         if isinstance(pipeline.get("bubble"), (int, float)):
             self.writer.add_scalar("pipeline/bubble", pipeline["bubble"], step)

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from raydist.errors import ConfigError
+from raydist.hang import ACTIONS
 from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, Transfer
 from raydist.schedule.clock import ActionClock
 from raydist.schedule.split_backward import PendingWeightGradient, backward_input, backward_weight
@@ -283,7 +284,11 @@ class PipelineExecutor:
         self.clock.start_step()
         self._post(None, None, plan.next_receiving[0])
         for i, action in enumerate(plan.actions):
+            # what this rank is doing, for hang diagnosis (raydist.hang; a tuple, formatted only if published)
+            ACTIONS.what, ACTIONS.since = ("pipeline", action.kind, "micro-batch", action.microbatch, "stage",
+                                           action.stage, "(receiving its input)"), time.time()
             received = self._receive(i) if self.schedule.recv_of(action) is not None else None
+            ACTIONS.what = ("pipeline", action.kind, "micro-batch", action.microbatch, "stage", action.stage)
             began = self.clock.begin()
             produced = None
             if action.kind == FORWARD:
@@ -297,6 +302,7 @@ class PipelineExecutor:
                                    "kind": action.kind, "microbatch": action.microbatch})
             sends = self.schedule.send_of(action) is not None
             self._post(i if sends else None, produced, plan.next_receiving[i + 1])
+        ACTIONS.what, ACTIONS.since = ("pipeline", "waiting for the step's last sends"), time.time()
         for batch in self._batches:
             batch.wait_all()
         # The loss lives on the last stage (zeros elsewhere); summing it over the pipeline is also the

@@ -49,7 +49,8 @@ def launch_without_ray(monkeypatch):
     monkeypatch.setattr(launcher, "build_trainer", build_trainer)
     # Progress's default stream is the sys.stderr of import time, which pytest's capture may have closed.
     progress = launcher.Progress
-    monkeypatch.setattr(launcher, "Progress", lambda run_dir, total: progress(run_dir, total, stream=sys.stderr))
+    monkeypatch.setattr(launcher, "Progress",
+                        lambda run_dir, total, **kw: progress(run_dir, total, stream=sys.stderr, **kw))
     return control
 
 

@@ -1,6 +1,6 @@
 """Faults on a real local Ray cluster: a stopped worker (SIGSTOP: alive but silent, so no connection
-breaks) ends in a restart after the collective timeout and the run completes with the uninterrupted run's
-loss; a deterministic failure in a worker ends the run after one attempt with its own message instead of
+breaks) is named by a `hang` event (its rank and pid) with every live rank's stack written, ends in a
+restart after the collective timeout, and the run completes with the uninterrupted run's loss; a deterministic failure in a worker ends the run after one attempt with its own message instead of
 being retried `max_failures` times."""
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ def test_a_stopped_worker_ends_in_a_restart_and_the_run_completes(ray_4cpu, tiny
     os.kill(victim, signal.SIGSTOP)  # alive, holding its sockets open, answering nothing
     stopped_at = time.monotonic()
     try:
+        hang = wait_for(lambda: next((e for e in records(run_dir, "events.jsonl") if e["kind"] == "hang"), None),
+                        60, "a hang event")
+        named_after = time.monotonic() - stopped_at
         summary = job.join(400)
     finally:
         try:
@@ -99,6 +102,16 @@ def test_a_stopped_worker_ends_in_a_restart_and_the_run_completes(ray_4cpu, tiny
     restart = next(e for e in events if e["kind"] == "restart")
     assert restart["resumed_step"] == 10  # the newest commit before the stop
     assert time.monotonic() - stopped_at < 400
+    # the hang names the stopped rank and its pid, and the live rank's stack (py-spy) is written
+    assert named_after < 60
+    assert [(c["rank"], c["pid"]) for c in hang["culprits"]] == [(1, victim)], hang
+    assert "no heartbeat" in hang["culprits"][0]["reason"] and hang["culprits"][0]["host"]
+    assert hang["trigger"].startswith(("collective timeout", "watchdog"))
+    assert [w["rank"] for w in hang["waiting"]] == [0] and 0 in hang["stacks_written"]
+    stacks = sorted(os.listdir(hang["stacks"]))
+    assert "ranks.json" in stacks and "rank-0.txt" in stacks
+    assert "py-spy dump" in open(os.path.join(hang["stacks"], "rank-0.txt")).read()
+    assert hang["stacks"].startswith(str(run_dir / "logs" / "hang-"))
     assert abs(summary["final_loss"] - reference.losses[-1]) / reference.losses[-1] < 1e-4
 
 

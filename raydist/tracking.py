@@ -1,0 +1,173 @@
+"""Experiment tracking: a run's params, metrics and events in MLflow (`[tracking] mlflow_uri`; optional
+extra: `pip install 'raydist[tracking]'`). TensorBoard event files are written as before.
+
+Everything is logged from the driver, which already follows the run directory (raydist.console.Follower):
+workers need neither mlflow nor a route to the tracking server, and restarts, resizes and resumed runs
+need nothing special. The tracker
+
+    start   (before Ray starts) creates the MLflow run in `tracking.mlflow_experiment`, named after
+            train.run_name, or resumes the one RUN_DIR/mlflow.json names (a rerun of the same run name),
+            and logs the resolved config flattened to `section.key` params (credentials masked). A
+            tracking server that cannot be reached is one `error:` line before any worker starts.
+    follow  every metrics.jsonl record: its numeric fields at its step (loss, val_loss, lr, grad_norm,
+            tokens_per_s, step_time_s, data_wait_s, mfu, mem_peak_mb, world_size, tokens, and the
+            per-rank step-time percentiles' spread); every events.jsonl event: a metric `event.<kind>`
+            (how many so far) at its step and a tag `raydist.last_event`;
+    end     summary.json's numbers as `summary.<key>`, the events as an artifact `events.jsonl`, and the
+            run's status: FINISHED, FAILED, or KILLED (interrupted).
+
+A tracking server that fails mid-run costs a warning on the console (once), never the training run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Callable
+
+from raydist.atomic import read_json_or_none, write_json_atomic
+from raydist.config import Config
+from raydist.errors import ConfigError
+from raydist.metrics.logger import join, read_json
+from raydist.redact import redact, redact_tree
+
+METRICS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "mfu",
+           "mem_peak_mb", "world_size", "tokens")
+RECORD = "mlflow.json"
+
+
+def flatten_config(cfg: Config) -> dict[str, str]:
+    """{"model.num_layers": "4", ...}: every key of the resolved config, credentials masked."""
+    out = {}
+    for section, values in redact_tree(cfg.to_dict()).items():
+        for key, value in values.items():
+            out[f"{section}.{key}"] = json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+    return out
+
+
+class MlflowTracker:
+    """The driver's MLflow run for one raydist run (see the module doc); a Follower sink."""
+
+    def __init__(self, cfg: Config, run_dir: str, run_name: str, log: Callable[[str], None] = print):
+        self.cfg, self.run_dir, self.run_name, self.log = cfg, run_dir, run_name, log
+        self.uri = cfg.tracking.mlflow_uri
+        self.run_id: str | None = None
+        self.client = None
+        self.event_counts: dict[str, int] = {}
+        self.events: list[dict] = []
+        self.failed = False
+
+    # ---- start --------------------------------------------------------------------------------
+    def start(self) -> "MlflowTracker":
+        try:
+            from mlflow.entities import Param
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise ConfigError(f"tracking.mlflow_uri={redact(self.uri)} needs mlflow: pip install 'raydist[tracking]' "
+                              "(or set tracking.mlflow_uri=\"\" to turn tracking off)") from None
+        # the driver's requests: a short timeout and few retries, so an unreachable server is said at once
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+        try:
+            self.client = MlflowClient(tracking_uri=self.uri)
+            experiment = self.client.get_experiment_by_name(self.cfg.tracking.mlflow_experiment)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else self.client.create_experiment(self.cfg.tracking.mlflow_experiment))
+            self.run_id = self._resume(experiment_id)
+            if self.run_id is None:
+                run = self.client.create_run(experiment_id, run_name=self.run_name,
+                                             tags={"raydist.run_dir": redact(self.run_dir)})
+                self.run_id = run.info.run_id
+                write_json_atomic(join(self.run_dir, RECORD), {"tracking_uri": redact(self.uri), "run_id": self.run_id,
+                                                               "experiment_id": experiment_id})
+            logged = self.client.get_run(self.run_id).data.params
+            params = [Param(k, v[:6000]) for k, v in flatten_config(self.cfg).items() if k not in logged]
+            for i in range(0, len(params), 100):  # MLflow's batch limit
+                self.client.log_batch(self.run_id, params=params[i:i + 100])
+        except ConfigError:
+            raise
+        except Exception as exc:
+            detail = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(redact(f"tracking.mlflow_uri={self.uri} cannot be used ({type(exc).__name__}: {detail}); "
+                                     "start the tracking server, fix the URI, or set tracking.mlflow_uri=\"\"")) from None
+        self.log(f"tracking: MLflow run {self.run_id} in experiment {self.cfg.tracking.mlflow_experiment!r} at "
+                 f"{redact(self.uri)}")
+        return self
+
+    def _resume(self, experiment_id: str) -> str | None:
+        """The run RUN_DIR/mlflow.json names, if it is on this server and in this experiment."""
+        record = read_json_or_none(join(self.run_dir, RECORD))
+        if not isinstance(record, dict) or record.get("tracking_uri") != redact(self.uri):
+            return None
+        try:
+            run = self.client.get_run(record["run_id"])
+        except Exception:
+            return None
+        if run.info.experiment_id != experiment_id:
+            return None
+        self.client.update_run(run.info.run_id, status="RUNNING")
+        return run.info.run_id
+
+    # ---- follow -------------------------------------------------------------------------------
+    def _guard(self, what: str, call: Callable[[], Any]) -> None:
+        try:
+            call()
+        except Exception as exc:
+            if not self.failed:
+                self.failed = True
+                self.log(f"warning: tracking: could not log {what} to MLflow ({type(exc).__name__}: "
+                         f"{(str(exc).splitlines() or [''])[0][:200]}); training goes on, retrying with later records")
+
+    def metric(self, rec: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        step = int(rec.get("step") or 0)
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, float(rec[key]), now, step) for key in METRICS
+                   if isinstance(rec.get(key), (int, float)) and not isinstance(rec.get(key), bool)]
+        spread = (rec.get("ranks") or {}).get("busy_spread")
+        if isinstance(spread, (int, float)):
+            metrics.append(Metric("ranks.busy_spread", float(spread), now, step))
+        if metrics:
+            self._guard(f"step {step}'s metrics", lambda: self.client.log_batch(self.run_id, metrics=metrics))
+
+    def event(self, ev: dict[str, Any]) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        kind = str(ev.get("kind"))
+        self.events.append(ev)
+        self.event_counts[kind] = self.event_counts.get(kind, 0) + 1
+        step = int(ev.get("step") or 0)
+        self._guard(f"the {kind} event", lambda: self.client.log_batch(
+            self.run_id, metrics=[Metric(f"event.{kind}", self.event_counts[kind], int(time.time() * 1000), step)],
+            tags=[RunTag("raydist.last_event", json.dumps(ev, default=str)[:5000])]))
+
+    def close(self) -> None:
+        """The follower is done (the status is set by `end`)."""
+
+    # ---- end ----------------------------------------------------------------------------------
+    def end(self, status: str) -> None:
+        """status: FINISHED, FAILED or KILLED."""
+        from mlflow.entities import Metric
+
+        if self.run_id is None:
+            return
+        summary = read_json(join(self.run_dir, "summary.json")) or {}
+        if status == "FINISHED" and isinstance(summary, dict):
+            now = int(time.time() * 1000)
+            step = int(summary.get("steps") or 0)
+            metrics = [Metric(f"summary.{k}", float(v), now, step) for k, v in summary.items()
+                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
+            self._guard("the summary", lambda: self.client.log_batch(self.run_id, metrics=metrics))
+        if self.events:
+            text = "".join(json.dumps(e, default=str) + "\n" for e in self.events)
+            self._guard("events.jsonl", lambda: self.client.log_text(self.run_id, text, "events.jsonl"))
+        self._guard("the run's end", lambda: self.client.set_terminated(self.run_id, status))
+
+
+def open_tracker(cfg: Config, run_dir: str, run_name: str, log: Callable[[str], None]) -> MlflowTracker | None:
+    """The started tracker when tracking.mlflow_uri is set, else None (ConfigError when it cannot start)."""
+    if not cfg.tracking.mlflow_uri:
+        return None
+    return MlflowTracker(cfg, run_dir, run_name, log).start()
