@@ -87,6 +87,11 @@ def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_paral
     apply_activation_checkpointing(model, layout.activation_checkpoint, layout.activation_checkpoint_k)
     if on_meta and not data_parallel.moves_model:
         materialize(model)  # the whole (TP-local) model: DDP and single replicas hold all of it
+        if layout.tp > 1:  # to_empty swapped the DTensor parameters, dropping TP's gradient-layout hooks
+            from raydist.parallel.tensor import refresh_parameters, register_gradient_layout
+
+            refresh_parameters(model)
+            register_gradient_layout(model)
     wrapped = data_parallel.wrap(model)
     if on_meta and data_parallel.moves_model:
         materialize(model)  # FSDP: to_empty allocates this rank's shards only

@@ -196,6 +196,20 @@ def gradient_in_parameter_layout(param: torch.Tensor) -> None:
         param.grad = grad.redistribute(placements=param.placements)
 
 
+def refresh_parameters(module: nn.Module) -> None:
+    """Give every DTensor parameter of `module` a fresh Parameter object over the same storage (shared ones
+    stay shared). `to_empty` moves DTensor parameters with `swap_tensors`, after which their gradient
+    accumulator no longer runs post-accumulate hooks (seen with torch 2.13 on CPU): the hooks of
+    `register_gradient_layout` must go on fresh parameters, before the optimizer sees them."""
+    fresh: dict[int, nn.Parameter] = {}
+    for mod in module.modules():
+        for name, param in list(mod._parameters.items()):
+            if isinstance(param, DTensor):
+                if id(param) not in fresh:
+                    fresh[id(param)] = nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+                mod._parameters[name] = fresh[id(param)]
+
+
 def register_gradient_layout(module: nn.Module) -> None:
     """Install `gradient_in_parameter_layout` on every DTensor parameter of `module` (FSDP2 replaces the
     parameters and redistributes their gradients itself before its reduce-scatter)."""
