@@ -1,4 +1,4 @@
-"""`raydist` command line: train, data prepare, schedule, plan, report, verify, eval, export.
+"""`raydist` command line: train, data prepare, schedule, plan, report, verify, eval, export, generate.
 
 Bad input exits with status 2 and one line `error: ...` on stderr; a failed run exits 1. Error lines are
 redacted (no credentials of a storage URI are printed).
@@ -83,7 +83,7 @@ def _optional_commands():
     import importlib
 
     for module in ("raydist.schedule.cli", "raydist.planner.cli", "raydist.report.cli",
-                   "raydist.checkpoint.verify", "raydist.finetune"):
+                   "raydist.checkpoint.verify", "raydist.finetune", "raydist.generate"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
