@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--corpus", help="'stdlib', a text file/dir/glob/URI, or parquet files with a text column")
     prep.add_argument("--out", help="output directory or fsspec URI (default: data.path or the cache)")
     prep.add_argument("--seq-len", type=int, help="tokens per sample")
-    prep.add_argument("--tokenizer", help="'byte' or a tokenizers JSON file")
+    prep.add_argument("--tokenizer", help="'byte', a tokenizers JSON file, or hf:DIR (a model directory's tokenizer.json)")
     _add_set(prep)
     prep.set_defaults(func=cmd_data_prepare)
 

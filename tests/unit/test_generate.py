@@ -185,3 +185,40 @@ def test_bad_inputs_are_one_error_line(llama_with_tokenizer, tmp_path, capsys):
         code, out, err = run_cli(capsys, "generate", *argv)
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], (argv, err)
+
+
+# ---- data.tokenizer = "hf:DIR": data prepared with the model's own tokenizer ------------------------------
+
+
+def test_data_prepare_with_hf_dir_tokenizer(llama_with_tokenizer, tmp_path, capsys):
+    """`raydist data prepare --tokenizer hf:DIR` tokenizes with DIR/tokenizer.json: the rows are that
+    tokenizer's ids of the corpus (joined by its </s>), and `raydist eval hf:DIR` reads the data."""
+    import numpy as np
+    from tokenizers import Tokenizer
+
+    from raydist.data.prepare import read_manifest
+    from raydist.data.stream import Split, read_shard
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(300)))
+    out = str(tmp_path / "prepared")
+    code, _, err = run_cli(capsys, "data", "prepare", "--corpus", str(corpus), "--out", out, "--seq-len", "16",
+                           "--tokenizer", f"hf:{llama_with_tokenizer}", "--set", "data.val_fraction=0.0")
+    assert code == 0, err
+    tok = Tokenizer.from_file(os.path.join(llama_with_tokenizer, "tokenizer.json"))
+    manifest = read_manifest(out)
+    assert manifest["tokenizer"]["vocab_size"] == TINY_MODEL["vocab_size"]
+    assert manifest["tokenizer"]["eos_id"] == tok.token_to_id("</s>")
+    data = Split.open(out, "train", manifest)
+    rows = np.concatenate([read_shard(data, i).tokens for i in range(len(data.shards))])
+    expected = tok.encode(corpus.read_text()).ids
+    assert rows.reshape(-1).tolist() == expected[:rows.size] and rows.size > 100
+
+    code, out_text, err = run_cli(capsys, "eval", f"hf:{llama_with_tokenizer}", "--data", out, "--split", "train")
+    assert code == 0, err
+    assert json.loads(out_text.strip().splitlines()[-1])["tokens"] == rows.shape[0] * 16
+
+    code, _, err = run_cli(capsys, "data", "prepare", "--corpus", str(corpus), "--out", str(tmp_path / "p2"),
+                           "--tokenizer", f"hf:{tmp_path}/no-model")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "no-model/tokenizer.json" in lines[0] and "hf:DIR" in lines[0], err
