@@ -201,7 +201,11 @@ class Trainer:
                                              materialize=materialize_module)
         if not self.options.defer_init:
             self.init_weights()
-        self.runner = make_runner(self.pm, self.layout, self.mesh, device)
+        masked = bool(read_manifest(cfg.data.path).get("loss_mask"))  # prompt/response: response tokens count
+        if masked and cfg.elastic.live_recovery:
+            raise ConfigError("prompt/response data (a loss mask) with elastic.live_recovery=true is not supported "
+                              "yet; set elastic.live_recovery=false")
+        self.runner = make_runner(self.pm, self.layout, self.mesh, device, masked)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0  # optimizer steps done
