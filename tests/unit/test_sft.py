@@ -123,8 +123,8 @@ def sft_single(sft_data):
     return run_layout(tiny_config(sft_data[0]), 1)[0]
 
 
-@pytest.mark.parametrize("parallel", [{"dp_replicate": 2}, {"dp_shard": 2}], ids=["ddp2", "fsdp2"])
-def test_masked_loss_same_under_ddp_and_fsdp(sft_data, sft_single, parallel):
+@pytest.mark.parametrize("parallel", [{"dp_replicate": 2}, {"dp_shard": 2}, {"cp": 2}], ids=["ddp2", "fsdp2", "cp2"])
+def test_masked_loss_same_under_ddp_fsdp_and_cp(sft_data, sft_single, parallel):
     raw = tiny_config(sft_data[0], parallel={"dp_replicate": 1, "dp_shard": 1, **parallel})
     for result in run_layout(raw, 2):
         assert_equivalent(sft_single, result)
