@@ -180,9 +180,8 @@ class PipelineRunner:
 
 
 def make_runner(pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, masked: bool = False):
-    """`masked`: the data has loss masks (prompt/response); supported by the AccumulationRunner without TP."""
-    if masked:
-        sft.check_layout(layout)
+    """`masked`: the data has loss masks (prompt/response; the AccumulationRunner without TP, see
+    sft.check_masked_layout)."""
     if layout.pp > 1:
         return PipelineRunner(pm, layout, mesh, device)
     return AccumulationRunner(pm, layout, device, masked, mesh.dp.get_group() if masked else None)

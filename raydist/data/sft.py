@@ -104,9 +104,12 @@ def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.T
     return total / targets.numel()
 
 
-def check_layout(layout) -> None:
-    """Masked losses are wired into the data-parallel and context-parallel runners; refuse the rest."""
-    if layout.tp > 1 or layout.pp > 1:
-        raise ConfigError(f"prompt/response data (a loss mask) with parallel.tp={layout.tp}, pp={layout.pp}: the "
-                          "masked loss supports data parallelism (DDP, FSDP, HSDP) and context parallelism so far; "
-                          "set parallel.tp=1 and parallel.pp=1")
+def check_masked_layout(tp: int, pp: int, live_recovery: bool) -> None:
+    """Masked losses are wired into the data-parallel and context-parallel runner; refuse the rest."""
+    if tp > 1 or pp > 1:
+        raise ConfigError(f"prompt/response data (a loss mask) with parallel.tp={tp}, parallel.pp={pp}: the masked "
+                          "loss supports data parallelism (DDP, FSDP, HSDP) and context parallelism so far; set "
+                          "parallel.tp=1 and parallel.pp=1")
+    if live_recovery:
+        raise ConfigError("prompt/response data (a loss mask) with elastic.live_recovery=true is not supported yet; "
+                          "set elastic.live_recovery=false")

@@ -143,5 +143,11 @@ def _construction_error(raw: dict) -> str | None:
 
 
 def test_tensor_parallel_with_masks_is_refused(sft_data):
-    messages = spawn(_construction_error, 2, tiny_config(sft_data[0], parallel={"tp": 2}))
+    from raydist.config import Config, ConfigError
+    from raydist.launcher import ensure_data
+
+    for parallel in ({"tp": 2}, {"pp": 2}):  # on the driver, before any worker starts
+        with pytest.raises(ConfigError, match="set parallel.tp=1 and parallel.pp=1"):
+            ensure_data(Config.from_dict(tiny_config(sft_data[0], parallel=parallel)))
+    messages = spawn(_construction_error, 2, tiny_config(sft_data[0], parallel={"tp": 2}))  # and in the worker
     assert all(m and "set parallel.tp=1" in m for m in messages), messages
