@@ -164,7 +164,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        # the cache only as a keyword: tensor parallelism's input hooks see the positional (x, cos, sin)
+        kwargs = {} if cache is None else {"cache": cache}
+        h = x + self.attention(self.attention_norm(x), cos, sin, **kwargs)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
