@@ -1,4 +1,4 @@
-"""`raydist` command line: train, status, data prepare, schedule, plan, report, verify, eval, export.
+"""`raydist` command line: train, status, data prepare, schedule, plan, report, verify, eval, export, generate.
 
 Bad input exits with status 2 and one line `error: ...` on stderr; a failed run exits 1. Error lines are
 redacted (no credentials of a storage URI are printed).
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--corpus", help="'stdlib', a text file/dir/glob/URI, or parquet files with a text column")
     prep.add_argument("--out", help="output directory or fsspec URI (default: data.path or the cache)")
     prep.add_argument("--seq-len", type=int, help="tokens per sample")
-    prep.add_argument("--tokenizer", help="'byte' or a tokenizers JSON file")
+    prep.add_argument("--tokenizer", help="'byte', a tokenizers JSON file, or hf:DIR (a model directory's tokenizer.json)")
     _add_set(prep)
     prep.set_defaults(func=cmd_data_prepare)
 
@@ -87,7 +87,7 @@ def _optional_commands():
     import importlib
 
     for module in ("raydist.schedule.cli", "raydist.planner.cli", "raydist.report.cli",
-                   "raydist.checkpoint.verify", "raydist.finetune", "raydist.status"):
+                   "raydist.checkpoint.verify", "raydist.finetune", "raydist.generate", "raydist.status"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

@@ -62,7 +62,8 @@ class DataConfig:
     text_column: str = "text"
     """Column holding the documents when the corpus is parquet."""
     tokenizer: str = "byte"
-    """`byte` (bytes 0-255 plus end-of-document 256) or the path of a `tokenizers` JSON file."""
+    """`byte` (bytes 0-255 plus end-of-document 256), the path of a `tokenizers` JSON file, or `hf:DIR`:
+    a Hugging Face model directory's tokenizer.json (to fine-tune that model on the prepared data)."""
     seq_len: int = 128
     """Tokens per training sample (each stored row holds seq_len + 1 tokens: inputs and shifted targets)."""
     val_fraction: float = 0.02

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from raydist.checkpoint import storage
 from raydist.config import Config, ConfigError, ModelConfig, hf_dir_of
+from raydist.data.sft import IGNORE, split_rows
 from raydist.models import hf
 from raydist.models.gpt import GPT, build_model
 from raydist.peft import LoRALinear, TARGETS, apply_peft, is_adapter
@@ -99,7 +100,8 @@ def load_model(spec: str, max_seq_len: int, step: int | None = None) -> LoadedMo
 
 @torch.no_grad()
 def evaluate_split(model: GPT, data_path: str, split: str = "val", batch_rows: int = 16) -> dict:
-    """{"loss": mean next-token cross-entropy over every target token of the split, "tokens": their count}."""
+    """{"loss": mean next-token cross-entropy over every target token of the split (the response tokens of
+    prompt/response data), "tokens": their count}."""
     from raydist.data.prepare import read_manifest
     from raydist.data.stream import Split, read_shard
 
@@ -116,10 +118,12 @@ def evaluate_split(model: GPT, data_path: str, split: str = "val", batch_rows: i
     for index in range(len(data.shards)):
         tokens = torch.from_numpy(read_shard(data, index).tokens)
         for rows in tokens.split(batch_rows):
-            logits = model(rows[:, :-1])  # (B, T, V)
-            total += float(F.cross_entropy(logits.flatten(0, 1).double(), rows[:, 1:].flatten(), reduction="sum"))
-            count += rows[:, 1:].numel()
-    return {"loss": total / count, "tokens": count}
+            inputs, targets = split_rows(rows, data.masked)  # prompt/response data: only response targets count
+            logits = model(inputs)  # (B, T, V)
+            total += float(F.cross_entropy(logits.flatten(0, 1).double(), targets.flatten(), ignore_index=IGNORE,
+                                           reduction="sum"))
+            count += int((targets != IGNORE).sum())
+    return {"loss": total / max(count, 1), "tokens": count}
 
 
 def cmd_eval(args) -> int:

@@ -22,6 +22,7 @@ from raydist.console import Console, Follower, ProgressSink, RayLogFile, result_
 from raydist.checkpoint.compat import check_run_dir
 from raydist.config import Config, ConfigError
 from raydist.data.prepare import default_data_path, prepare, read_manifest
+from raydist.data.sft import check_masked_layout
 from raydist.data.stream import Split
 from raydist.lease import RunLease
 from raydist.metrics.logger import join, read_json, write_text
@@ -68,6 +69,8 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({vocab}); set model.vocab_size >= {vocab}")
+    if manifest.get("loss_mask") and not cfg.parallel.auto:  # (a planned layout is checked by the workers)
+        check_masked_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.elastic.live_recovery)
     for split in ("train", "val") if cfg.train.eval_every else ("train",):
         Split.open(cfg.data.path, split, manifest).check_files(cfg.model.vocab_size)
     return cfg

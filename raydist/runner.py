@@ -11,6 +11,10 @@ data-parallel strategy communicating only on the last (`accumulate`). `PipelineR
 flow through the schedule (`raydist.schedule`), then a tied embedding split across the first and last stage
 gets its summed gradient. Losses are this rank's means over its tokens; the Trainer averages them over the
 data ranks. Autocast and gradient sync come from the model's data-parallel strategy.
+
+Prompt/response data (`masked`): targets that do not count are IGNORE, each micro-batch's loss is the sum
+over counted targets / all its targets, times the step's global targets / counted targets (one all-reduce
+over the data-parallel ranks), so the averages above give the mean over counted tokens (raydist.data.sft).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from raydist.data import sft
 from raydist.layout import Layout
 from raydist.mesh import Mesh
 from raydist.parallel import ParallelModel
@@ -45,9 +50,20 @@ class StepOutput:
 
 
 class AccumulationRunner:
-    def __init__(self, pm: ParallelModel, layout: Layout, device: torch.device):
+    def __init__(self, pm: ParallelModel, layout: Layout, device: torch.device, masked: bool = False,
+                 dp_group=None):
         self.pm, self.layout, self.device = pm, layout, device
         self.params = [p for p in pm.model.parameters() if p.requires_grad]
+        self.masked, self.dp_group = masked, dp_group
+        self.mask_scale = torch.ones((), device=device)  # global targets / counted targets of this step
+
+    def set_mask_scale(self, tokens: torch.Tensor) -> None:
+        """Masked data: the step's N_targets / N_counted over every data-parallel rank's rows."""
+        counts = torch.stack([torch.tensor(tokens[:, 1:].numel(), device=tokens.device),
+                              sft.counted_targets(tokens)]).to(self.device, torch.float64)
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(counts, group=self.dp_group)
+        self.mask_scale = (counts[0] / counts[1].clamp_min(1)).float()
 
     def autocast(self):
         return self.pm.data_parallel.autocast(self.device.type)
@@ -58,7 +74,7 @@ class AccumulationRunner:
         divide the rows (equal micro-batches keep the mean of their means the mean over the rows)."""
         out = []
         for chunk in tokens.split(micro_batch or self.layout.micro_batch):
-            inputs, targets, positions = chunk[:, :-1], chunk[:, 1:], None
+            (inputs, targets), positions = sft.split_rows(chunk, self.masked), None
             if self.pm.shard_sequence is not None:
                 inputs, targets, positions = self.pm.shard_sequence(inputs, targets)
             out.append(MicroBatch(inputs, targets, positions))
@@ -68,12 +84,17 @@ class AccumulationRunner:
         """The mean loss over this rank's tokens of one micro-batch (the one place a parallel plan may
         change how logits become a loss: `pm.loss_fn`, e.g. a vocabulary-parallel cross-entropy)."""
         with self.autocast():
-            return self.pm.loss_fn(self.pm.module(micro.inputs, micro.positions), micro.targets)
+            logits = self.pm.module(micro.inputs, micro.positions)
+            if self.masked:
+                return sft.masked_cross_entropy(logits, micro.targets) * self.mask_scale
+            return self.pm.loss_fn(logits, micro.targets)
 
     def step(self, tokens: torch.Tensor, record_timeline: bool = False, micro_batch: int | None = None) -> StepOutput:
         """`micro_batch` overrides the layout's for this step (live recovery: a replica's share of the global
         batch changes with the number of live replicas)."""
         micro = self.micro_batches(tokens, micro_batch)
+        if self.masked:
+            self.set_mask_scale(tokens)
         total = torch.zeros((), device=self.device)
         timer = ForwardTimer(self.device)
         for i, mb in enumerate(micro):
@@ -87,6 +108,8 @@ class AccumulationRunner:
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor) -> torch.Tensor:
         micro = self.micro_batches(tokens)
+        if self.masked:
+            self.set_mask_scale(tokens)
         total = torch.zeros((), device=self.device)
         for mb in micro:
             total += self.forward_loss(mb).float() / len(micro)
@@ -198,5 +221,9 @@ class PipelineRunner:
                 "bubble": round(sum(t["pp_bubble"]) / len(t["pp_bubble"]), 4)}
 
 
-def make_runner(pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device):
-    return PipelineRunner(pm, layout, mesh, device) if layout.pp > 1 else AccumulationRunner(pm, layout, device)
+def make_runner(pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, masked: bool = False):
+    """`masked`: the data has loss masks (prompt/response; the AccumulationRunner without TP, see
+    sft.check_masked_layout)."""
+    if layout.pp > 1:
+        return PipelineRunner(pm, layout, mesh, device)
+    return AccumulationRunner(pm, layout, device, masked, mesh.dp.get_group() if masked else None)

@@ -31,6 +31,7 @@ from raydist.checkpoint.state import AttributeState, ModelOptimizerState, RNGSta
 from raydist.config import Config, ConfigError, hf_dir_of
 from raydist.data.position import SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
+from raydist.data.sft import check_masked_layout
 from raydist.data.stream import SampleStream, Split, make_reader
 from raydist.elastic.live import Replicas, live_slice, micro_batch_for
 from raydist.elastic.policy import plan_layout
@@ -211,7 +212,10 @@ class Trainer:
                                              materialize=materialize_module)
         if not self.options.defer_init:
             self.init_weights()
-        self.runner = make_runner(self.pm, self.layout, self.mesh, device)
+        masked = bool(read_manifest(cfg.data.path).get("loss_mask"))  # prompt/response: response tokens count
+        if masked:
+            check_masked_layout(self.layout.tp, self.layout.pp, cfg.elastic.live_recovery)
+        self.runner = make_runner(self.pm, self.layout, self.mesh, device, masked)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0  # optimizer steps done

@@ -9,6 +9,9 @@ Every checkpoint's `run` part carries `compat`:
     data       a fingerprint of the training split's layout (shards, rows, window): the data position is
                a global sample index into exactly this sequence
     seed       the sample order is a pure function of (seed, epoch)
+    peft       [peft] method and the settings that shape or scale what it trains: lora_rank, lora_alpha and
+               lora_targets for `lora` (the adapters' shapes, names and scale), trainable_last_layers for
+               `freeze` (which parameters the optimizer state belongs to)
 
 Resuming with a different value for any of these would silently train another model or read other
 samples (`num_layers` 4 -> 2 loaded a subset of the parameters, and keep-k then deleted the real model's
@@ -40,21 +43,30 @@ def data_fingerprint(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
 
 
+PEFT_KEYS = {"none": (), "lora": ("lora_rank", "lora_alpha", "lora_targets"), "freeze": ("trainable_last_layers",)}
+
+
+def peft_record(peft) -> dict[str, Any]:
+    """The [peft] settings a checkpoint belongs to (only those of its method: the others are unused)."""
+    return {"method": peft.method, **{k: getattr(peft, k) for k in PEFT_KEYS[peft.method]}}
+
+
 def compat_record(cfg, manifest: dict) -> dict[str, Any]:
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in NOT_SHAPE}
     return {"model": model, "seq_len": cfg.data.seq_len, "tokenizer": manifest.get("tokenizer"),
-            "data": data_fingerprint(manifest), "seed": cfg.train.seed}
+            "data": data_fingerprint(manifest), "seed": cfg.train.seed, "peft": peft_record(cfg.peft)}
 
 
 def differences(saved: dict, current: dict) -> list[str]:
-    """Human-readable differences, each naming the config key: `model.d_model: checkpoint 128, config 64`."""
+    """Human-readable differences, each naming the config key: `model.d_model: checkpoint 128, config 64`.
+    A key the saved record lacks (written before it was recorded) is not compared."""
     out = []
     for key, value in saved.items():
         mine = current.get(key)
-        if key == "model" and isinstance(value, dict):
-            for name in sorted(set(value) | set(mine or {})):
+        if key in ("model", "peft") and isinstance(value, dict):
+            for name in sorted(set(value) | set(mine or {}), key=lambda n: (n != "method", n)):  # method first
                 if value.get(name) != (mine or {}).get(name):
-                    out.append(f"model.{name}: the checkpoint has {value.get(name)!r}, the config "
+                    out.append(f"{key}.{name}: the checkpoint has {value.get(name)!r}, the config "
                                f"{(mine or {}).get(name)!r}")
         elif value != mine:
             label = {"seq_len": "data.seq_len", "seed": "train.seed", "tokenizer": "the data's tokenizer",

@@ -2,7 +2,8 @@
 
 Layout of a prepared dataset (any fsspec URI):
 
-    <path>/train-00000.parquet ...   columns: sample_id int64, tokens list<uint16|int32> (seq_len + 1 each)
+    <path>/train-00000.parquet ...   columns: sample_id int64, tokens list<uint16|int32> (seq_len + 1 each),
+                                     and for prompt/response data loss_mask list<uint8> (raydist.data.sft)
     <path>/val-00000.parquet ...
     <path>/manifest.json             written last: its presence means the dataset is complete
 
@@ -31,6 +32,7 @@ import pyarrow.parquet as pq
 
 from raydist.atomic import write_json_atomic
 from raydist.config import ConfigError, DataConfig
+from raydist.data import sft
 from raydist.data.tokenizer import get_tokenizer
 
 MANIFEST = "manifest.json"
@@ -129,28 +131,31 @@ def is_validation(name: str, fraction: float) -> bool:
 class _ShardWriter:
     """Packs a token stream into rows of `window` tokens and writes shards of `rows_per_shard` rows."""
 
-    def __init__(self, fs, root: str, split: str, window: int, rows_per_shard: int, dtype):
+    def __init__(self, fs, root: str, split: str, window: int, rows_per_shard: int, dtype, masked: bool = False):
         self.fs, self.root, self.split = fs, root, split
         self.window, self.rows_per_shard, self.dtype = window, rows_per_shard, dtype
-        self.pending: list[np.ndarray] = []
+        self.masked = masked  # each token carries a loss-mask byte (column loss_mask)
+        self.pending: list[np.ndarray] = []  # (n,) tokens, or (2, n) tokens and mask
         self.pending_tokens = 0
         self.rows: list[np.ndarray] = []
         self.shards: list[dict] = []
         self.next_id = 0
 
-    def add(self, tokens: np.ndarray) -> None:
-        self.pending.append(tokens)
+    def add(self, tokens: np.ndarray, mask: np.ndarray | None = None) -> None:
+        self.pending.append(np.stack([tokens, mask.astype(tokens.dtype)]) if self.masked else tokens)
         self.pending_tokens += len(tokens)
         if self.pending_tokens >= self.window * 1024:
             self._cut()
 
     def _cut(self) -> None:
-        stream = np.concatenate(self.pending) if self.pending else np.zeros(0, np.int32)
-        n = len(stream) // self.window
+        empty = np.zeros((2, 0) if self.masked else 0, np.int32)
+        stream = np.concatenate(self.pending, axis=-1) if self.pending else empty  # (n,) or (2, n)
+        n = stream.shape[-1] // self.window
         if n:
-            self.rows.extend(stream[: n * self.window].reshape(n, self.window))
-        rest = stream[n * self.window:]
-        self.pending, self.pending_tokens = [rest], len(rest)
+            cut = stream[..., : n * self.window].reshape(*stream.shape[:-1], n, self.window)
+            self.rows.extend(cut.swapaxes(0, 1) if self.masked else cut)  # rows of (window,) or (2, window)
+        rest = stream[..., n * self.window:]
+        self.pending, self.pending_tokens = [rest], rest.shape[-1]
         while len(self.rows) >= self.rows_per_shard:
             self._write(self.rows[: self.rows_per_shard])
             self.rows = self.rows[self.rows_per_shard:]
@@ -164,10 +169,17 @@ class _ShardWriter:
                 "tokens": sum(s["rows"] for s in self.shards) * self.window}
 
     def _write(self, rows: list[np.ndarray]) -> None:
-        block = np.stack(rows).astype(self.dtype)
+        block = np.stack(rows)  # (rows, window) or (rows, 2, window)
         ids = np.arange(self.next_id, self.next_id + len(block), dtype=np.int64)
-        tokens = pa.FixedSizeListArray.from_arrays(pa.array(block.reshape(-1)), self.window)
-        table = pa.table({"sample_id": ids, "tokens": tokens.cast(pa.list_(tokens.type.value_type))})
+        columns = {"sample_id": ids}
+        named = {"tokens": block[:, 0] if self.masked else block}
+        if self.masked:
+            named["loss_mask"] = block[:, 1].astype(np.uint8)
+        for name, values in named.items():
+            values = values.astype(self.dtype) if name == "tokens" else values
+            array = pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), self.window)
+            columns[name] = array.cast(pa.list_(array.type.value_type))
+        table = pa.table(columns)
         name = f"{self.split}-{len(self.shards):05d}.parquet"
         with self.fs.open(_join(self.root, name), "wb") as f:
             pq.write_table(table, f, row_group_size=1024)
@@ -194,10 +206,18 @@ def prepare(cfg: DataConfig, out: str, *, log=print) -> dict:
     start = time.time()
     window = cfg.seq_len + 1
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
-    writers = {split: _ShardWriter(fs, root, split, window, cfg.shard_rows, dtype) for split in ("train", "val")}
+    masked = sft.is_jsonl(cfg.corpus)
+    writers = {split: _ShardWriter(fs, root, split, window, cfg.shard_rows, dtype, masked) for split in ("train", "val")}
     docs = {"train": 0, "val": 0}
     source_bytes = 0
-    for doc in iter_documents(cfg):
+    if masked:  # prompt/response examples: the loss mask counts the response only
+        for uri in _expand(cfg.corpus):
+            for name, prompt, response in sft.read_examples(uri):
+                split = "val" if is_validation(name, cfg.val_fraction) else "train"
+                writers[split].add(*sft.encode_example(tokenizer, prompt, response))
+                docs[split] += 1
+                source_bytes += len(prompt.encode()) + len(response.encode())
+    for doc in ([] if masked else iter_documents(cfg)):
         split = "val" if is_validation(doc.name, cfg.val_fraction) else "train"
         tokens = tokenizer.encode(doc.text)
         writers[split].add(np.concatenate([tokens, np.array([tokenizer.eos_id], np.int32)]))
@@ -215,6 +235,7 @@ def prepare(cfg: DataConfig, out: str, *, log=print) -> dict:
         "tokenizer": tokenizer.describe(),
         "seq_len": cfg.seq_len,
         "window": window,
+        "loss_mask": masked,
         "source_bytes": source_bytes,
         "splits": splits,
         "created_unix": time.time(),

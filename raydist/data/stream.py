@@ -26,13 +26,14 @@ import pyarrow.parquet as pq
 
 from raydist.data.position import SampleOrder
 from raydist.data.prepare import DataError, read_manifest, shard_uri
+from raydist.data.sft import attach_mask
 
 
 @dataclass
 class Shard:
     index: int  # position in the split's shard list
     sample_ids: np.ndarray  # (rows,) int64
-    tokens: np.ndarray  # (rows, seq_len + 1) int64
+    tokens: np.ndarray  # (rows, seq_len + 1) int64; prompt/response data: with sft.NOT_TARGET flags
 
 
 @dataclass
@@ -44,6 +45,11 @@ class Split:
     shards: list[dict]
     window: int
     vocab_size: int | None = None  # the tokenizer's, from the manifest: every token id is below it
+    masked: bool = False  # shards hold a loss_mask column (prompt/response data, raydist.data.sft)
+
+    @property
+    def columns(self) -> list[str]:
+        return ["sample_id", "tokens", "loss_mask"] if self.masked else ["sample_id", "tokens"]
 
     @classmethod
     def open(cls, path: str, name: str, manifest: dict | None = None) -> "Split":
@@ -52,7 +58,8 @@ class Split:
         if split is None or not split["shards"]:
             raise DataError(f"{path}: the {name!r} split is empty; prepare more data or lower data.val_fraction")
         vocab = manifest.get("tokenizer", {}).get("vocab_size")
-        return cls(path, name, split["shards"], manifest["window"], vocab if isinstance(vocab, int) else None)
+        return cls(path, name, split["shards"], manifest["window"], vocab if isinstance(vocab, int) else None,
+                   bool(manifest.get("loss_mask")))
 
     @property
     def shard_rows(self) -> list[int]:
@@ -136,6 +143,15 @@ def table_to_shard(uri: str, index: int, table: pa.Table, split: Split) -> Shard
             raise DataError(f"{uri}: row {row} (sample id {int(ids[row])}) holds token id {int(tokens[row, col])} at "
                             f"position {col}, outside the tokenizer's vocabulary (0..{split.vocab_size - 1}) the "
                             "manifest records; the shard does not match its manifest, prepare the data again")
+    if split.masked:
+        if "loss_mask" not in table.column_names:
+            raise DataError(f"{uri}: no column 'loss_mask' but the manifest records prompt/response data; "
+                            "prepare the data again")
+        mask = table.column("loss_mask").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+        if mask.size != tokens.size:
+            raise DataError(f"{uri}: column 'loss_mask' holds {mask.size} values for {tokens.size} tokens; "
+                            "prepare the data again")
+        tokens = attach_mask(tokens, mask.reshape(tokens.shape))
     return Shard(index, ids, tokens)
 
 
@@ -182,7 +198,7 @@ def read_shard(split: Split, index: int) -> Shard:
     uri = split.uri(index)
     try:
         with fsspec.open(uri, "rb") as f:
-            table = pq.read_table(f, columns=["sample_id", "tokens"])
+            table = pq.read_table(f, columns=split.columns)
     except FileNotFoundError:
         raise DataError(f"{uri}: shard listed in the manifest is missing; prepare the data again") from None
     except (pa.ArrowInvalid, OSError) as exc:
@@ -215,7 +231,7 @@ class RayDataReader:
             uris = [split.uri(i) for i in chunk]
             for i, uri in zip(chunk, uris):
                 _check_exists(uri)
-            ds = ray.data.read_parquet([strip(u) for u in uris], filesystem=filesystem, columns=["sample_id", "tokens"],
+            ds = ray.data.read_parquet([strip(u) for u in uris], filesystem=filesystem, columns=split.columns,
                                        shuffle=None, num_cpus=self.cpus_per_read, concurrency=self.concurrency,
                                        override_num_blocks=len(uris))
             pending: collections.deque = collections.deque(chunk)

@@ -1,4 +1,5 @@
-"""Tokenizers: byte-level by default, or a Hugging Face `tokenizers` JSON file."""
+"""Tokenizers: byte-level by default, or a Hugging Face `tokenizers` JSON file (a path, or `hf:DIR` for a
+model directory's tokenizer.json)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ class ByteTokenizer:
     vocab_size = 257
     eos_id = 256
 
-    def encode(self, text: bytes | str) -> np.ndarray:
+    def encode(self, text: bytes | str, add_special_tokens: bool = False) -> np.ndarray:
         data = text.encode("utf-8") if isinstance(text, str) else text
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        """Bytes back to text (ids >= 256, end-of-document or beyond the vocabulary, are dropped)."""
+        return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
     def describe(self) -> dict:
         return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
@@ -37,7 +42,8 @@ class JsonTokenizer:
             with fsspec.open(path, "r") as f:
                 self._tok = Tokenizer.from_str(f.read())
         except FileNotFoundError:
-            raise ConfigError(f"data.tokenizer={path!r} not found; give a tokenizers JSON file or 'byte'") from None
+            raise ConfigError(f"data.tokenizer={path!r} not found; give a tokenizers JSON file, hf:DIR (a model "
+                              "directory holding tokenizer.json) or 'byte'") from None
         except Exception as exc:  # tokenizers raises its own exception type for bad files
             raise ConfigError(f"data.tokenizer={path!r} is not a tokenizers JSON file: {exc}") from None
         self.name = path
@@ -47,13 +53,28 @@ class JsonTokenizer:
         self.eos_id = vocab if eos is None else eos
         self.vocab_size = max(vocab, self.eos_id + 1)
 
-    def encode(self, text: bytes | str) -> np.ndarray:
+    def encode(self, text: bytes | str, add_special_tokens: bool = False) -> np.ndarray:
+        """Token ids; `add_special_tokens` applies the file's post-processor (e.g. a Llama tokenizer's
+        begin-of-text token, as a model expects at the start of a prompt)."""
         text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+        return np.asarray(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def describe(self) -> dict:
         return {"name": self.name, "vocab_size": self.vocab_size, "eos_id": self.eos_id}
 
 
+def tokenizer_path(spec: str) -> str:
+    """The tokenizers JSON file a spec names: `hf:DIR` -> DIR/tokenizer.json, a path as it is."""
+    if spec.startswith("hf:"):
+        if not spec[3:]:
+            raise ConfigError(f"data.tokenizer={spec!r}: give the model directory, e.g. hf:./Llama-3.2-1B")
+        return spec[3:].rstrip("/") + "/tokenizer.json"
+    return spec
+
+
 def get_tokenizer(spec: str):
-    return ByteTokenizer() if spec == "byte" else JsonTokenizer(spec)
+    """`byte`, a tokenizers JSON file, or `hf:DIR` (a Hugging Face model directory's tokenizer.json)."""
+    return ByteTokenizer() if spec == "byte" else JsonTokenizer(tokenizer_path(spec))

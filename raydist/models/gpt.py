@@ -8,7 +8,10 @@ The layout is chosen for the parallel plans that act on it by module name:
 - `tok_embeddings`, `norm` and `output` may be None on middle pipeline stages;
 - attention reshapes with -1 heads, so a tensor-parallel rank that holds H/tp heads runs unchanged;
 - the attention kernel is a pluggable function (`attention_fn`) so context parallelism and the Triton
-  kernels replace it without touching this file; `positions` lets sharded sequences keep their RoPE angles.
+  kernels replace it without touching this file; `positions` lets sharded sequences keep their RoPE angles;
+- generation passes a `KVCache`: each block appends its new keys/values (K heads, not repeated for the
+  grouped query heads) and attends over all of them, and RoPE angles start at the cache's length. Without
+  a cache (training, evaluation) the forward is exactly the code path it always was.
 """
 
 from __future__ import annotations
@@ -49,6 +52,36 @@ def repeat_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
     """(B, K, T, E) -> (B, H, T, E): each kv head serves H/K consecutive query heads."""
     reps = num_heads // x.shape[1]
     return x if reps == 1 else x.repeat_interleave(reps, dim=1)
+
+
+class KVCache:
+    """Per-layer keys and values of the tokens seen so far, for incremental decoding.
+
+    layers[name] = (k, v), each (B, K, S, E) with the K kv heads (grouped-query attention repeats them
+    only inside the attention product); `length` = S, the position of the next token. Grown by
+    concatenation, one forward at a time (the prompt, then one token per step).
+    """
+
+    def __init__(self) -> None:
+        self.layers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.length = 0
+
+    def extend(self, name: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k, v (B, K, T, E) to layer `name`'s cache; returns its keys and values (B, K, S + T, E)."""
+        if name in self.layers:
+            k0, v0 = self.layers[name]
+            k, v = torch.cat([k0, k], dim=2), torch.cat([v0, v], dim=2)
+        self.layers[name] = (k, v)
+        return k, v
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of T new queries q (B, H, T, E) over S + T keys/values (B, K, S + T, E), the first
+    S of them cached: query i (position S + i) sees keys 0..S + i (a mask aligned to the bottom right)."""
+    t, total = q.shape[2], k.shape[2]
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    visible = torch.ones(t, total, dtype=torch.bool, device=q.device).tril(total - t)  # (T, S + T)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
 
 
 class RMSNorm(nn.Module):
@@ -92,13 +125,19 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.d_model, bias=False)
         self.attention_fn: AttentionFn = sdpa_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
         b, t, _ = x.shape  # x: (B, T, D); under sequence parallelism T is already gathered here
         q = self.wq(x).view(b, t, -1, self.head_dim)  # (B, T, H, E), H local under tensor parallelism
         k = self.wk(x).view(b, t, -1, self.head_dim)  # (B, T, K, E)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))  # (B, H, T, E)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, E)
+        if cache is None:
+            out = self.attention_fn(q, k, v)  # (B, H, T, E)
+        else:
+            kv, name = cache
+            out = cached_attention(q, *kv.extend(name, k, v))
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))  # (B, T, D)
 
 
@@ -123,8 +162,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
+        # the cache only as a keyword: tensor parallelism's input hooks see the positional (x, cos, sin)
+        kwargs = {} if cache is None else {"cache": cache}
+        h = x + self.attention(self.attention_norm(x), cos, sin, **kwargs)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -167,23 +209,33 @@ class GPT(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V); on a middle pipeline stage (B, T, D) -> (B, T, D).
 
         positions (T,) gives each token's place in the full sequence (context parallelism shards T);
-        by default 0..T-1.
+        by default 0..T-1, or cache.length..cache.length+T-1 when decoding with a KV cache (which this
+        call extends by T).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, D)
         t = h.shape[1]
-        if positions is None:
-            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        if cache is not None:  # decoding: positions continue after the cached tokens
+            start = cache.length
+            if start + t > self.max_seq_len:
+                raise ValueError(f"{start + t} positions exceed the model's RoPE table of {self.max_seq_len}")
+            for name, layer in self.layers.items():
+                h = layer(h, self.rope_cos[start:start + t], self.rope_sin[start:start + t], (cache, name))
+            cache.length += t
         else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        if self.run_layers is not None:
-            h = self.run_layers(list(self.layers.values()), h, cos, sin)
-        else:
-            for layer in self.layers.values():
-                h = layer(h, cos, sin)
+            if positions is None:
+                cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+            else:
+                cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            if self.run_layers is not None:
+                h = self.run_layers(list(self.layers.values()), h, cos, sin)
+            else:
+                for layer in self.layers.values():
+                    h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h  # (B, T, V)
 

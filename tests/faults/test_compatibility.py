@@ -2,6 +2,8 @@
 `error:` line naming the field; what may change (layout, worker count, lr, steps) resumes. The worker checks
 too (a checkpoint committed after the driver looked)."""
 
+import json
+
 import pytest
 
 from fault_runs import files_under, small_config
@@ -73,3 +75,53 @@ def test_the_worker_refuses_too(stopped, tiny_data, tmp_path):
     raw["model"]["num_layers"] = 3
     with pytest.raises(RuntimeError, match="ConfigError: model.num_layers: the checkpoint has 2, the config 3"):
         run_fit(raw, 1, str(run_dir))
+
+
+@pytest.fixture(scope="module")
+def stopped_lora(tiny_data, tmp_path_factory):
+    """A 5-step LoRA run (rank 4, attention adapters) checkpointed at step 5, its config as TOML."""
+    root = tmp_path_factory.mktemp("stopped-lora")
+    raw = small_config(tiny_data, steps=5)
+    raw["peft"] = {"method": "lora", "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "attention"}
+    run_fit(raw, 1, str(root / "runs" / "run"))
+    (root / "run.toml").write_text(dump_toml(raw))
+    return root
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["peft.lora_rank=8"], "peft.lora_rank: the checkpoint has 4, the config 8"),
+    (["peft.lora_targets=all"], "peft.lora_targets: the checkpoint has 'attention', the config 'all'"),
+    (["peft.lora_alpha=16.0"], "peft.lora_alpha: the checkpoint has 8.0, the config 16.0"),
+    (["peft.method=freeze"], "peft.method: the checkpoint has 'lora', the config 'freeze'"),
+    (["peft.method=none"], "peft.method: the checkpoint has 'lora', the config 'none'"),
+])
+def test_other_peft_settings_are_refused(stopped_lora, capsys, no_ray, overrides, field):
+    from raydist.cli import main
+
+    before = files_under(stopped_lora / "runs")
+    assert main(_train(stopped_lora, *overrides, "train.steps=10")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: {field}: the run directory"), err
+    assert files_under(stopped_lora / "runs") == before
+
+
+def test_a_full_run_is_not_resumed_as_lora(stopped, capsys, no_ray):
+    from raydist.cli import main
+
+    assert main(_train(stopped, "peft.method=lora", "train.steps=10")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: peft.method: the checkpoint has 'none', the config 'lora'"), err
+
+
+def test_unused_peft_settings_may_change(stopped_lora, launch_without_ray):
+    """trainable_last_layers means nothing to a LoRA run: changing it resumes at step 5."""
+    from raydist.launcher import launch
+
+    raw = Config.load(stopped_lora / "run.toml", [f"checkpoint.storage={stopped_lora}/runs", "train.run_name=run",
+                                                 "train.steps=6", "peft.trainable_last_layers=2",
+                                                 "ray.num_workers=1"])
+    summary = launch(raw, log=lambda *_: None)
+    assert summary["steps"] == 6
+    events = [json.loads(line) for line in (stopped_lora / "runs" / "run" / "events.jsonl").read_text().splitlines()]
+    starts = [e for e in events if e["kind"] in ("start", "restart")]
+    assert starts[-1]["step"] == 5, starts[-1]  # resumed from the checkpoint, not started afresh
