@@ -6,7 +6,8 @@ fields. Every error is a `ConfigError` whose message names the offending value a
 can print it as a single `error:` line before any worker starts.
 
 Each field carries a docstring (the string literal under it); `field_docs()` (config_io.py) reads them back
-from this file's source so that the README's reference and error hints never drift from the code.
+from the source (this file and config_sections.py) so that the README's reference and error hints never
+drift from the code.
 """
 
 from __future__ import annotations
@@ -157,102 +158,9 @@ class TrainConfig:
     implementation raises instead of running (slower on CUDA; CPU runs here are deterministic already)."""
 
 
-@dataclass(frozen=True)
-class CheckpointConfig:
-    storage: str = "./runs"
-    """Where run directories go: a local path or any fsspec URI (s3://bucket/prefix, gs://...)."""
-    every_steps: int = 100
-    """Save a checkpoint every this many steps (0: only at the end)."""
-    keep: int = 3
-    """Committed checkpoints to keep (older ones are deleted after a newer one commits)."""
-    async_save: bool = True
-    """Write checkpoints in the background while training continues."""
-
-
-@dataclass(frozen=True)
-class ElasticConfig:
-    min_workers: int = 0
-    """Smallest worker count an elastic run trains on (0 with max_workers 0: a fixed-size run)."""
-    max_workers: int = 0
-    """Largest worker count an elastic run grows to."""
-    resize_check_interval_s: float = 30.0
-    """How often Ray Train considers growing a healthy elastic run."""
-    max_failures: int = 3
-    """Restarts after worker or node failures before the run gives up (-1: unlimited)."""
-    collective_timeout_s: float = 300.0
-    """A collective that waits longer than this fails (so a dead peer ends in a restart, not a hang); it
-    applies to every process group. A training step, an evaluation or a report to Ray Train that makes no
-    progress for twice as long ends the worker (the step watchdog)."""
-    startup_timeout_s: float = 900.0
-    """The watchdog's limit for a worker's start: building and parallelizing the model, loading the
-    checkpoint, and the first step (which waits for the first data)."""
-    checkpoint_timeout_s: float = 1800.0
-    """The longest a checkpoint save (or waiting for one in flight) may take before the worker fails."""
-    live_recovery: bool = False
-    """Live recovery (torchft): each of the parallel.dp_replicate workers is a replica; when one dies the
-    others keep stepping and its replacement receives the live state from a peer (no restart, no reload).
-    Needs dp_replicate >= 2 with every other degree 1 (Ray Train replaces replica groups of one worker)."""
-
-
-@dataclass(frozen=True)
-class RayConfig:
-    num_workers: int = 2
-    """Workers for a fixed-size run (one per device)."""
-    address: str = ""
-    """Cluster to join; empty: RAY_ADDRESS if set, else an embedded local Ray."""
-    cpus_per_worker: float = 1.0
-    """Logical CPUs each worker reserves (and torch threads it uses on CPU)."""
-    use_gpu: str = "auto"
-    """`auto` (GPUs when the cluster has them), `true`, `false`."""
-    max_pending_s: float = 60.0
-    """How long to wait for the cluster to offer the workers' resources before failing."""
-
-
-@dataclass(frozen=True)
-class KernelsConfig:
-    attention: str = "auto"
-    """`auto` (Triton on CUDA, sdpa on CPU), `triton`, `sdpa`, `eager`."""
-    matmul: str = "auto"
-    """`auto` (Triton on CUDA, torch on CPU), `triton`, `torch`."""
-
-
-@dataclass(frozen=True)
-class PeftConfig:
-    method: str = "none"
-    """Parameter-efficient fine-tuning: `none` (train everything), `lora` (low-rank adapters on frozen
-    weights; Hu et al., 2021), `freeze` (train only the last `trainable_last_layers` blocks)."""
-    lora_rank: int = 8
-    """LoRA rank r: each adapted weight W (out x in) gains B (out x r) A (r x in)."""
-    lora_alpha: float = 16.0
-    """LoRA scale numerator: the update is (lora_alpha / lora_rank) B A x."""
-    lora_targets: str = "attention"
-    """Which projections get adapters: `attention` (wq, wk, wv, wo), `mlp` (w1, w2, w3), `all`."""
-    trainable_last_layers: int = 1
-    """For `freeze`: the last this many blocks (and the final norm; the head too when untied) train."""
-
-
-@dataclass(frozen=True)
-class MonitorConfig:
-    heartbeat_interval_s: float = 2.0
-    """How often each worker publishes what it is doing (its current collective or pipeline action, and
-    since when) to the process group's store, for hang diagnosis."""
-    hang_stacks: bool = True
-    """On a hang (a collective timeout or the step watchdog), write every live rank's Python stack with
-    py-spy (Python's own traceback where py-spy cannot attach) to RUN_DIR/logs/hang-<time>/."""
-    straggler_factor: float = 1.5
-    """A rank whose busy time per step (data wait + forward) is at least this many times the median rank's
-    for straggler_intervals logged intervals in a row gets a `straggler` event (0: never)."""
-    straggler_intervals: int = 3
-    """Consecutive logged intervals a rank must be that slow before the `straggler` event."""
-
-
-@dataclass(frozen=True)
-class TrackingConfig:
-    mlflow_uri: str = ""
-    """MLflow tracking URI (http://host:5000, a file store path, databricks, ...): the driver logs the run's
-    params, metrics and events there. Empty: no MLflow (TensorBoard files are written either way)."""
-    mlflow_experiment: str = "raydist"
-    """MLflow experiment the run is logged in (created when missing)."""
+# the run-level sections (checkpoints, elasticity, Ray, kernels, fine-tuning, monitoring, tracking)
+from raydist.config_sections import (CheckpointConfig, ElasticConfig, KernelsConfig, MonitorConfig,  # noqa: E402
+                                     PeftConfig, RayConfig, TrackingConfig)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -456,30 +364,6 @@ class Config:
 # ---- helpers ---------------------------------------------------------------------------------------
 
 
-def hf_dir_of(init_from: str) -> str:
-    """The directory of `model.init_from = "hf:DIR"` (ConfigError for any other form)."""
-    if not isinstance(init_from, str) or not init_from.startswith("hf:") or not init_from[3:]:
-        raise ConfigError(f"model.init_from={init_from!r} must be 'hf:DIR', a Hugging Face Llama directory "
-                          "(config.json and *.safetensors), e.g. init_from = \"hf:./Llama-3.2-1B\"")
-    return init_from[3:]
-
-
-def _model_from_init(section: dict[str, Any]) -> dict[str, Any]:
-    """[model] with the shape keys of `init_from`'s config.json filled in (DIR made absolute); a key the
-    user set that disagrees is a ConfigError."""
-    from raydist.models.hf import check_explicit_keys, model_config_from_hf
-
-    path = hf_dir_of(section["init_from"])
-    path = path if "://" in path else str(Path(path).expanduser().resolve())
-    if not Path(path).is_dir():
-        raise ConfigError(f"model.init_from={section['init_from']!r}: {path} is not a directory; download the "
-                          "model (e.g. `huggingface-cli download meta-llama/Llama-3.2-1B --local-dir DIR`)")
-    from_hf = model_config_from_hf(path)
-    check_explicit_keys({k: v for k, v in section.items() if k != "init_from"}, from_hf, f"hf:{path}")
-    return {**section, **from_hf, "init_from": f"hf:{path}"}
-
-
-
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(f"{name}={value} must be a positive integer")
@@ -490,8 +374,8 @@ def divisors(n: int) -> list[int]:
 
 
 # TOML reading and writing, `--set` parsing, field docs (re-exported: callers import them from here)
-from raydist.config_io import (_build_section, dump_toml, field_docs, parse_override, read_toml,  # noqa: E402
-                               reference_markdown)
+from raydist.config_io import (_build_section, _model_from_init, dump_toml, field_docs, hf_dir_of,  # noqa: E402,F401
+                               parse_override, read_toml, reference_markdown)
 
 
 if __name__ == "__main__":  # regenerates the README's reference: python -m raydist.config

@@ -121,14 +121,16 @@ def _toml_value(value: Any) -> str:
 
 @functools.lru_cache(maxsize=1)
 def field_docs() -> dict[str, str]:
-    """{'section.key': docstring} parsed from the attribute docstrings in this module."""
-    from raydist import config
+    """{'section.key': docstring} parsed from the attribute docstrings of the section classes."""
+    import sys
+
     from raydist.config import SECTIONS
 
-    tree = ast.parse(inspect.getsource(config))
+    modules = dict.fromkeys(sys.modules[cls.__module__] for cls in SECTIONS.values())
+    nodes = [node for module in modules for node in ast.parse(inspect.getsource(module)).body]
     class_to_section = {cls.__name__: name for name, cls in SECTIONS.items()}
     docs = {}
-    for node in tree.body:
+    for node in nodes:
         if isinstance(node, ast.ClassDef) and node.name in class_to_section:
             body = node.body
             for stmt, nxt in zip(body, body[1:]):
@@ -155,3 +157,29 @@ def reference_markdown() -> str:
                                                                   "`" not in doc else "") + " |")
         out.append("")
     return "\n".join(out)
+
+
+# ---- model.init_from = "hf:DIR" ------------------------------------------------------------------
+
+
+def hf_dir_of(init_from: str) -> str:
+    """The directory of `model.init_from = "hf:DIR"` (ConfigError for any other form)."""
+    if not isinstance(init_from, str) or not init_from.startswith("hf:") or not init_from[3:]:
+        raise ConfigError(f"model.init_from={init_from!r} must be 'hf:DIR', a Hugging Face Llama directory "
+                          "(config.json and *.safetensors), e.g. init_from = \"hf:./Llama-3.2-1B\"")
+    return init_from[3:]
+
+
+def _model_from_init(section: dict[str, Any]) -> dict[str, Any]:
+    """[model] with the shape keys of `init_from`'s config.json filled in (DIR made absolute); a key the
+    user set that disagrees is a ConfigError."""
+    from raydist.models.hf import check_explicit_keys, model_config_from_hf
+
+    path = hf_dir_of(section["init_from"])
+    path = path if "://" in path else str(Path(path).expanduser().resolve())
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.init_from={section['init_from']!r}: {path} is not a directory; download the "
+                          "model (e.g. `huggingface-cli download meta-llama/Llama-3.2-1B --local-dir DIR`)")
+    from_hf = model_config_from_hf(path)
+    check_explicit_keys({k: v for k, v in section.items() if k != "init_from"}, from_hf, f"hf:{path}")
+    return {**section, **from_hf, "init_from": f"hf:{path}"}

@@ -39,9 +39,7 @@ import datetime
 import functools
 import json
 import os
-import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -52,7 +50,6 @@ import torch.distributed as dist
 
 PREFIX = "raydist/hang/"
 STORE_TIMEOUT_S = 5.0
-PY_SPY_TIMEOUT_S = 20.0
 DIAGNOSE_BUDGET_S = 45.0
 STALE_MIN_S = 5.0
 
@@ -154,45 +151,8 @@ def is_hang(error: BaseException) -> bool:
     return False
 
 
-# ---- stacks ---------------------------------------------------------------------------------------
-
-
-def py_spy() -> str | None:
-    here = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    return here if os.path.exists(here) else shutil.which("py-spy")
-
-
-def py_spy_dump(pid: int, nonblocking: bool = False, timeout_s: float = PY_SPY_TIMEOUT_S) -> tuple[bool, str]:
-    """(ok, text): `py-spy dump --pid PID` (with --nonblocking, the process is read without pausing it)."""
-    exe = py_spy()
-    if exe is None:
-        return False, "py-spy is not installed (pip install py-spy)"
-    cmd = [exe, "dump", "--pid", str(pid)] + (["--nonblocking"] if nonblocking else [])
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return False, f"py-spy dump --pid {pid} did not finish within {timeout_s:.0f}s"
-    except OSError as exc:
-        return False, f"py-spy could not run: {exc}"
-    if proc.returncode != 0:
-        return False, (proc.stderr or proc.stdout).strip()[-2000:]
-    return True, proc.stdout
-
-
-def python_stacks() -> str:
-    """Every thread's Python stack of this process (no py-spy, no ptrace)."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    out = []
-    for ident, frame in sys._current_frames().items():
-        out.append(f'Thread {ident} "{names.get(ident, "?")}"\n' + "".join(traceback.format_stack(frame)))
-    return "\n".join(out)
-
-
-def own_stack() -> str:
-    ok, text = py_spy_dump(os.getpid())
-    if ok:
-        return "# py-spy dump\n" + text
-    return f"# py-spy could not attach ({text.splitlines()[-1] if text else '?'}); Python's own frames\n" + python_stacks()
+# ---- stacks (py-spy, or Python's own) live in stacks.py ------------------------------------------------
+from raydist.stacks import PY_SPY_TIMEOUT_S, own_stack, py_spy, py_spy_dump, python_stacks  # noqa: E402,F401
 
 
 # ---- the monitor -----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from raydist.metrics.logger import MetricsWriter, join, write_json
 from raydist.metrics.stragglers import StragglerDetector, per_rank, percentiles
 from raydist.metrics.tensorboard import open_tensorboard
 from raydist.models.gpt import flops_per_token
-from raydist.trainer import StepStats, Trainer, TrainerOptions, peak_memory_mb
+from raydist.trainer import StepStats, Trainer, peak_memory_mb
 
 # ---- logging ------------------------------------------------------------------------------------
 

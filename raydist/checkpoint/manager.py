@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from raydist.checkpoint import storage
 from raydist.checkpoint.rawio import ChecksumMismatch
 from raydist.checkpoint.state import Stateful, merge_state, split_state
-from raydist.checkpoint.storage import COMMIT, EXTRA, join, step_dir_name
+from raydist.checkpoint.storage import EXTRA, join, step_dir_name
 from raydist.errors import ConfigError
 from raydist.redact import redact
 

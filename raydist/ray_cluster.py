@@ -1,0 +1,110 @@
+"""The driver's side of the Ray cluster: joining one or starting an embedded one, waiting for enough
+capacity for the worker group, and whether workers get GPUs."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+from raydist.config import Config, ConfigError
+
+
+
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+
+
+def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
+    """Joins the cluster at `address` (or RAY_ADDRESS); else starts an embedded one. Returns True if
+    embedded. Token authentication stays as Ray sets it (on by default since Ray 2.60)."""
+    import logging
+
+    import ray
+
+    address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+    if ray.is_initialized():
+        return False
+    # Ray Train's controller polls the worker group every 2 s by default: a dead worker would wait up to
+    # that long to be noticed. The job's runtime env carries the setting to the controller on any cluster.
+    env = {k: os.environ.get(k, v) for k, v in RAY_TRAIN_ENV.items()}
+    kwargs = dict(logging_level=logging.WARNING, log_to_driver=True)
+    if not address:
+        os.environ.update(env)  # the embedded cluster's processes inherit the driver's environment
+    elif not os.environ.get("RAY_JOB_ID"):  # (a submitted job keeps the runtime env it was submitted with)
+        kwargs["runtime_env"] = {"env_vars": env}
+    if address:
+        ray.init(address=address, **kwargs)
+        return False
+    # Logical CPUs: at least one per worker plus headroom for Ray Data read tasks and the controller.
+    # address="local": a fresh instance even when another local cluster runs; no dashboard: nobody
+    # submits jobs to an embedded cluster, and its processes would compete with training for the cores.
+    num_cpus = max(os.cpu_count() or 1, int(min_cpus + 2))
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    return True
+
+
+def worker_resources(cfg: Config, use_gpu: bool) -> dict[str, float]:
+    resources = {"CPU": cfg.ray.cpus_per_worker}
+    if use_gpu:
+        resources["GPU"] = 1
+    return resources
+
+
+def workers_that_fit(per_worker: dict[str, float]) -> int:
+    """How many workers the live nodes can hold at once (per node, not summed across nodes)."""
+    import ray
+
+    total = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        have = node.get("Resources", {})
+        total += min(int(have.get(k, 0) // v) for k, v in per_worker.items() if v > 0)
+    return total
+
+
+def wait_for_capacity(needed: int, per_worker: dict[str, float], max_pending_s: float, can_grow: bool,
+                      log: Callable[[str], None] = print, setting: str = "ray.num_workers") -> int:
+    """Waits (bounded) until the cluster can hold `needed` workers; a ConfigError otherwise.
+
+    Waiting is also asking: an autoscaler launches nodes only for pending demand, so while the cluster
+    is too small a placement group of the workers' bundles stays pending (what `ray status` shows as a
+    demand). It is removed once placed; the nodes stay up for the autoscaler's idle timeout, long
+    enough for Ray Train's own placement a moment later. Elastic runs ask for their minimum; Ray Train
+    then asks for the rest.
+    """
+    fit = workers_that_fit(per_worker)
+    if fit >= needed:
+        return fit
+    need = ", ".join(f"{v:g} {k}" for k, v in per_worker.items())
+
+    def too_small(fit: int) -> ConfigError:
+        return ConfigError(f"{setting}={needed} needs {needed} workers of {need} each but the cluster can hold {fit}"
+                           + ("" if not can_grow else f" after waiting {max_pending_s:g}s") +
+                           "; lower ray.num_workers (or elastic.min_workers) or add nodes")
+
+    if not can_grow:
+        raise too_small(fit)
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    log(f"waiting up to {max_pending_s:g}s for the cluster to hold {needed} workers (now {fit}); "
+        "asking the autoscaler for them")
+    start = time.monotonic()
+    group = placement_group([dict(per_worker) for _ in range(needed)], strategy="PACK")
+    try:
+        placed = group.wait(timeout_seconds=max_pending_s)
+    finally:
+        remove_placement_group(group)
+    fit = workers_that_fit(per_worker)
+    if not placed:
+        raise too_small(fit)
+    log(f"scale-up: the cluster holds {fit} workers after {time.monotonic() - start:.1f}s")
+    return fit
+
+
+def resolve_use_gpu(cfg: Config) -> bool:
+    import ray
+
+    if cfg.ray.use_gpu == "auto":
+        return ray.cluster_resources().get("GPU", 0) > 0
+    return cfg.ray.use_gpu == "true"
