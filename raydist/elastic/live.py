@@ -41,11 +41,8 @@ REPLICA_ID_PREFIX = "raydist_replica_"
 # The Lighthouse's timing, with Ray Train's TorchftConfig(lighthouse_kwargs=...). min_replicas 1: the
 # survivors step alone. A replica whose heartbeat stops for heartbeat_timeout_ms is out of the next quorum
 # (the survivors' pause after a loss); a quorum waits at most join_timeout_ms for a replica that heartbeats
-# but has not asked to join yet. That wait must outlast a survivor's step: with a short one (1 s was tried)
-# a replacement that asks while the survivor is mid-step forms a quorum of itself alone, finds no peer to
-# heal from and resumes from storage (a restart with steps redone, seen on a loaded 2-core machine). A
-# replica heartbeats only once it is built and about to join, so survivors rarely wait on it.
-LIGHTHOUSE_KWARGS = {"min_replicas": 1, "join_timeout_ms": 30000, "heartbeat_timeout_ms": 2000}
+# but has not asked to join yet (a replacement still starting delays no one for longer).
+LIGHTHOUSE_KWARGS = {"min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 2000}
 
 
 def live_slice(position: int, global_batch: int, rank: int, count: int) -> tuple[int, int]:
