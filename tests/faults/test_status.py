@@ -37,10 +37,12 @@ def test_status_of_a_running_run(tiny_data, tmp_path, capsys):
     with RunLease(str(run_dir), "live", log=lambda *_: None):
         s, text = status(capsys, run_dir)
     assert s["state"] == "running" and "lease heartbeat" in s["detail"]
-    assert (s["step"], s["steps"]) == (6, 10)
+    # the step the workers' files reached (their bookkeeping writes in the background: 5 or 6)
+    assert s["step"] in (5, 6) and s["steps"] == 10
     assert s["loss"] > 0 and s["tokens_per_s"] > 0 and s["eta_s"] > 0
     assert s["checkpoint"]["step"] == 5 and s["restarts"] == 0 and s["last_error"] is None
-    assert "state       running" in text and "step        6 of 10  (60%)" in text and "ETA " in text
+    assert "state       running" in text and f"step        {s['step']} of 10  ({10 * s['step']}%)" in text
+    assert "ETA " in text
     assert "checkpoint  step 5" in text
 
 
@@ -71,7 +73,7 @@ def test_status_of_a_failed_run(tiny_data, tmp_path, capsys, launch_without_ray)
                log=lambda *_: None)
     capsys.readouterr()
     s, text = status(capsys, run_dir)
-    assert s["state"] == "failed" and (s["step"], s["steps"]) == (6, 10)
+    assert s["state"] == "failed" and s["step"] in (5, 6) and s["steps"] == 10
     assert s["checkpoint"]["step"] == 5
     assert s["last_error"]["source"] == "driver" and "worker 1 exploded" in s["last_error"]["message"]
     assert "second line" not in s["last_error"]["message"]
@@ -87,7 +89,7 @@ def test_a_driver_gone_without_cleanup_is_interrupted(tiny_data, tmp_path):
     assert run_status(str(run_dir))["state"] == "running"
     s = run_status(str(run_dir), now=time.time() + 60)  # past the stale limit
     assert s["state"] == "interrupted" and "stopped heartbeating" in s["detail"]
-    assert s["step"] == 3 and s["eta_s"] is None
+    assert s["step"] in (2, 3) and s["eta_s"] is None
     del lease
 
 
