@@ -301,7 +301,9 @@ def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: fl
         resolve_kernels(cfg.kernels, "cuda" if use_gpu else "cpu", cfg.head_dim)  # a bad choice fails here
         wait_for_capacity(needed, worker_resources(cfg, use_gpu), cfg.ray.max_pending_s, can_grow=not embedded,
                           log=log, setting="elastic.min_workers" if cfg.elastic_enabled else "ray.num_workers")
-        where = "an embedded local Ray" if embedded else f"the Ray cluster at {ray.get_runtime_context().gcs_address}"
+        # (get_runtime_context() on an uninitialised Ray would start one: only ask a connected driver)
+        gcs = ray.get_runtime_context().gcs_address if ray.is_initialized() else address or cfg.ray.address
+        where = "an embedded local Ray" if embedded else f"the Ray cluster at {gcs}"
         log(f"run {lp.run_name}: {lp.num_workers} worker(s), {'GPU/nccl' if use_gpu else 'CPU/gloo'} on {where}; "
             f"run directory {lp.run_dir}")
         if console.logs_dir:

@@ -51,7 +51,12 @@ def launch_without_ray(monkeypatch):
     progress = launcher.Progress
     monkeypatch.setattr(launcher, "Progress",
                         lambda run_dir, total, **kw: progress(run_dir, total, stream=sys.stderr, **kw))
-    return control
+    yield control
+    import ray
+
+    # a launch "without Ray" that started one anyway (ray.get_runtime_context() auto-initialises) would
+    # make every later test's ray.init fail; fail here, where it happened
+    assert not ray.is_initialized(), "the launcher started Ray although the test patched it out"
 
 
 @pytest.fixture
