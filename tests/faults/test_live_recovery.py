@@ -6,17 +6,14 @@ between steps and the time to rejoin are printed (recorded, not asserted: wall t
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
-import time
 from collections import defaultdict
 
 import pytest
 
 from raydist.config import Config
-from raydist.launcher import launch
+from ray_runs import Background, jsonl, ray_4cpu, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 from raydist.testing import run_fit
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -30,48 +27,6 @@ def small(data: str, root, *extra) -> Config:
         f"checkpoint.storage={root}", "ray.max_pending_s=60", *extra])
 
 
-def records(path):
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Background:
-    def __init__(self, cfg):
-        self.result = self.error = None
-        self.thread = threading.Thread(target=self._run, args=(cfg,), daemon=True)
-        self.thread.start()
-
-    def _run(self, cfg):
-        try:
-            self.result = launch(cfg, log=lambda *_: None, record_samples=True)
-        except BaseException as exc:
-            self.error = exc
-
-    def join(self, timeout_s):
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "training did not finish"
-        return self.result
-
-
-@pytest.fixture
-def ray_4cpu():
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
-    yield ray
-    ray.shutdown()
 
 
 def trained_ids_by_step(run_dir) -> dict[int, list[int]]:
@@ -80,7 +35,7 @@ def trained_ids_by_step(run_dir) -> dict[int, list[int]]:
     spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
     folder = os.path.join(run_dir, "samples")
     for name in os.listdir(folder):
-        for rec in records(os.path.join(folder, name)):
+        for rec in jsonl(os.path.join(folder, name)):
             by_step[rec["step"]].extend(rec["ids"])
             spans[rec["step"]].append(tuple(rec["span"]))
     return by_step, spans
@@ -103,16 +58,16 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
                           "parallel.dp_replicate=1")
     [reference] = run_fit(reference_cfg.to_dict(), 1, str(tmp_path / "reference"))
     run_dir = tmp_path / "live"
-    job = Background(cfg)
-    wait_for(lambda: any(r["step"] >= 12 for r in records(run_dir / "metrics.jsonl")), 300, "step 12")
-    launches = [e for e in records(run_dir / "events.jsonl") if e["kind"] == "launch"]
+    job = Background(cfg, record_samples=True)
+    wait_for(lambda: any(r["step"] >= 12 for r in jsonl(run_dir / "metrics.jsonl")), 300, "step 12")
+    launches = [e for e in jsonl(run_dir / "events.jsonl") if e["kind"] == "launch"]
     pid = next(e["pid"] for e in launches if e.get("replica") == victim)
     os.kill(pid, signal.SIGKILL)
     summary = job.join(400)
     assert job.error is None, job.error
     assert summary["steps"] == steps
     assert summary["restarts"] == 0 and summary["steps_redone"] == 0, summary
-    events = records(run_dir / "events.jsonl")
+    events = jsonl(run_dir / "events.jsonl")
     lost = [e for e in events if e["kind"] == "replica_lost"]
     joined = [e for e in events if e["kind"] == "replica_joined"]
     assert [e["replica"] for e in lost] == [victim] and [e["replica"] for e in joined] == [victim], (lost, joined)
@@ -129,7 +84,7 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
         covered = sorted(spans[step])
         assert covered[0][0] == (step - 1) * batch and covered[-1][1] == step * batch
         assert all(a[1] == b[0] for a, b in zip(covered, covered[1:])), (step, covered)
-    metrics = [r for r in records(run_dir / "metrics.jsonl") if r.get("replicas")]
+    metrics = [r for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")]
     one_replica = [r["step"] for r in metrics if r["replicas"] == 1]
     assert one_replica, "no step ran on the survivor alone"
     times = {r["step"]: r["elapsed_s"] for r in metrics}

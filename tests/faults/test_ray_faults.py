@@ -5,16 +5,14 @@ being retried `max_failures` times."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from raydist.config import Config, ConfigError, DataConfig
-from raydist.launcher import launch
+from ray_runs import Background, jsonl, ray_4cpu, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 from raydist.testing import run_fit
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -29,48 +27,7 @@ def small(data: str, root, *extra) -> Config:
 
 
 def records(run_dir, name="metrics.jsonl"):
-    path = os.path.join(run_dir, name)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-class Background:
-    def __init__(self, cfg):
-        self.result = self.error = None
-        self.thread = threading.Thread(target=self._run, args=(cfg,), daemon=True)
-        self.thread.start()
-
-    def _run(self, cfg):
-        try:
-            self.result = launch(cfg, log=lambda *_: None)
-        except BaseException as exc:
-            self.error = exc
-
-    def join(self, timeout_s):
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "training did not finish"
-        return self.result
-
-
-@pytest.fixture
-def ray_4cpu():
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
-    yield ray
-    ray.shutdown()
+    return jsonl(os.path.join(run_dir, name))
 
 
 def test_a_stopped_worker_ends_in_a_restart_and_the_run_completes(ray_4cpu, tiny_data, tmp_path):

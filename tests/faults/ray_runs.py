@@ -1,0 +1,60 @@
+"""Shared pieces of the fault tests that run `launch` on a real local Ray: a 4-CPU cluster, a run in a
+background thread, reading the JSON-lines files it writes, and waiting for them."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from raydist.launcher import launch
+
+
+def jsonl(path) -> list[dict]:
+    """The records of a JSON-lines file ([] while it does not exist yet)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_for(predicate, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Background:
+    """`launch(cfg, **launch_kwargs)` in a thread; `join` returns its summary (`error` holds a failure)."""
+
+    def __init__(self, cfg, **launch_kwargs):
+        self.result = self.error = None
+        self.thread = threading.Thread(target=self._run, args=(cfg, launch_kwargs), daemon=True)
+        self.thread.start()
+
+    def _run(self, cfg, launch_kwargs):
+        try:
+            self.result = launch(cfg, log=lambda *_: None, **launch_kwargs)
+        except BaseException as exc:
+            self.error = exc
+
+    def join(self, timeout_s):
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), "training did not finish"
+        return self.result
+
+
+@pytest.fixture
+def ray_4cpu():
+    import ray
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
+    yield ray
+    ray.shutdown()
