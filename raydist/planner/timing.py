@@ -29,8 +29,8 @@ Per step, per rank (the busiest pipeline stage), with m micro-batches of b sampl
   q, k, v and the output in forward and backward, not overlapped.
 - pipeline: one activation send per micro-batch per boundary each way (T / cp tokens, a tp-th of them
   under sequence parallelism); bubble fraction (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1)
-  interleaved with v chunks per rank (seed 001/003: "idle p/(p+k)" counts the same bubble from the other
-  side), and for the zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
+  interleaved with v chunks per rank (Huang et al., "GPipe", 2019; Narayanan et al. 2021; an idle share
+  p/(p+k) counts the same bubble from the other side), and for the zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
   at F = B = W: (p-1)/(3m+p-1) for ZB-H1, (p-1)/(6m+p-1) for ZB-V (`schedule.timeline`).
 - optimizer: AdamW and the gradient clip read and write ~36 bytes per locally held element, bound by
   memory bandwidth.

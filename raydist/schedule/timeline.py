@@ -12,8 +12,8 @@ the tensor it receives has been produced:
     start(a) = max(finish(previous action on the rank), finish(action a receives from))
 
 The step time T is the last finish over all ranks; every rank is busy M (tf + tb), so its bubble is
-1 - M (tf + tb) / T. The theory (seed 001/003, Narayanan et al. 2021 for interleaving, Qi, Wan, Huang,
-Lin, "Zero Bubble Pipeline Parallelism" 2024 for zbh1/zbv with F = tf, B = tb - tw, W = tw):
+1 - M (tf + tb) / T. The theory (Huang et al., "GPipe" 2019, Narayanan et al. 2021 for interleaving,
+Qi, Wan, Huang, Lin, "Zero Bubble Pipeline Parallelism" 2024 for zbh1/zbv with F = tf, B = tb - tw, W = tw):
 
     gpipe, 1f1b:   T = (M + P - 1) (tf + tb)                   bubble = (P - 1) / (M + P - 1)
     interleaved:   T = (M + (P - 1)/V) (tf + tb)               bubble = (P - 1) / (V M + P - 1)
