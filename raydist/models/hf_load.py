@@ -24,6 +24,7 @@ import torch
 
 from raydist.config import ConfigError, ModelConfig
 from raydist.models import hf
+from raydist.models.init import local_region
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -58,16 +59,6 @@ def check_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig) -> None:
                 if shape != shapes[name]:
                     raise ConfigError(f"hf:{hf_dir}: {hf_name} has shape {shape}, but config.json describes "
                                       f"{shapes[name]} (raydist's {name}); the directory's files disagree")
-
-
-def local_region(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offsets, sizes) of the block of the unsharded tensor that this rank's local shard of `param` holds."""
-    if not hasattr(param, "device_mesh"):
-        return (0,) * param.dim(), tuple(param.shape)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(offset), tuple(shape)
 
 
 def read_block(fh, hf_name: str, name: str, offsets, sizes, cfg: ModelConfig) -> torch.Tensor:

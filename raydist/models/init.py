@@ -90,12 +90,21 @@ def full_value(name: str, shape: tuple[int, ...], cfg, seed: int) -> torch.Tenso
     return full_rows(name, shape, 0, shape[0], cfg, seed) if shape else torch.ones(())
 
 
-def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(local shape, global offset) of a DTensor's local piece when it is one box of the full tensor."""
+def local_region(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of the block of the unsharded tensor that this rank's local piece of `param` holds
+    (a plain tensor: all of it)."""
+    if not hasattr(param, "device_mesh"):
+        return (0,) * param.dim(), tuple(param.shape)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return (tuple(shape), tuple(offset)) if tuple(shape) == tuple(param.to_local().shape) else None
+    return tuple(offset), tuple(shape)
+
+
+def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(local shape, global offset) of a DTensor's local piece when it is one box of the full tensor."""
+    offset, shape = local_region(param)
+    return (shape, offset) if shape == tuple(param.to_local().shape) else None
 
 
 def local_value(name: str, param: torch.Tensor, cfg, seed: int) -> torch.Tensor:
