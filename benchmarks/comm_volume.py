@@ -1,9 +1,9 @@
-"""Bytes each rank sends per optimizer step, counted at the collectives, beside the seed's figures.
+"""Bytes each rank sends per optimizer step, counted at the collectives, beside the published figures.
 
-DDP: a ring all-reduce of the gradients: 2 (p-1)/p x the parameter bytes (seed 001/003: "2x").
-FSDP: all-gather in forward, all-gather again in backward (reshard after forward), reduce-scatter of
-the gradients: 3 (p-1)/p x the parameter bytes (seed 003: "about 3x"). One micro-batch per step here;
-with gradient accumulation FSDP all-gathers again for every micro-batch.
+DDP: a ring all-reduce of the gradients: 2 (p-1)/p x the parameter bytes (Patarasuk & Yuan 2009: "2x").
+FSDP: all-gather in forward, all-gather again in backward (reshard after forward), reduce-scatter of the
+gradients: 3 (p-1)/p x the parameter bytes (Rajbhandari et al. 2020, ZeRO-3: "about 3x"). One micro-batch per
+step here; with gradient accumulation FSDP all-gathers again for every micro-batch.
 
 Context parallelism (`--section cp`), per attention layer and rank, counted around one forward and one
 backward of the layer's attention on its local shard (raydist.metrics.comm's formulas beside them):
@@ -112,7 +112,7 @@ def tensor_parallel_section(cfg: Config) -> None:
 
 
 def data_parallel_section() -> Config:
-    """DDP and FSDP bytes per step against the seed's figures; returns the config it used."""
+    """DDP and FSDP bytes per step against the published figures; returns the config it used."""
     from raydist.launcher import ensure_data
     from raydist.models.gpt import param_counts
 

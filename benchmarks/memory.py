@@ -1,15 +1,16 @@
 """Per-rank training-state bytes under DDP, FSDP and HSDP, and saved-activation bytes per checkpointing
-policy, measured from the tensors each rank holds, beside the seed's figures.
+policy, measured from the tensors each rank holds, beside the published figures.
 
 State (4 gloo ranks, the default workload's model): parameters + gradients + AdamW moments, counted
 from local tensors (`raydist.metrics.memory.state_bytes`) after an optimizer step with gradients
-present. Seed 001: 16N bytes per replica in fp32 with Adam; fully sharded over p ranks, 16N/p.
+present. 16N bytes per replica in fp32 with Adam (4 + 4 + 8: the 16N of Rajbhandari et al. 2020, ZeRO);
+fully sharded over p ranks, 16N/p.
 
-Activations (one process): bytes held for backward at the end of forward, counted two ways: with
-saved-tensor hooks (`SavedActivations`; checkpointed regions report the input they keep) and as the op
-outputs still alive (`LiveActivations`, which also sees selective checkpointing's cache). Seed 002:
-`full` keeps one input per block, `every_k` one per k-block segment (the sqrt(n) rule) plus one
-segment recomputed at a time in backward, `selective` drops the cheap elementwise outputs.
+Activations (one process): bytes held for backward at the end of forward, counted two ways: with saved-tensor
+hooks (`SavedActivations`; checkpointed regions report the input they keep) and as the op outputs still alive
+(`LiveActivations`, which also sees selective checkpointing's cache). Expected (Chen et al. 2016): `full`
+keeps one input per block, `every_k` one per k-block segment (the sqrt(n) rule) plus one segment recomputed at
+a time in backward, `selective` drops the cheap elementwise outputs.
 
 The activation table is measured on both kernel paths: torch (sdpa, nn.Linear: aten ops) and Triton
 (raydist's kernels, torch custom operators the selective policy keeps). `selective` must land strictly

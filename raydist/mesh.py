@@ -1,9 +1,9 @@
 """The N-D device mesh: degrees (pp, dp_replicate, dp_shard, cp, tp), validated, built without globals.
 
 Rank r sits at coordinates (pp, dp_replicate, dp_shard, cp, tp) of `arange(world).view(degrees)`: tp is
-innermost, so tensor-parallel peers are consecutive ranks and share a node when workers are numbered
-node by node (Ray Train does); pp is outermost, so pipeline stages cross nodes (seed 003: order
-[TP, CP, PP, DP] from inside out, with FSDP outside pipeline; we keep pp outermost as TorchTitan does,
+innermost, so tensor-parallel peers are consecutive ranks and share a node when workers are numbered node by
+node (Ray Train does); pp is outermost, so pipeline stages cross nodes (Llama Team 2024, Figure 5, orders its
+groups [TP, CP, PP, DP] from inside out, with FSDP outside pipeline; we keep pp outermost as TorchTitan does,
 so that the dp groups of one stage are contiguous).
 
 A resize builds a new `Mesh` from a new `MeshSpec`: nothing here is cached across worlds.

@@ -1,8 +1,9 @@
 """Triton flash-attention kernels (forward, and backward as two kernels). Imported lazily by attention.py.
 
-FlashAttention (seed 000; Dao 2022): tile Q into BLOCK_M rows and K/V into BLOCK_N rows; a program keeps
-its Q tile in registers and streams K/V tiles, never writing the (T, S) score matrix to memory, so the
-memory is O(T) (the output and a log-sum-exp per row) instead of O(T^2). The softmax is computed online:
+FlashAttention (Dao et al. 2022, "FlashAttention: Fast and Memory-Efficient Exact Attention with
+IO-Awareness"): tile Q into BLOCK_M rows and K/V into BLOCK_N rows; a program keeps its Q tile in registers
+and streams K/V tiles, never writing the (T, S) score matrix to memory, so the memory is O(T) (the output and
+a log-sum-exp per row) instead of O(T^2). The softmax is computed online:
 
     m_new = max(m, rowmax(s));  l = l * exp(m - m_new) + rowsum(exp(s - m_new));
     acc = acc * exp(m - m_new) + exp(s - m_new) v;     at the end  out = acc / l,  lse = m + log(l)

@@ -1,6 +1,7 @@
 """Bytes a rank sends, counted at the collectives, with the ring algorithms' per-rank figures.
 
-For a payload of n bytes in a group of p ranks, each rank sends (seed 003, ring algorithms):
+For a payload of n bytes in a group of p ranks, each rank sends (the bandwidth-optimal ring
+algorithms: Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009 for all-reduce):
     all-reduce        2 (p - 1) / p * n      (reduce-scatter then all-gather)
     all-gather        (p - 1) / p * n        (n = the gathered output)
     reduce-scatter    (p - 1) / p * n        (n = the full input)
@@ -220,8 +221,9 @@ class FunctionalCollectives(TorchDispatchMode):
 
 def megatron_block_bytes(micro_batch: int, seq_len: int, d_model: int, tp: int, sequence_parallel: bool,
                          dtype_bytes: int = 4) -> dict[str, float]:
-    """Bytes one rank sends for one transformer block's forward + backward of one micro-batch (seed 004,
-    Shoeybi et al. / Korthikanti et al.), by collective kind. With n = B T D x dtype bytes:
+    """Bytes one rank sends for one transformer block's forward + backward of one micro-batch (Shoeybi et al.
+    2019, Megatron-LM, for the "f"/"g" all-reduces; Korthikanti et al. 2022 for sequence parallelism), by
+    collective kind. With n = B T D x dtype bytes:
 
     - TP: "g" all-reduces the (B, T, D) output of attention and of the MLP in forward, "f" the gradient of
       their input in backward: 4 all-reduces, 4 x 2 (p-1)/p x n;

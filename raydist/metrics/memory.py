@@ -1,8 +1,8 @@
 """Bytes a rank actually holds: parameters, gradients and optimizer state, counted from local tensors.
 
-Sharded parameters are DTensors; only their local shard lives on this rank (`to_local()`), so the
-counts below are what FSDP/TP really save, to compare with the seed's model (16N bytes per replica in
-fp32 with Adam: 4 weights + 4 gradients + 8 moments; 16N/p fully sharded over p ranks).
+Sharded parameters are DTensors; only their local shard lives on this rank (`to_local()`), so the counts below
+are what FSDP/TP really save, to compare with the ZeRO paper's model (Rajbhandari et al. 2020; 16N bytes per
+replica in fp32 with Adam: 4 weights + 4 gradients + 8 moments; 16N/p fully sharded over p ranks).
 """
 
 from __future__ import annotations

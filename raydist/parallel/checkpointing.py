@@ -2,9 +2,9 @@
 
 - `none`: keep every activation for backward.
 - `full`: each block is a checkpoint region; only block inputs are saved, the block is re-run in backward.
-- `every_k`: segments of k consecutive blocks are checkpoint regions (seed 002: the sqrt(n) rule, k =
-  round(sqrt(L)) by default, keeps L/k segment inputs plus one segment's activations during its
-  recompute: O(sqrt(L)) memory for one extra forward).
+- `every_k`: segments of k consecutive blocks are checkpoint regions (Chen et al., "Training Deep Nets with
+  Sublinear Memory Cost", 2016: the sqrt(n) rule, k = round(sqrt(L)) by default, keeps L/k segment inputs plus
+  one segment's activations during its recompute: O(sqrt(L)) memory for one extra forward).
 - `selective`: each block is a region, but outputs of matrix multiplies and attention are saved; only the
   cheap elementwise ops (norms, RoPE, SiLU, products) are recomputed (Korthikanti et al., "Reducing
   Activation Recomputation in Large Transformer Models", 2022). The policy sees operators at torch's

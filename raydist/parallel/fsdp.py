@@ -1,9 +1,9 @@
 """FSDP2 (ZeRO-3) and HSDP: `fully_shard` per transformer block, then at the root.
 
-Each block is one FSDP unit (seed 003: the unit is the granularity of all-gather in forward and of
-reduce-scatter in backward); the root unit holds the embedding, final norm and output head (tied or not,
-they share one unit). With a 2-D mesh (dp_replicate, dp_shard_cp) this is HSDP: parameters are sharded
-inside a replica group and gradients are all-reduced across groups.
+Each block is one FSDP unit (Zhao et al. 2023, "PyTorch FSDP": the unit is the granularity of all-gather in
+forward and of reduce-scatter in backward); the root unit holds the embedding, final norm and output head
+(tied or not, they share one unit). With a 2-D mesh (dp_replicate, dp_shard_cp) this is HSDP: parameters are
+sharded inside a replica group and gradients are all-reduced across groups.
 """
 
 from __future__ import annotations

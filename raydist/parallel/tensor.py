@@ -1,6 +1,7 @@
 """Megatron tensor parallelism (+ sequence parallelism) for the decoder, on the mesh's `tp` axis.
 
-Seed 004's split, per block (tp ranks, B batch, T sequence, D d_model, H/K query/kv heads, F ffn):
+Shoeybi et al.'s split ("Megatron-LM", 2019), per block (tp ranks, B batch, T sequence, D d_model, H/K
+query/kv heads, F ffn):
 
     attention:  wq, wk, wv column-parallel (each rank holds H/tp query heads and K/tp kv heads)
                 wo row-parallel: partial sums (B, T, D) that are all-reduced ("g" in Shoeybi et al.)
@@ -14,7 +15,7 @@ Seed 004's split, per block (tp ranks, B batch, T sequence, D d_model, H/K query
 The residual stream between these regions is a plain local tensor:
 - without SP it is the whole (B, T, D) on every rank; the input of attention and of the MLP is marked
   Replicate, so backward all-reduces its gradient ("f"): 2 all-reduces forward + 2 backward per block;
-- with SP (Korthikanti et al.) it is this rank's (B, T/tp, D) slice of the sequence; norms run on the
+- with SP (Korthikanti et al. 2022) it is this rank's (B, T/tp, D) slice of the sequence; norms run on the
   slice, the input of attention and of the MLP is all-gathered over T, and wo/w2 reduce-scatter their
   partial sums back to slices instead of all-reducing: the same bytes (an all-reduce is a
   reduce-scatter plus an all-gather), a tp-th of the norm/residual activations and their compute.

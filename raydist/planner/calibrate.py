@@ -1,9 +1,9 @@
 """`raydist plan --calibrate`: measure this machine's alpha, beta, matmul peak and memory bandwidth.
 
-Runs `world_size` gloo processes (raydist.runtime.spawn) at once, the way training will: every rank
-times a square fp32 matmul (raydist.metrics.flops.measure_cpu_matmul_peak) and a large copy while the
-others do the same, so the peak is what one rank gets when the cores are shared. Then rank 0 times
-all-reduce and all-gather over a range of message sizes and fits seed 003's model by least squares:
+Runs `world_size` gloo processes (raydist.runtime.spawn) at once, the way training will: every rank times a
+square fp32 matmul (raydist.metrics.flops.measure_cpu_matmul_peak) and a large copy while the others do the
+same, so the peak is what one rank gets when the cores are shared. Then rank 0 times all-reduce and all-gather
+over a range of message sizes and fits the alpha-beta model (Hockney 1994) by least squares:
 
     t(all-reduce, n bytes) = alpha * log2(p) + 2 (p-1)/p * n / beta
     t(all-gather, n bytes) = alpha * log2(p) +   (p-1)/p * n / beta

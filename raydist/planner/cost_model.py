@@ -1,9 +1,9 @@
 """One layout's estimate: does it fit, how long is a step, what MFU, and which term dominates.
 
 `estimate(workload, layout, hardware)` combines memory.py (per-rank bytes) and timing.py (per-step
-seconds). MFU = model FLOPs per rank per step / (step time * device peak), the seed's definition (seed
-002: "what fraction of the GPU's theoretical peak FLOPs are used for forward/backward of the model";
-recompute and communication count against it).
+seconds). MFU = model FLOPs per rank per step / (step time * device peak), as Chowdhery et al. 2022 (PaLM,
+Appendix B) define it: the model's own FLOPs against the device's peak, so recompute and communication
+count against it).
 
 `layout_problems` says why a layout cannot run a workload: the batch does not split, or the runtime's own
 validator (`raydist.layout.validate`) refuses it, so the planner and the runtime accept the same layouts.

@@ -1,6 +1,7 @@
 """The search: every valid layout for a world size, estimated, the ones that do not fit dropped, ranked.
 
-Search space (seed 002: "whenever you are lost in the knobs, maximize MFU"):
+Search space (every knob below is tuned for one figure, MFU (Chowdhery et al. 2022, PaLM, Appendix B),
+which for a fixed model and batch is proportional to 1 / step time):
     tp        divisors of the world that divide num_heads, num_kv_heads and ffn_hidden, within a node
     cp        divisors with seq_len % (2 cp) == 0;   cp_impl ring | ulysses
     pp        divisors up to num_layers;             pp_schedule 1f1b | interleaved (2 or 4 chunks) | zbh1 | zbv

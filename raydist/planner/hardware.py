@@ -1,17 +1,21 @@
 """What the cost model knows about a device and its links: peak FLOP/s, memory, alpha-beta per link.
 
-Seed 003's cost of a collective over p ranks is `alpha * log2(p) + n / beta` (alpha: start-up latency of a
-message, beta: bandwidth, n: bytes moved); seed 004 and 003 give the two link classes that matter:
-inside a node (NVLink: ~450 GB/s per direction on H100, "900 GB/s all GPU-GPU bidirectional") and
-between nodes (InfiniBand NDR: 400 Gb/s = 50 GB/s per GPU), 1-20x apart. The table below holds datasheet
-figures; `--device cpu` takes them from `raydist plan --calibrate` (measured here, see calibrate.py).
+The cost of a collective over p ranks is `alpha * log2(p) + n / beta` (Hockney 1994's alpha-beta model of a
+message, with the log2(p) start-ups of tree / recursive-doubling collectives, Thakur, Rabenseifner & Gropp
+2005; alpha: start-up latency of a message, beta: bandwidth, n: bytes moved). Two link classes matter: inside
+a node (NVLink 4: ~450 GB/s per direction on H100, NVIDIA's "900 GB/s" is both directions) and between nodes
+(one 400 Gb/s = 50 GB/s NIC per GPU, as in the H100 clusters of Llama Team 2024), about 10x apart. The table
+below holds datasheet figures; `--device cpu` takes them from `raydist plan --calibrate` (measured here, see
+calibrate.py).
 
 Assumptions (stated, not measured, for the GPU rows):
 - `peak_flops` is the dense bf16 tensor-core peak (raydist.metrics.flops' table), and
-  `compute_efficiency` the share of it that large matmuls reach in practice (seed 002 measured ~80% HFU
-  for 8k x 8k matmuls on an H100; we take 0.75 to cover smaller shapes and elementwise work).
-- alpha is seed 003's 1 us for NVLink and 10 us across nodes; NCCL's real small-message latency is higher,
-  which matters only for layouts with many tiny collectives.
+  `compute_efficiency` the share of it that large matmuls reach in practice (a plain PyTorch loop of
+  8k x 8k bf16 matmuls reaches roughly 80% of the H100's dense peak; we take 0.75 to cover smaller
+  shapes and elementwise work).
+- alpha is an order-of-magnitude guess: 1 us for NVLink and 10 us across nodes (a network hop and the NIC add
+  to it); NCCL's real small-message latency is higher, which matters only for layouts with many tiny
+  collectives.
 - `usable_memory_fraction`: the share of HBM a plan may fill (CUDA context, NCCL buffers, fragmentation).
 - `comm_overlap`: the share of data-parallel communication (DDP buckets, FSDP prefetch) hidden behind
   compute. 1.0 on GPUs (separate copy engines / NCCL streams); on a CPU the collectives run on the same

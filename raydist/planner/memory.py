@@ -1,11 +1,13 @@
 """Per-rank memory of a layout: model state (exact, from parameter shapes) + activations + transients.
 
-Model state. Seed 001: 16N bytes per replica with Adam in fp32 (4 weights + 4 gradients + 4 + 4 moments),
-16N/p fully sharded over p ranks; the seed's 12N for mixed precision keeps gradients and the first moment
-in bf16. raydist keeps fp32 master weights, fp32 gradients (FSDP reduces in fp32) and fp32 AdamW moments
-under bf16 too, so the state here is 16 bytes per locally held element in every precision; what bf16 adds
-is transient (gathered bf16 parameters, autocast weight copies). Locally held elements are counted per
-parameter tensor the way the layouts shard them:
+Model state. Adam in fp32 holds 16N bytes per replica (4 weights + 4 gradients + 4 + 4 moments), the same 16N
+that Rajbhandari et al. 2020 (ZeRO) count for mixed-precision Adam (2 + 2 bytes of fp16 weights and gradients,
+12 of fp32 master weights and moments), and 16N/p fully sharded over p ranks (ZeRO stage 3); a 12N
+mixed-precision variant (4 + 2 + 2 + 4) keeps gradients and the first moment in bf16. raydist keeps fp32
+master weights, fp32 gradients (FSDP reduces in fp32) and fp32 AdamW moments under bf16 too, so the state here
+is 16 bytes per locally held element in every precision; what bf16 adds is transient (gathered bf16
+parameters, autocast weight copies). Locally held elements are counted per parameter tensor the way the
+layouts shard them:
 - tensor parallel (Megatron/TorchTitan plan): wq, wk, wv, w1, w3 and the vocab rows of the embedding and
   output are split on dim 0 (column-parallel), wo and w2 on dim 1 (row-parallel), norms replicated;
 - FSDP2 shards dim 0 of each (TP-local) tensor over dp_shard x cp ranks in `torch.chunk` pieces:

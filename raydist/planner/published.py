@@ -1,18 +1,19 @@
 """Published training layouts, run through the cost model next to the planner's own best.
 
-- Llama 3 405B (Llama Team 2024, Table 4; seed 002 and 003): 126 layers, d_model 16384, 128 heads, 8 KV
-  heads, FFN 53248, vocabulary 128256; 16,384 H100s at sequence length 8192 with TP 8, CP 1, PP 16,
-  DP 128 and 16M tokens per batch (2048 sequences, 16 per DP group, micro-batch 1). The paper's DP is
-  FSDP sharding optimizer state and gradients but not resharding parameters after forward (ZeRO-2-like);
-  raydist models FSDP2 (ZeRO-3), so the layout is taken as dp_shard=128 with
-  fsdp_reshard_after_forward=false, the closest thing this model has. The paper uses interleaved 1F1B; the
-  seeds give neither its recompute policy nor its chunks per rank, so the best fitting combination of
-  those (recompute none/selective/full/every_k, 2 or 4 chunks) is reported for that mesh.
-- Megatron 1T (Korthikanti et al. 2022, seed 004's table): 128 layers, hidden 25600, 160 heads, TP 8,
-  PP 64, 512 A100 80GB, global batch 512, micro-batch 1, sequence 2048, selective recompute + sequence
-  parallel. raydist's block is Llama-style (SwiGLU, RMSNorm), so the GPT MLP (2 matrices of h x 4h) is
-  replaced by a SwiGLU MLP of the same parameter count (ffn_hidden = 68264, 8h/3 rounded down to a multiple of tp), multi-head
-  attention (160 KV heads), vocabulary 51200, tied embeddings; DP = 512 / (8 * 64) = 1.
+- Llama 3 405B (Llama Team 2024, "The Llama 3 Herd of Models", Tables 3 and 4): 126 layers, d_model 16384, 128
+  heads, 8 KV heads, FFN 53248, vocabulary 128256; 16,384 H100s at sequence length 8192 with TP 8, CP 1, PP
+  16, DP 128 and 16M tokens per batch (2048 sequences, 16 per DP group, micro-batch 1). The paper's DP is FSDP
+  sharding optimizer state and gradients but not resharding parameters after forward (ZeRO-2-like); raydist
+  models FSDP2 (ZeRO-3), so the layout is taken as dp_shard=128 with fsdp_reshard_after_forward=false, the
+  closest thing this model has. The paper uses interleaved 1F1B; its tables give neither its recompute policy
+  nor its chunks per rank, so the best fitting combination of those (recompute none/selective/full/every_k, 2
+  or 4 chunks) is reported for that mesh.
+- Megatron 1T (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", its
+  table of model configurations): 128 layers, hidden 25600, 160 heads, TP 8, PP 64, 512 A100 80GB, global
+  batch 512, micro-batch 1, sequence 2048, selective recompute + sequence parallel. raydist's block is
+  Llama-style (SwiGLU, RMSNorm), so the GPT MLP (2 matrices of h x 4h) is replaced by a SwiGLU MLP of the same
+  parameter count (ffn_hidden = 68264, 8h/3 rounded down to a multiple of tp), multi-head attention (160 KV
+  heads), vocabulary 51200, tied embeddings; DP = 512 / (8 * 64) = 1.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Step time of a layout: compute, recompute, the pipeline bubble and each parallelism's communication.
 
-Collectives (seed 003's alpha-beta model, ring algorithms; n = bytes of the full tensor, p ranks):
+Collectives (Hockney 1994's alpha-beta model; the bandwidth terms of the ring algorithms, Thakur,
+Rabenseifner & Gropp 2005 and Patarasuk & Yuan 2009; n = bytes of the full tensor, p ranks):
     all-reduce        alpha * ceil(log2 p) + 2 (p-1)/p * n / beta
     all-gather, reduce-scatter, all-to-all
                       alpha * ceil(log2 p) + (p-1)/p * n / beta
@@ -16,14 +17,16 @@ Per step, per rank (the busiest pipeline stage), with m micro-batches of b sampl
   A CPU calibration of the workload (`raydist plan CONFIG --calibrate`) replaces the efficiency with the
   measured rate, adds the measured fixed cost per block per micro-batch, and takes the measured recompute
   ratio per policy where it exceeds the analytic cost.
-- data parallel (seed 002/003): DDP all-reduces the fp32 gradients once per step (2 (p-1)/p x 4N bytes);
-  FSDP all-gathers the parameters in forward and again in backward (when resharding) for every
-  micro-batch and reduce-scatters the gradients once (no-sync accumulation; per micro-batch in a
-  pipeline): about 3x the parameter bytes; HSDP adds an all-reduce of the shards across replicas.
+- data parallel (Li et al. 2020 for DDP; Rajbhandari et al. 2020 (ZeRO) and Zhao et al. 2023 (PyTorch FSDP)
+  for the sharded volume): DDP all-reduces the fp32 gradients once per step (2 (p-1)/p x 4N bytes); FSDP
+  all-gathers the parameters in forward and again in backward (when resharding) for every micro-batch and
+  reduce-scatters the gradients once (no-sync accumulation; per micro-batch in a pipeline): about 3x the
+  parameter bytes (ZeRO-3's 3 Psi against DP's 2 Psi); HSDP adds an all-reduce of the shards across replicas.
   A fraction `comm_overlap` of it hides behind compute (FSDP prefetch, DDP buckets).
-- tensor parallel (seed 004, Megatron): 2 all-reduces of the block's activations (b s h) in forward and 2
-  in backward; with sequence parallelism each becomes an all-gather + reduce-scatter (same bytes, twice
-  the latency); the forward's are repeated by recompute. On the critical path.
+- tensor parallel (Shoeybi et al. 2019, Megatron-LM; Korthikanti et al. 2022 for sequence parallelism): 2
+  all-reduces of the block's activations (b s h) in forward and 2 in backward; with sequence parallelism each
+  becomes an all-gather + reduce-scatter (same bytes, twice the latency); the forward's are repeated by
+  recompute. On the critical path.
 - context parallel: ring passes the local K/V block to the next rank cp-1 times in forward and twice as
   much (K/V and their gradients) in backward, overlapped with the attention it feeds; Ulysses all-to-alls
   q, k, v and the output in forward and backward, not overlapped.

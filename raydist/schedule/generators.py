@@ -1,16 +1,18 @@
 """Pure schedule generators: GPipe, 1F1B (PipeDream-flush) and interleaved 1F1B (the zero-bubble
 schedules ZB-H1 and ZB-V, which split the backward, live in `zero_bubble.py`).
 
-With P ranks, M micro-batches and uniform per-micro-batch costs tf (forward) and tb (backward) for a
-whole rank's layers, the step takes (seed 001/003: the pipeline bubble)
+With P ranks, M micro-batches and uniform per-micro-batch costs tf (forward) and tb (backward) for a whole
+rank's layers, the step takes (the pipeline bubble: Huang et al. 2019, "GPipe"; Narayanan et al. 2021 for
+1F1B and interleaving)
 
     GPipe, 1F1B:      T = (M + P - 1) (tf + tb)          bubble = (P - 1) / (M + P - 1)
     interleaved (V):  T = (M + (P - 1) / V) (tf + tb)    bubble = (P - 1) / (V M + P - 1)
 
 1F1B has GPipe's bubble but stores at most P - r micro-batches of activations on rank r instead of M
-(seed 004's memory argument): after a warm-up of P - r - 1 forwards each rank alternates one forward
-and one backward, so a backward frees a micro-batch as soon as a new one enters. Interleaving gives each
-rank V chunks of 1/V of its layers, which shrinks the fill and drain of the pipeline V-fold.
+(Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM"):
+after a warm-up of P - r - 1 forwards each rank alternates one forward and one backward, so a backward frees a
+micro-batch as soon as a new one enters. Interleaving gives each rank V chunks of 1/V of its layers, which
+shrinks the fill and drain of the pipeline V-fold.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The planner: the seeds' formulas, the search, published layouts, choose_layout, the CLI, calibration."""
+"""The planner: the published formulas, the search, published layouts, choose_layout, the CLI, calibration."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _workload(**model) -> Workload:
     return Workload(ModelConfig(**cfg), seq_len=2048, global_batch=64, compute_dtype_bytes=2)
 
 
-# ---- the seeds' formulas -------------------------------------------------------------------------
+# ---- the published formulas ---------------------------------------------------------------------
 
 
 def test_bubble_fractions_are_the_seeds():
@@ -43,8 +43,9 @@ def test_alpha_beta_collectives():
 
 
 def test_fsdp_moves_three_times_the_parameters_and_ddp_two():
-    """Seed 002/003: FSDP all-gathers (fwd, bwd) and reduce-scatters: ~3x parameter bytes per step; a
-    ring all-reduce of the gradients is ~2x. In fp32 with one micro-batch and no latency, 3/2."""
+    """Rajbhandari et al. 2020 (ZeRO-3): FSDP all-gathers (fwd, bwd) and reduce-scatters: ~3x parameter bytes
+    per step; a ring all-reduce of the gradients is ~2x (Patarasuk & Yuan 2009). In fp32 with one micro-batch
+    and no latency, 3/2."""
     hw = Hardware("t", 1e15, 1e12, 1e12, Link(0.0, 1e9), Link(0.0, 1e9), gpus_per_node=8, compute_dtype_bytes=4)
     w = Workload(_workload().model, 2048, global_batch=8, compute_dtype_bytes=4)
     ddp = step_time(w, Layout(dp_replicate=8, micro_batch=1), hw, 1)["dp_comm"]
@@ -56,11 +57,11 @@ def test_memory_falls_with_sharding_and_recompute():
     w = _workload()
     base = rank_memory(w, Layout(dp_replicate=8, micro_batch=4), 2)
     fsdp = rank_memory(w, Layout(dp_shard=8, micro_batch=4), 2)
-    assert fsdp["optimizer"] == pytest.approx(base["optimizer"] / 8, rel=0.01)  # 16N/p (seed 001)
+    assert fsdp["optimizer"] == pytest.approx(base["optimizer"] / 8, rel=0.01)  # 16N/p (ZeRO)
     mem = {p: rank_memory(w, Layout(dp_replicate=8, micro_batch=4, activation_checkpoint=p), 2)
            for p in ("none", "selective", "every_k", "full")}
     assert mem["none"]["activations"] > mem["selective"]["activations"] > mem["full"]["activations"]
-    # sqrt(L) rule (seed 002): every_k keeps ceil(8/3) segment inputs instead of 8 block inputs, and
+    # sqrt(L) rule (Chen et al. 2016): every_k keeps ceil(8/3) segment inputs instead of 8 block inputs, and
     # re-materialises 3 blocks at a time instead of 1
     assert mem["every_k"]["activations"] < mem["full"]["activations"]
     assert mem["every_k"]["transient"] >= mem["full"]["transient"]
