@@ -122,13 +122,13 @@ def data_parallel_section() -> Config:
     param_bytes = 4 * param_counts(cfg.model)["total"]
     p = WORLD
     print(f"parameter bytes (fp32): {param_bytes / 2**20:.3f} MiB, p = {p}\n")
-    print(f"{'layout':<8} {'sent MiB/rank/step':>20} {'x param bytes':>14} {'seed figure':>12}  by collective")
-    for name, layout, seed in (("DDP", (p, 1), 2 * (p - 1) / p), ("FSDP", (1, p), 3 * (p - 1) / p)):
+    print(f"{'layout':<8} {'sent MiB/rank/step':>20} {'x param bytes':>14} {'theory':>12}  by collective")
+    for name, layout, theory in (("DDP", (p, 1), 2 * (p - 1) / p), ("FSDP", (1, p), 3 * (p - 1) / p)):
         raw = cfg.to_dict()
         raw["parallel"].update(dp_replicate=layout[0], dp_shard=layout[1])
         result = spawn(_count_on_rank, p, raw)[0]
         detail = ", ".join(f"{k} {v / 2**20:.2f} MiB ({result['calls'][k]} calls)" for k, v in result["bytes"].items())
-        print(f"{name:<8} {result['total'] / 2**20:>20.3f} {result['total'] / param_bytes:>14.3f} {seed:>12.3f}  {detail}")
+        print(f"{name:<8} {result['total'] / 2**20:>20.3f} {result['total'] / param_bytes:>14.3f} {theory:>12.3f}  {detail}")
     return cfg
 
 

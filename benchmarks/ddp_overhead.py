@@ -8,12 +8,17 @@ and then the whole job through Ray Train (`launch`), whose steady-state step tim
 metrics.jsonl. The sides alternate in rounds and the ratio of medians is printed; also the CPU MFU of
 the default model (against the in-process fp32 matmul peak).
 
-    python benchmarks/ddp_overhead.py [--steps 60] [--rounds 2] [--skip-ray]
+The Ray Train run is the default workload as `raydist train` runs it (default reader, evaluation on), so it
+also gives the start-up figure: seconds from the `start` event (worker group up, model built, weights ready)
+to the step-0 line (first batch read, the untrained model evaluated on the validation split and on it).
+
+    python benchmarks/ddp_overhead.py [--steps 60] [--rounds 2] [--skip-ray] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -85,6 +90,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--skip-ray", action="store_true", help="compare the Trainer only (no Ray Train run)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
 
     from raydist.launcher import ensure_data
@@ -109,20 +115,30 @@ def main() -> None:
     mfu = tokens_per_step / ours * fpt / 2 / peak
     print(f"\nplain torch.multiprocessing + DDP : {base * 1e3:7.1f} ms/step")
     print(f"raydist Trainer (2 gloo procs)    : {ours * 1e3:7.1f} ms/step   ratio {ours / base:.3f}")
+    figures = {"benchmark": "ddp_overhead", "plain_ddp_ms": base * 1e3, "trainer_ms": ours * 1e3,
+               "trainer_ratio": ours / base}
     if not args.skip_ray:
         from raydist.launcher import launch
+        from raydist.metrics.goodput import read_events
         from raydist.metrics.logger import read_metrics
 
         with tempfile.TemporaryDirectory() as tmp:
-            cfg_ray = Config.load("workloads/gpt_tiny.toml", [f"data.path={cfg.data.path}", "train.eval_every=0",
+            cfg_ray = Config.load("workloads/gpt_tiny.toml", [f"data.path={cfg.data.path}",
                                                               f"train.steps={args.steps}", "train.log_every=5",
                                                               f"checkpoint.storage={tmp}", "train.run_name=bench"])
             launch(cfg_ray, log=lambda *_: None)
             records = read_metrics(os.path.join(tmp, "bench"))
             ray_step = statistics.median(r["step_time_s"] for r in records if r.get("step_time_s") and r["step"] > 10)
+            start = next(e for e in read_events(os.path.join(tmp, "bench")) if e["kind"] == "start")
+            step0 = next(r for r in records if r["step"] == 0)
+        to_step0 = step0["elapsed_s"] - start["elapsed_s"]
         print(f"raydist on Ray Train (2 workers)  : {ray_step * 1e3:7.1f} ms/step   ratio {ray_step / base:.3f}")
+        print(f"start event -> step-0 line        : {to_step0:7.2f} s (reader {cfg_ray.data.reader})")
+        figures.update(ray_train_ms=ray_step * 1e3, ray_train_ratio=ray_step / base, start_to_step0_s=to_step0)
     print(f"CPU MFU of the default model: {100 * mfu:.1f}% of a measured fp32 matmul peak "
           f"({peak / 1e9:.1f} GFLOP/s per process, {fpt / 1e6:.2f} MFLOP/token)")
+    if args.json:
+        print(json.dumps({**figures, "cpu_mfu": mfu}))
 
 
 if __name__ == "__main__":

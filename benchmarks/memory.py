@@ -123,15 +123,15 @@ def state_table(cfg: Config) -> None:
     from raydist.models.gpt import param_counts
 
     n = param_counts(cfg.model)["total"]
-    print(f"model: {n / 1e6:.3f} M parameters; seed figure 16N = {16 * n / 2**20:.2f} MiB per full replica\n")
-    print(f"{'layout':<10} {'params':>10} {'grads':>10} {'optim':>10} {'total MiB':>10} {'seed MiB':>9} {'ratio':>7}")
+    print(f"model: {n / 1e6:.3f} M parameters; ZeRO's 16N = {16 * n / 2**20:.2f} MiB per full replica\n")
+    print(f"{'layout':<10} {'params':>10} {'grads':>10} {'optim':>10} {'total MiB':>10} {'16N/p MiB':>9} {'ratio':>7}")
     for name, (rep, shard) in LAYOUTS.items():
         per_rank = measure_state(cfg, (rep, shard))
         worst = max(per_rank, key=lambda r: r["total"])
-        seed = 16 * n / shard
+        zero = 16 * n / shard
         print(f"{name:<10} {worst['params'] / 2**20:>10.3f} {worst['grads'] / 2**20:>10.3f} "
-              f"{worst['optimizer'] / 2**20:>10.3f} {worst['total'] / 2**20:>10.3f} {seed / 2**20:>9.3f} "
-              f"{worst['total'] / seed:>7.3f}")
+              f"{worst['optimizer'] / 2**20:>10.3f} {worst['total'] / 2**20:>10.3f} {zero / 2**20:>9.3f} "
+              f"{worst['total'] / zero:>7.3f}")
 
 
 def main() -> None:

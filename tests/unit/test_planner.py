@@ -28,7 +28,7 @@ def _workload(**model) -> Workload:
 # ---- the published formulas ---------------------------------------------------------------------
 
 
-def test_bubble_fractions_are_the_seeds():
+def test_bubble_fractions_follow_the_published_formulas():
     assert bubble_fraction(Layout(pp=4, pp_schedule="1f1b"), 4) == pytest.approx(3 / 7)  # (p-1)/(m+p-1)
     assert bubble_fraction(Layout(pp=4, pp_schedule="gpipe"), 12) == pytest.approx(3 / 15)
     assert bubble_fraction(Layout(pp=4, pp_schedule="interleaved", virtual_stages=2), 4) == pytest.approx(3 / 11)
