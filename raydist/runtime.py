@@ -79,6 +79,31 @@ def set_default_timeout(timeout_s: float) -> None:
     distributed_c10d.default_pg_nccl_timeout = timeout
 
 
+_ALLOCATOR_TUNED = False
+
+
+def keep_large_host_allocations_unpooled(threshold: int = 4 << 20) -> bool:
+    """Every host allocation of `threshold` bytes or more becomes a mapping of its own, returned to the OS
+    when freed (glibc `mallopt(M_MMAP_THRESHOLD)`; a no-op elsewhere, or where $MALLOC_MMAP_THRESHOLD_ says).
+
+    By default glibc raises its mmap threshold to the size of each mapping freed (up to 32 MiB), so the next
+    allocations of that size come from the heap, whose memory stays resident while anything above it lives.
+    FSDP's gathered parameters are exactly that pattern: freed after each block, their 4-32 MiB successors
+    land on the heap, and a rank's resident set grew by the block's weights at every block of a forward
+    (+64 MiB per 2048-wide block; benchmarks/build_memory.py). Returns whether the setting was applied."""
+    global _ALLOCATOR_TUNED
+    if _ALLOCATOR_TUNED or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return _ALLOCATOR_TUNED
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        _ALLOCATOR_TUNED = bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD; fixing it ends the rising
+    except (OSError, AttributeError):  # not glibc (macOS, musl): their allocators behave differently
+        pass
+    return _ALLOCATOR_TUNED
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -45,7 +45,7 @@ from raydist.models.init import init_weights, materialize
 from raydist.parallel import ParallelModel, parallelize
 from raydist.peft import apply_peft, is_adapter, parameter_counts
 from raydist.runner import make_runner
-from raydist.runtime import HOST, new_group, set_default_timeout, to_device
+from raydist.runtime import HOST, keep_large_host_allocations_unpooled, new_group, set_default_timeout, to_device
 
 
 TIMELINE_STEP = 2  # the (0-based) step whose pipeline actions are timed for the report, after warm-up
@@ -116,6 +116,7 @@ class Trainer:
                  options: TrainerOptions | None = None):
         """`layout` (from `elastic.policy.plan_layout`; planned here when None) says which ranks train in
         which mesh; ranks beyond `layout.world_size` are idle and must not construct a Trainer."""
+        keep_large_host_allocations_unpooled()  # gathered shards must not stay resident (see there)
         self.cfg = cfg  # the user's config, never rewritten
         self.layout = layout or plan_layout(cfg, dist.get_world_size())
         self.device = device
