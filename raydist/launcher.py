@@ -69,8 +69,8 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({vocab}); set model.vocab_size >= {vocab}")
-    if manifest.get("loss_mask") and not cfg.parallel.auto:  # (a planned layout is checked by the workers)
-        check_masked_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.elastic.live_recovery)
+    if manifest.get("loss_mask"):
+        check_masked_layout(cfg.elastic.live_recovery)
     for split in ("train", "val") if cfg.train.eval_every else ("train",):
         Split.open(cfg.data.path, split, manifest).check_files(cfg.model.vocab_size)
     return cfg

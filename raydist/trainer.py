@@ -158,7 +158,7 @@ class Trainer:
             self.init_weights()
         masked = bool(read_manifest(cfg.data.path).get("loss_mask"))  # prompt/response: response tokens count
         if masked:
-            check_masked_layout(self.layout.tp, self.layout.pp, cfg.elastic.live_recovery)
+            check_masked_layout(cfg.elastic.live_recovery)
         self.runner = make_runner(self.pm, self.layout, self.mesh, device, masked)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))

@@ -1,5 +1,6 @@
 """Prompt/response data: `data prepare` of JSONL writes a loss mask over response tokens; the loss is the mean
-over counted tokens of the global batch, equal to a hand computation and the same under DDP 2 and FSDP 2."""
+over counted tokens of the global batch, equal to a hand computation and the same under DDP 2, FSDP 2, CP 2,
+TP 2 with SP, PP 2 (1F1B and ZB-H1) and DP 2 x TP 2 / FSDP 2 x PP 2."""
 
 from __future__ import annotations
 
@@ -130,24 +131,33 @@ def test_masked_loss_same_under_ddp_fsdp_and_cp(sft_data, sft_single, parallel):
         assert_equivalent(sft_single, result)
 
 
-def _construction_error(raw: dict) -> str | None:
-    from raydist.config import Config, ConfigError
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+@pytest.mark.parametrize("parallel", [
+    {"tp": 2, "sequence_parallel": True},
+    {"pp": 2, "pp_schedule": "1f1b"},
+    {"pp": 2, "pp_schedule": "zbh1"},
+], ids=["tp2-sp", "pp2-1f1b", "pp2-zbh1"])
+def test_masked_loss_same_under_tp_and_pp(sft_data, sft_single, parallel):
+    """The vocabulary-parallel cross-entropy honours IGNORE targets; the pipeline's last stage scales each
+    micro-batch's loss (the zero-bubble schedule splits its backward into B and W)."""
+    raw = tiny_config(sft_data[0], parallel={"dp_replicate": 1, "dp_shard": 1, **parallel})
+    for result in run_layout(raw, 2):
+        assert_equivalent(sft_single, result)
 
-    try:
-        Trainer(Config.from_dict(raw), pick_device()).close()
-    except ConfigError as exc:
-        return str(exc)
-    return None
+
+@pytest.mark.parametrize("parallel", [{"dp_replicate": 2, "tp": 2}, {"dp_shard": 2, "pp": 2}],
+                         ids=["ddp2xtp2", "fsdp2xpp2"])
+def test_masked_loss_same_under_combined_layouts(sft_data, sft_single, parallel):
+    """The counted-token scale is all-reduced over the dp ranks only; tp and pp peers hold the same rows."""
+    raw = tiny_config(sft_data[0], parallel={"dp_replicate": 1, "dp_shard": 1, **parallel})
+    for result in run_layout(raw, 4):
+        assert_equivalent(sft_single, result)
 
 
-def test_tensor_parallel_with_masks_is_refused(sft_data):
+def test_live_recovery_with_masks_is_refused(sft_data):
     from raydist.config import Config, ConfigError
     from raydist.launcher import ensure_data
 
-    for parallel in ({"tp": 2}, {"pp": 2}):  # on the driver, before any worker starts
-        with pytest.raises(ConfigError, match="set parallel.tp=1 and parallel.pp=1"):
-            ensure_data(Config.from_dict(tiny_config(sft_data[0], parallel=parallel)))
-    messages = spawn(_construction_error, 2, tiny_config(sft_data[0], parallel={"tp": 2}))  # and in the worker
-    assert all(m and "set parallel.tp=1" in m for m in messages), messages
+    raw = tiny_config(sft_data[0], elastic={"live_recovery": True}, parallel={"dp_replicate": 2},
+                      ray={"num_workers": 2})
+    with pytest.raises(ConfigError, match="set elastic.live_recovery=false"):  # on the driver, before any worker
+        ensure_data(Config.from_dict(raw))
