@@ -34,8 +34,9 @@ import numpy as np
 import torch
 
 from raydist.errors import ConfigError
-from raydist.models.gpt import IGNORE, cross_entropy  # IGNORE: a target that does not count (-100)
+from raydist.models.gpt import IGNORE, cross_entropy
 
+# IGNORE (-100, from the model module): the target id of a token that does not count
 NOT_TARGET = 1 << 32  # in-memory flag on a token whose role as a target does not count
 TOKEN_BITS = NOT_TARGET - 1
 

@@ -57,7 +57,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token loss (fp32) of logits (B, T, V) sharded Shard(-1) over a 1-D tp mesh, targets (B, T): sum over
-    counted (not IGNORE) targets / all targets, the same number on every tp rank. Plain (unsharded) logits fall back to `gpt.cross_entropy`."""
+    counted (not IGNORE) targets / all targets, the same number on every tp rank. Plain (unsharded) logits fall
+    back to `gpt.cross_entropy`."""
     if not isinstance(logits, DTensor):
         return cross_entropy(logits, targets)
     mesh = logits.device_mesh

@@ -1,6 +1,7 @@
 """Prompt/response data: `data prepare` of JSONL writes a loss mask over response tokens; the loss is the mean
 over counted tokens of the global batch, equal to a hand computation and the same under DDP 2, FSDP 2, CP 2,
-TP 2 with SP, PP 2 (1F1B and ZB-H1) and DP 2 x TP 2 / FSDP 2 x PP 2."""
+TP 2 with SP, PP 2 under every schedule (GPipe, 1F1B, interleaved, ZB-H1, ZB-V), DP 2 x TP 2, FSDP 2 x PP 2
+and TP 2 (SP) x CP 2."""
 
 from __future__ import annotations
 
@@ -144,10 +145,30 @@ def test_masked_loss_same_under_tp_and_pp(sft_data, sft_single, parallel):
         assert_equivalent(sft_single, result)
 
 
-@pytest.mark.parametrize("parallel", [{"dp_replicate": 2, "tp": 2}, {"dp_shard": 2, "pp": 2}],
-                         ids=["ddp2xtp2", "fsdp2xpp2"])
+@pytest.fixture(scope="module")
+def sft_single_4_layers(sft_data):
+    return run_layout(tiny_config(sft_data[0], model={"num_layers": 4}), 1)[0]
+
+
+@pytest.mark.parametrize("parallel", [
+    {"pp": 2, "pp_schedule": "gpipe"},
+    {"pp": 2, "pp_schedule": "interleaved", "virtual_stages": 2},
+    {"pp": 2, "pp_schedule": "zbv"},
+], ids=["pp2-gpipe", "pp2-interleaved", "pp2-zbv"])
+def test_masked_loss_same_under_every_pipeline_schedule(sft_data, sft_single_4_layers, parallel):
+    """Two chunks per rank (interleaved, and ZB-V's V placement where rank 0 holds both the embedding and the
+    head): 4 blocks, so every chunk holds one."""
+    raw = tiny_config(sft_data[0], model={"num_layers": 4}, parallel={"dp_replicate": 1, "dp_shard": 1, **parallel})
+    for result in run_layout(raw, 2):
+        assert_equivalent(sft_single_4_layers, result)
+
+
+@pytest.mark.parametrize("parallel", [{"dp_replicate": 2, "tp": 2}, {"dp_shard": 2, "pp": 2},
+                                      {"tp": 2, "sequence_parallel": True, "cp": 2}],
+                         ids=["ddp2xtp2", "fsdp2xpp2", "tp2-spxcp2"])
 def test_masked_loss_same_under_combined_layouts(sft_data, sft_single, parallel):
-    """The counted-token scale is all-reduced over the dp ranks only; tp and pp peers hold the same rows."""
+    """The counted-token scale is all-reduced over the dp ranks only; tp, cp and pp peers hold the same rows
+    (under cp each loss is over its sequence shard's targets, IGNORE ones included, which are equal in number)."""
     raw = tiny_config(sft_data[0], parallel={"dp_replicate": 1, "dp_shard": 1, **parallel})
     for result in run_layout(raw, 4):
         assert_equivalent(sft_single, result)
