@@ -29,6 +29,7 @@ from raydist.metrics.logger import join, read_json, write_text
 from raydist.redact import redact
 from raydist.elastic import failures
 from raydist.elastic.policy import plan_layout
+from raydist.peft import check_pipeline_stages
 from raydist.layout import Layout
 
 
@@ -105,6 +106,7 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
             errors.append(exc)
     else:
         raise errors[0]
+    check_pipeline_stages(cfg.peft.method, cfg.peft.trainable_last_layers, layout)
     run_name = cfg.train.run_name or new_run_name()
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, storage=resolve_storage(cfg.checkpoint.storage)),
                   train=replace(cfg.train, run_name=run_name))

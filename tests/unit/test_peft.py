@@ -57,24 +57,25 @@ def test_lora_single_process_trains_only_adapters(single_lora, llama_dir):
         assert torch.equal(single_lora.params[name], tensor), name  # base weights bit-identical
 
 
-def _assert_lora_equal(single_lora, ranks, base: dict) -> None:
-    """Every rank's losses equal the single process's at every step; the adapters it holds received a gradient
-    (and only they did) and equal the single process's after the last step; the base weights it holds are
-    bit-identical to the checkpoint's; the ranks together hold every adapter and base weight."""
+def _assert_peft_equal(reference, ranks, base: dict) -> None:
+    """Every rank's losses equal the single process's at every step; the trainable parameters it holds (the
+    ones the single process trained) received a gradient, and only they did, and equal the single process's
+    after the last step; the frozen ones it holds are bit-identical to the checkpoint's; the ranks together
+    hold every parameter."""
     for rank in ranks:
-        ref, got = np.asarray(single_lora.losses), np.asarray(rank.losses)
+        ref, got = np.asarray(reference.losses), np.asarray(rank.losses)
         rel = np.abs(got - ref) / np.abs(ref)
         assert (rel <= 1e-4).all(), (ref.tolist(), got.tolist())
-        adapters = _adapters(rank.params)
-        assert adapters and set(rank.grads) == set(adapters), sorted(set(rank.grads) ^ set(adapters))
-        for name, tensor in adapters.items():
-            want = single_lora.params[name]
+        trained = {n: t for n, t in rank.params.items() if n in reference.grads}
+        assert set(rank.grads) == set(trained), sorted(set(rank.grads) ^ set(trained))
+        for name, tensor in trained.items():
+            want = reference.params[name]
             error = float((tensor - want).norm() / want.norm())
             assert error <= 1e-4, f"{name} differs by {error:.2e} (relative norm)"
-        for name in set(base) & set(rank.params):
+        for name in set(rank.params) - set(trained):
             assert torch.equal(rank.params[name], base[name]), f"{name} changed"
     held = set().union(*(rank.params for rank in ranks))
-    assert set(_adapters(single_lora.params)) | set(base) <= held, sorted(set(base) - held)
+    assert held == set(reference.params), sorted(held ^ set(reference.params))
 
 
 @pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}, {"dp_replicate": 2}, {"pp": 2},
@@ -84,7 +85,7 @@ def test_lora_layouts_equal_single_process(tiny_data, llama_dir, single_lora, pa
     from raydist.models.hf import iter_hf_tensors
 
     ranks = run_layout(lora_config(tiny_data, llama_dir, parallel), 2, steps=STEPS)
-    _assert_lora_equal(single_lora, ranks, dict(iter_hf_tensors(llama_dir)))
+    _assert_peft_equal(single_lora, ranks, dict(iter_hf_tensors(llama_dir)))
 
 
 @pytest.mark.parametrize("policy", ["selective", "full"])
@@ -95,7 +96,30 @@ def test_lora_with_activation_checkpointing_equals_single_process(tiny_data, lla
     raw = lora_config(tiny_data, llama_dir)
     raw["train"]["activation_checkpoint"] = policy
     ranks = run_layout(raw, 1, steps=STEPS)
-    _assert_lora_equal(single_lora, ranks, dict(iter_hf_tensors(llama_dir)))
+    _assert_peft_equal(single_lora, ranks, dict(iter_hf_tensors(llama_dir)))
+
+
+def test_freeze_under_pipeline_equals_single_process(tiny_data, llama_dir):
+    """`freeze` with the tied embedding frozen: the last stage's output copy of it stays frozen too."""
+    from raydist.models.hf import iter_hf_tensors
+
+    raw = lora_config(tiny_data, llama_dir, method="freeze", trainable_last_layers=2)
+    [reference] = run_layout(raw, 1, steps=STEPS)
+    assert "tok_embeddings.weight" not in reference.grads and "layers.0.attention.wq.weight" in reference.grads
+    ranks = run_layout(lora_config(tiny_data, llama_dir, {"pp": 2}, method="freeze", trainable_last_layers=2), 2,
+                       steps=STEPS)
+    _assert_peft_equal(reference, ranks, dict(iter_hf_tensors(llama_dir)))
+
+
+def test_freeze_leaving_a_pipeline_rank_nothing_to_train_is_refused(tiny_data, llama_dir, tmp_path):
+    from raydist.launcher import plan
+
+    raw = lora_config(tiny_data, llama_dir, {"pp": 2}, method="freeze", trainable_last_layers=1)
+    raw["ray"] = {"num_workers": 2}
+    raw["checkpoint"] = {"storage": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"pipeline rank 0 holds only frozen blocks .* set "
+                                          r"peft.trainable_last_layers >= 2 or a smaller parallel.pp"):
+        plan(Config.from_dict(raw), log=lambda *_: None)  # on the driver, before any worker starts
 
 
 def _optimizer_view(raw: dict) -> dict:
