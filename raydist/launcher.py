@@ -29,6 +29,7 @@ from raydist.metrics.logger import join, read_json, write_text
 from raydist.redact import redact
 from raydist.elastic import failures
 from raydist.elastic.policy import plan_layout
+from raydist.peft import check_pipeline_stages
 from raydist.layout import Layout
 
 
@@ -69,8 +70,8 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({vocab}); set model.vocab_size >= {vocab}")
-    if manifest.get("loss_mask") and not cfg.parallel.auto:  # (a planned layout is checked by the workers)
-        check_masked_layout(cfg.parallel.tp, cfg.parallel.pp, cfg.elastic.live_recovery)
+    if manifest.get("loss_mask"):
+        check_masked_layout(cfg.elastic.live_recovery)
     for split in ("train", "val") if cfg.train.eval_every else ("train",):
         Split.open(cfg.data.path, split, manifest).check_files(cfg.model.vocab_size)
     return cfg
@@ -105,6 +106,7 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
             errors.append(exc)
     else:
         raise errors[0]
+    check_pipeline_stages(cfg.peft.method, cfg.peft.trainable_last_layers, layout)
     run_name = cfg.train.run_name or new_run_name()
     cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, storage=resolve_storage(cfg.checkpoint.storage)),
                   train=replace(cfg.train, run_name=run_name))

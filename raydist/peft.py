@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raydist.errors import ConfigError
 from raydist.models.init import LORA_A, LORA_B, full_value
 
 TARGETS = {"attention": ("attention.wq", "attention.wk", "attention.wv", "attention.wo"),
@@ -93,6 +94,27 @@ def apply_peft(model: nn.Module, peft, seed: int) -> None:
         model.norm.requires_grad_(True)
         return
     raise ValueError(f"peft.method={peft.method!r}")
+
+
+def check_pipeline_stages(method: str, trainable_last_layers: int, layout) -> None:
+    """`freeze` trains the last blocks and the final norm, which live on the last pipeline stages: a pipeline
+    rank holding only frozen blocks (and the frozen embedding) would have nothing to train and no gradient to
+    send back, so refuse it, naming the smallest `trainable_last_layers` that gives every rank a block."""
+    if method != "freeze" or layout.pp == 1:
+        return
+    starts = [sum(layout.stage_layers[:s]) for s in range(layout.num_stages)]
+    num_layers = sum(layout.stage_layers)
+    last_block = {r: max(starts[s] + layout.stage_layers[s] - 1 for s in layout.stages_of(r))
+                  for r in range(layout.pp) if layout.num_stages - 1 not in layout.stages_of(r)}
+    if not last_block:
+        return
+    rank = min(last_block, key=last_block.get)
+    if last_block[rank] >= num_layers - trainable_last_layers:
+        return
+    raise ConfigError(f"peft.method='freeze' with peft.trainable_last_layers={trainable_last_layers} and parallel.pp="
+                      f"{layout.pp}: pipeline rank {rank} holds only frozen blocks (the last it holds is block "
+                      f"{last_block[rank]} of {num_layers}) and would train nothing; set peft.trainable_last_layers >= "
+                      f"{num_layers - last_block[rank]} or a smaller parallel.pp")
 
 
 def parameter_counts(model: nn.Module) -> dict[str, int]:

@@ -13,8 +13,10 @@ gets its summed gradient. Losses are this rank's means over its tokens; the Trai
 data ranks. Autocast and gradient sync come from the model's data-parallel strategy.
 
 Prompt/response data (`masked`): targets that do not count are IGNORE, each micro-batch's loss is the sum
-over counted targets / all its targets, times the step's global targets / counted targets (one all-reduce
-over the data-parallel ranks), so the averages above give the mean over counted tokens (raydist.data.sft).
+over counted targets / all its targets (what every plan's `pm.loss_fn` computes, the vocabulary-parallel
+one included), times the step's global targets / counted targets (`MaskScale`: one all-reduce over the
+data-parallel ranks), so the averages above give the mean over counted tokens (raydist.data.sft). Both
+runners do it: under a pipeline the last stage's loss of each micro-batch carries the scale.
 """
 
 from __future__ import annotations
@@ -49,21 +51,31 @@ class StepOutput:
     compute_s: Callable[[], float] | None = None  # this rank's own compute time (read after the step's sync)
 
 
+class MaskScale:
+    """The step's N_targets / N_counted over every data-parallel rank's rows (1 for unmasked data). Every
+    rank of a tp / cp / pp group holds the same rows, so the all-reduce over its dp group agrees everywhere."""
+
+    def __init__(self, masked: bool, dp_group, device: torch.device):
+        self.masked, self.dp_group, self.device = masked, dp_group, device
+        self.value = torch.ones((), device=device)
+
+    def update(self, tokens: torch.Tensor) -> None:
+        if not self.masked:
+            return
+        counts = torch.stack([torch.tensor(tokens[:, 1:].numel(), device=tokens.device),
+                              sft.counted_targets(tokens)]).to(self.device, torch.float64)
+        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(counts, group=self.dp_group)
+        self.value = (counts[0] / counts[1].clamp_min(1)).float()
+
+
 class AccumulationRunner:
     def __init__(self, pm: ParallelModel, layout: Layout, device: torch.device, masked: bool = False,
                  dp_group=None):
         self.pm, self.layout, self.device = pm, layout, device
         self.params = [p for p in pm.model.parameters() if p.requires_grad]
-        self.masked, self.dp_group = masked, dp_group
-        self.mask_scale = torch.ones((), device=device)  # global targets / counted targets of this step
-
-    def set_mask_scale(self, tokens: torch.Tensor) -> None:
-        """Masked data: the step's N_targets / N_counted over every data-parallel rank's rows."""
-        counts = torch.stack([torch.tensor(tokens[:, 1:].numel(), device=tokens.device),
-                              sft.counted_targets(tokens)]).to(self.device, torch.float64)
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(counts, group=self.dp_group)
-        self.mask_scale = (counts[0] / counts[1].clamp_min(1)).float()
+        self.masked = masked
+        self.mask_scale = MaskScale(masked, dp_group, device)
 
     def autocast(self):
         return self.pm.data_parallel.autocast(self.device.type)
@@ -84,17 +96,14 @@ class AccumulationRunner:
         """The mean loss over this rank's tokens of one micro-batch (the one place a parallel plan may
         change how logits become a loss: `pm.loss_fn`, e.g. a vocabulary-parallel cross-entropy)."""
         with self.autocast():
-            logits = self.pm.module(micro.inputs, micro.positions)
-            if self.masked:
-                return sft.masked_cross_entropy(logits, micro.targets) * self.mask_scale
-            return self.pm.loss_fn(logits, micro.targets)
+            loss = self.pm.loss_fn(self.pm.module(micro.inputs, micro.positions), micro.targets)
+            return loss * self.mask_scale.value if self.masked else loss
 
     def step(self, tokens: torch.Tensor, record_timeline: bool = False, micro_batch: int | None = None) -> StepOutput:
         """`micro_batch` overrides the layout's for this step (live recovery: a replica's share of the global
         batch changes with the number of live replicas)."""
         micro = self.micro_batches(tokens, micro_batch)
-        if self.masked:
-            self.set_mask_scale(tokens)
+        self.mask_scale.update(tokens)
         total = torch.zeros((), device=self.device)
         timer = ForwardTimer(self.device)
         for i, mb in enumerate(micro):
@@ -108,8 +117,7 @@ class AccumulationRunner:
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor) -> torch.Tensor:
         micro = self.micro_batches(tokens)
-        if self.masked:
-            self.set_mask_scale(tokens)
+        self.mask_scale.update(tokens)
         total = torch.zeros((), device=self.device)
         for mb in micro:
             total += self.forward_loss(mb).float() / len(micro)
@@ -158,11 +166,13 @@ class ForwardTimer:
 class PipelineRunner:
     """pp > 1: this rank's rows -> M micro-batches -> the executor -> tied sync; clipping across stages."""
 
-    def __init__(self, pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device):
+    def __init__(self, pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, masked: bool = False):
         from raydist.schedule import make_schedule
         from raydist.schedule.executor import PipelineExecutor
 
         self.pm, self.layout, self.device = pm, layout, device
+        self.masked = masked
+        self.mask_scale = MaskScale(masked, mesh.dp.get_group() if masked else None, device)
         self.group = mesh["pp"].get_group()
         schedule = make_schedule(layout.pp_schedule, layout.pp, layout.num_microbatches, layout.virtual_stages)
         self.tied = TiedEmbeddingSync(pm.chunks, self.group)
@@ -173,14 +183,19 @@ class PipelineRunner:
         self.executor = PipelineExecutor(
             pm.modules, schedule, mesh.local_rank("pp"), self.group,
             activation_shape=(layout.micro_batch, seq_len, pm.model.cfg.d_model),
-            loss_fn=pm.loss_fn, device=device, activation_dtype=dp.activation_dtype,
+            loss_fn=self._loss if masked else pm.loss_fn, device=device, activation_dtype=dp.activation_dtype,
             before_backward=before, after_backward=after)
 
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch of masked data (the executor divides it by M)."""
+        return self.pm.loss_fn(logits, targets) * self.mask_scale.value
+
     def _split(self, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
-        """M micro-batches of (inputs, targets), this rank's sequence shard of them under context
-        parallelism, and the shard's positions (the same for every micro-batch)."""
-        micro = tokens.chunk(self.layout.num_microbatches)
-        inputs, targets, positions = [m[:, :-1] for m in micro], [m[:, 1:] for m in micro], None
+        """M micro-batches of (inputs, targets) (IGNORE targets for masked data), this rank's sequence shard
+        of them under context parallelism, and the shard's positions (the same for every micro-batch)."""
+        self.mask_scale.update(tokens)
+        split = [sft.split_rows(m, self.masked) for m in tokens.chunk(self.layout.num_microbatches)]
+        inputs, targets, positions = [x for x, _ in split], [y for _, y in split], None
         if self.pm.shard_sequence is not None:
             shards = [self.pm.shard_sequence(x, y) for x, y in zip(inputs, targets)]
             inputs, targets, positions = [s[0] for s in shards], [s[1] for s in shards], shards[0][2]
@@ -222,8 +237,7 @@ class PipelineRunner:
 
 
 def make_runner(pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, masked: bool = False):
-    """`masked`: the data has loss masks (prompt/response; the AccumulationRunner without TP, see
-    sft.check_masked_layout)."""
+    """`masked`: the data has loss masks (prompt/response, raydist.data.sft)."""
     if layout.pp > 1:
-        return PipelineRunner(pm, layout, mesh, device)
+        return PipelineRunner(pm, layout, mesh, device, masked)
     return AccumulationRunner(pm, layout, device, masked, mesh.dp.get_group() if masked else None)

@@ -43,7 +43,7 @@ from raydist.models.gpt import GPT
 from raydist.models.hf_load import load_into_shards
 from raydist.models.init import init_weights, materialize
 from raydist.parallel import ParallelModel, parallelize
-from raydist.peft import apply_peft, is_adapter, parameter_counts
+from raydist.peft import apply_peft, check_pipeline_stages, is_adapter, parameter_counts
 from raydist.runner import make_runner
 from raydist.runtime import HOST, keep_large_host_allocations_unpooled, new_group, set_default_timeout, to_device
 
@@ -140,6 +140,7 @@ class Trainer:
         # initialises only what it holds (`materialize`: to_empty, RoPE tables, init keyed by parameter name)
         with torch.device("meta"):
             model = GPT(cfg.model, cfg.data.seq_len)
+        check_pipeline_stages(cfg.peft.method, cfg.peft.trainable_last_layers, self.layout)
         apply_peft(model, cfg.peft, cfg.train.seed)  # adapters / frozen weights, before any parallel wrap
         self.param_counts = parameter_counts(model)  # trainable and total, unsharded (summary.json)
         self.kernels = apply_kernels(model, cfg.kernels, device)  # which attention / matmul paths were chosen
@@ -159,7 +160,7 @@ class Trainer:
             self.init_weights()
         masked = bool(read_manifest(cfg.data.path).get("loss_mask"))  # prompt/response: response tokens count
         if masked:
-            check_masked_layout(self.layout.tp, self.layout.pp, cfg.elastic.live_recovery)
+            check_masked_layout(cfg.elastic.live_recovery)
         self.runner = make_runner(self.pm, self.layout, self.mesh, device, masked)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))

@@ -32,11 +32,11 @@ from typing import Iterator
 import fsspec
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from raydist.errors import ConfigError
+from raydist.models.gpt import IGNORE, cross_entropy
 
-IGNORE = -100  # target id of a token that does not count (torch's cross_entropy ignore_index)
+# IGNORE (-100, from the model module): the target id of a token that does not count
 NOT_TARGET = 1 << 32  # in-memory flag on a token whose role as a target does not count
 TOKEN_BITS = NOT_TARGET - 1
 
@@ -98,18 +98,15 @@ def counted_targets(rows: torch.Tensor) -> torch.Tensor:
 
 
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """sum of the counted targets' cross-entropy / all targets (fp32): logits (B, T, V), targets (B, T)."""
-    total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE,
-                            reduction="sum")
-    return total / targets.numel()
+    """sum of the counted targets' cross-entropy / all targets (fp32): logits (B, T, V), targets (B, T).
+    (`gpt.cross_entropy` itself, and what every parallel plan's `loss_fn` computes.)"""
+    return cross_entropy(logits, targets)
 
 
-def check_masked_layout(tp: int, pp: int, live_recovery: bool) -> None:
-    """Masked losses are wired into the data-parallel and context-parallel runner; refuse the rest."""
-    if tp > 1 or pp > 1:
-        raise ConfigError(f"prompt/response data (a loss mask) with parallel.tp={tp}, parallel.pp={pp}: the masked "
-                          "loss supports data parallelism (DDP, FSDP, HSDP) and context parallelism so far; set "
-                          "parallel.tp=1 and parallel.pp=1")
+def check_masked_layout(live_recovery: bool) -> None:
+    """Masked losses run under every parallel layout (DDP, FSDP, HSDP, TP with or without SP, CP, PP with
+    every schedule); live recovery re-splits a step's rows across replicas by their count, which the
+    counted-token scale does not follow yet: refuse it."""
     if live_recovery:
         raise ConfigError("prompt/response data (a loss mask) with elastic.live_recovery=true is not supported yet; "
                           "set elastic.live_recovery=false")

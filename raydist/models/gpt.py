@@ -254,9 +254,17 @@ def build_model(cfg: ModelConfig, max_seq_len: int, seed: int, device: torch.dev
     return materialize(model, torch.device(device), cfg, seed)
 
 
+IGNORE = -100  # target id of a token that does not count (prompt tokens of prompt/response data)
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss in fp32: logits (B, T, V), targets (B, T)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Next-token loss in fp32, logits (B, T, V), targets (B, T): the sum over counted targets / all B T
+    targets, an IGNORE target counting as zero (the plain mean when every target counts). Dividing by all
+    targets, not the counted ones, keeps every micro-batch's weight its share of the rows; the runners
+    rescale by the step's targets / counted targets (raydist.data.sft)."""
+    total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE,
+                            reduction="sum")
+    return total / targets.numel()
 
 
 # ---- parameter and FLOP counts (for MFU and the memory model) ----------------------------------------

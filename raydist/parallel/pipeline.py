@@ -112,6 +112,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
                                          device=weight.device, dtype=weight.dtype)
                 with torch.no_grad():
                     chunk.output.weight.copy_(weight)
+                chunk.output.weight.requires_grad_(weight.requires_grad)  # frozen by peft: the copy too
                 chunk.tied_role = "output_copy"
         chunks.append(chunk)
     return chunks
@@ -119,9 +120,10 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
 
 def tied_weights(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
     """This rank's halves of a tied embedding split across ranks (first stage: the embedding; last
-    stage: its output copy); empty when nothing is tied across ranks."""
+    stage: its output copy); empty when nothing is tied across ranks or the tied matrix is frozen (peft)."""
     roles = {"embedding": lambda c: c.tok_embeddings.weight, "output_copy": lambda c: c.output.weight}
-    return [roles[c.tied_role](c) for c in chunks if getattr(c, "tied_role", None) in roles]
+    halves = [roles[c.tied_role](c) for c in chunks if getattr(c, "tied_role", None) in roles]
+    return [p for p in halves if p.requires_grad]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,10 @@ numbers finish it: the max (for stability only; any shared m gives the same loss
 an all-gather would move. The gradient needs no communication:
 
     d loss / d z_nv = (softmax_nv - [v == y_n]) / N      on the rank that holds column v
+
+A target equal to `gpt.IGNORE` (a prompt token of prompt/response data) adds zero to the sum and to the
+gradient, and N stays the number of all targets: the same quantity as `gpt.cross_entropy`, so the runners'
+masked-loss scaling (raydist.data.sft) applies unchanged under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from raydist.models.gpt import cross_entropy
+from raydist.models.gpt import IGNORE, cross_entropy
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -38,21 +42,23 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N): one all-reduce for both sums
         dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         sum_exp, target_logit = sums
-        ctx.save_for_backward(exp / sum_exp[:, None], index, owned)
+        counted = (targets != IGNORE).to(z.dtype)  # (N,) 1 where the target counts
+        ctx.save_for_backward(exp / sum_exp[:, None], index, owned, counted)
         ctx.logits_dtype = logits.dtype
-        return (sum_exp.log() - target_logit).mean()
+        return ((sum_exp.log() - target_logit) * counted).sum() / targets.numel()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        softmax, index, owned = ctx.saved_tensors
+        softmax, index, owned, counted = ctx.saved_tensors
         grad_logits = softmax.scatter_add(1, index, -owned.to(softmax.dtype)[:, None])  # softmax - one-hot
-        grad_logits *= grad / softmax.shape[0]
+        grad_logits *= (grad / softmax.shape[0]) * counted[:, None]
         return grad_logits.to(ctx.logits_dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss (fp32) of logits (B, T, V) sharded Shard(-1) over a 1-D tp mesh, targets (B, T);
-    the same number on every tp rank. Plain (unsharded) logits fall back to `gpt.cross_entropy`."""
+    """Next-token loss (fp32) of logits (B, T, V) sharded Shard(-1) over a 1-D tp mesh, targets (B, T): sum over
+    counted (not IGNORE) targets / all targets, the same number on every tp rank. Plain (unsharded) logits fall
+    back to `gpt.cross_entropy`."""
     if not isinstance(logits, DTensor):
         return cross_entropy(logits, targets)
     mesh = logits.device_mesh

@@ -1,6 +1,7 @@
-"""LoRA (Hu et al., 2021) and layer freezing: LoRA under FSDP 2 and TP 2 equals LoRA in one process (losses
-every step, adapters after the last), base weights stay bit-identical, frozen weights hold no optimizer
-state; exports merge the adapters or write PEFT's adapter format."""
+"""LoRA (Hu et al., 2021) and layer freezing: LoRA under FSDP 2, TP 2, DDP 2, PP 2 (1F1B and ZB-H1) and with
+activation checkpointing (selective, full) equals LoRA in one process (losses every step, adapters after the
+last), base weights stay bit-identical (a pipeline's tied output copy included), frozen weights hold no
+optimizer state; exports merge the adapters or write PEFT's adapter format."""
 
 from __future__ import annotations
 
@@ -56,22 +57,69 @@ def test_lora_single_process_trains_only_adapters(single_lora, llama_dir):
         assert torch.equal(single_lora.params[name], tensor), name  # base weights bit-identical
 
 
-@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}, {"dp_replicate": 2}], ids=["fsdp2", "tp2", "ddp2"])
+def _assert_peft_equal(reference, ranks, base: dict) -> None:
+    """Every rank's losses equal the single process's at every step; the trainable parameters it holds (the
+    ones the single process trained) received a gradient, and only they did, and equal the single process's
+    after the last step; the frozen ones it holds are bit-identical to the checkpoint's; the ranks together
+    hold every parameter."""
+    for rank in ranks:
+        ref, got = np.asarray(reference.losses), np.asarray(rank.losses)
+        rel = np.abs(got - ref) / np.abs(ref)
+        assert (rel <= 1e-4).all(), (ref.tolist(), got.tolist())
+        trained = {n: t for n, t in rank.params.items() if n in reference.grads}
+        assert set(rank.grads) == set(trained), sorted(set(rank.grads) ^ set(trained))
+        for name, tensor in trained.items():
+            want = reference.params[name]
+            error = float((tensor - want).norm() / want.norm())
+            assert error <= 1e-4, f"{name} differs by {error:.2e} (relative norm)"
+        for name in set(rank.params) - set(trained):
+            assert torch.equal(rank.params[name], base[name]), f"{name} changed"
+    held = set().union(*(rank.params for rank in ranks))
+    assert held == set(reference.params), sorted(held ^ set(reference.params))
+
+
+@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}, {"dp_replicate": 2}, {"pp": 2},
+                                      {"pp": 2, "pp_schedule": "zbh1"}],
+                         ids=["fsdp2", "tp2", "ddp2", "pp2-1f1b", "pp2-zbh1"])
 def test_lora_layouts_equal_single_process(tiny_data, llama_dir, single_lora, parallel):
     from raydist.models.hf import iter_hf_tensors
 
-    base = dict(iter_hf_tensors(llama_dir))
-    for rank in run_layout(lora_config(tiny_data, llama_dir, parallel), 2, steps=STEPS):
-        ref, got = np.asarray(single_lora.losses), np.asarray(rank.losses)
-        rel = np.abs(got - ref) / np.abs(ref)
-        assert (rel <= 1e-4).all(), (ref.tolist(), got.tolist())
-        for name, tensor in _adapters(rank.params).items():
-            want = single_lora.params[name]
-            error = float((tensor - want).norm() / want.norm())
-            assert error <= 1e-4, f"{name} differs by {error:.2e} (relative norm)"
-        assert set(_adapters(rank.params)) == set(_adapters(single_lora.params))
-        for name, tensor in base.items():
-            assert torch.equal(rank.params[name], tensor), f"{name} changed"
+    ranks = run_layout(lora_config(tiny_data, llama_dir, parallel), 2, steps=STEPS)
+    _assert_peft_equal(single_lora, ranks, dict(iter_hf_tensors(llama_dir)))
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_lora_with_activation_checkpointing_equals_single_process(tiny_data, llama_dir, single_lora, policy):
+    """Recompute re-runs the adapted projections in backward: the adapters' gradients must come out the same."""
+    from raydist.models.hf import iter_hf_tensors
+
+    raw = lora_config(tiny_data, llama_dir)
+    raw["train"]["activation_checkpoint"] = policy
+    ranks = run_layout(raw, 1, steps=STEPS)
+    _assert_peft_equal(single_lora, ranks, dict(iter_hf_tensors(llama_dir)))
+
+
+def test_freeze_under_pipeline_equals_single_process(tiny_data, llama_dir):
+    """`freeze` with the tied embedding frozen: the last stage's output copy of it stays frozen too."""
+    from raydist.models.hf import iter_hf_tensors
+
+    raw = lora_config(tiny_data, llama_dir, method="freeze", trainable_last_layers=2)
+    [reference] = run_layout(raw, 1, steps=STEPS)
+    assert "tok_embeddings.weight" not in reference.grads and "layers.0.attention.wq.weight" in reference.grads
+    ranks = run_layout(lora_config(tiny_data, llama_dir, {"pp": 2}, method="freeze", trainable_last_layers=2), 2,
+                       steps=STEPS)
+    _assert_peft_equal(reference, ranks, dict(iter_hf_tensors(llama_dir)))
+
+
+def test_freeze_leaving_a_pipeline_rank_nothing_to_train_is_refused(tiny_data, llama_dir, tmp_path):
+    from raydist.launcher import plan
+
+    raw = lora_config(tiny_data, llama_dir, {"pp": 2}, method="freeze", trainable_last_layers=1)
+    raw["ray"] = {"num_workers": 2}
+    raw["checkpoint"] = {"storage": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"pipeline rank 0 holds only frozen blocks .* set "
+                                          r"peft.trainable_last_layers >= 2 or a smaller parallel.pp"):
+        plan(Config.from_dict(raw), log=lambda *_: None)  # on the driver, before any worker starts
 
 
 def _optimizer_view(raw: dict) -> dict:

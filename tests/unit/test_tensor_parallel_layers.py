@@ -13,6 +13,7 @@ import traceback
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from raydist.runtime import spawn
@@ -143,19 +144,24 @@ def _cases(layout_name: str):
     return cases
 
 
-def _cross_entropy_case(mesh):
-    """The vocabulary-parallel loss of sharded logits against F.cross_entropy of the whole logits."""
+def _cross_entropy_case(mesh, ignored: bool = False):
+    """The vocabulary-parallel loss of sharded logits against F.cross_entropy of the whole logits; `ignored`:
+    a third of the targets are IGNORE (prompt tokens), which add nothing while N stays all B T targets."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from raydist.models.gpt import cross_entropy
+    from raydist.models.gpt import IGNORE
     from raydist.parallel.vocab_loss import vocab_parallel_cross_entropy
 
     rank = torch.distributed.get_rank()
     gen = torch.Generator().manual_seed(5)
     logits = (4 * torch.randn(B, T, V, generator=gen)).requires_grad_()
     targets = torch.randint(0, V, (B, T), generator=gen)
-    assert set((targets // (V // TP)).flatten().tolist()) == {0, 1}  # targets on both ranks' columns
-    expected = cross_entropy(logits, targets)
+    if ignored:
+        targets[torch.rand(B, T, generator=gen) < 1 / 3] = IGNORE
+    counted = targets[targets != IGNORE]
+    assert set((counted // (V // TP)).flatten().tolist()) == {0, 1}  # targets on both ranks' columns
+    expected = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                               reduction="sum") / targets.numel()
     expected.backward()
     local = _local(logits.detach(), Shard(-1), rank).clone().requires_grad_()
     got = vocab_parallel_cross_entropy(DTensor.from_local(local, mesh, (Shard(-1),)), targets)
@@ -251,7 +257,8 @@ def _run_cases() -> dict[str, str | None]:
                 outcome[key] = None
             except Exception:
                 outcome[key] = traceback.format_exc()
-    extra = [("cross_entropy", lambda: _cross_entropy_case(mesh))] + [
+    extra = [("cross_entropy", lambda: _cross_entropy_case(mesh)),
+             ("cross_entropy_ignored", lambda: _cross_entropy_case(mesh, ignored=True))] + [
         (f"model-{'tied' if tied else 'untied'}-{layout_name}",
          lambda tied=tied, sp=layout_name == "sequence": _whole_model_case(tied, sp))
         for tied in (True, False) for layout_name in LAYOUTS] + [
@@ -273,7 +280,7 @@ def outcomes():
 
 CASES = ["wq_column-replicate"] + [f"{n}-{lay}" for lay in LAYOUTS for n in (
     "attention_norm", "wo_row", "mlp", "attention_gqa", "attention_kv_replicated", "block", "embedding")] + [
-    "cross_entropy"] + [f"model-{tie}-{lay}" for tie in ("tied", "untied") for lay in LAYOUTS] + [
+    "cross_entropy", "cross_entropy_ignored"] + [f"model-{tie}-{lay}" for tie in ("tied", "untied") for lay in LAYOUTS] + [
     f"pipeline_stages-{lay}" for lay in LAYOUTS]
 
 
