@@ -1,8 +1,10 @@
 """FSDP2 (ZeRO-3) and HSDP: `fully_shard` per transformer block, then at the root.
 
 Each block is one FSDP unit (Zhao et al. 2023, "PyTorch FSDP": the unit is the granularity of all-gather in
-forward and of reduce-scatter in backward); the root unit holds the embedding, final norm and output head
-(tied or not, they share one unit). With a 2-D mesh (dp_replicate, dp_shard_cp) this is HSDP: parameters are
+forward and of reduce-scatter in backward). An untied input embedding is a unit of its own, resharded after
+its forward like a block (as TorchTitan does): gathered together with the output head, a vocabulary of 128k
+would keep two V x D matrices whole through the forward. The root unit holds the final norm and the output
+head (and a tied embedding, which must sit in the one unit that owns both uses). With a 2-D mesh (dp_replicate, dp_shard_cp) this is HSDP: parameters are
 sharded inside a replica group and gradients are all-reduced across groups.
 """
 
@@ -24,11 +26,17 @@ def apply_fsdp(model, mesh: DeviceMesh, compute_dtype: torch.dtype, *, reshard_a
                forward_prefetch: bool = True) -> None:
     mp = mixed_precision_policy(compute_dtype)
     blocks = list(model.layers.values())
+    embedding = model.tok_embeddings if model.tok_embeddings is not None and not model.tied else None
+    if embedding is not None:
+        fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     # The root's parameters are used last in forward and first in backward: keeping them gathered after
     # forward avoids an all-gather right before backward needs them again.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    if forward_prefetch and embedding is not None and blocks:
+        embedding.set_modules_to_forward_prefetch([blocks[0]])
+        blocks[0].set_modules_to_backward_prefetch([embedding])
     if forward_prefetch and len(blocks) > 1:
         for current, following in zip(blocks, blocks[1:]):
             current.set_modules_to_forward_prefetch([following])

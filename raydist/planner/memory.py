@@ -77,6 +77,15 @@ def root_tensors(w: Workload, lay: Layout, rank: int) -> list[Tensor2D]:
     return out
 
 
+def own_embedding_elements(w: Workload, lay: Layout, rank: int) -> int:
+    """Elements of the input embedding on pipeline rank `rank` when it is an FSDP unit of its own (untied,
+    or tied but split from its head by a pipeline); 0 where the root unit holds it or the rank has none."""
+    m = w.model
+    if not holds_stage(lay, rank, "first") or (m.tie_embeddings and lay.pp == 1):
+        return 0
+    return local_elements(Tensor2D(m.vocab_size, m.d_model, 0), lay.tp, 1)
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -229,10 +238,13 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
         gathered = 0.0
         if lay.fsdp_size > 1:
             # FSDP2: the root unit stays gathered (reshard_after_forward=False in raydist's apply_fsdp);
-            # blocks are gathered one at a time plus one prefetched, or all kept from forward to backward
-            # when not resharding. The unsharded gradient of a unit (compute dtype + fp32 reduce copy).
-            kept = layers * block_full if not lay.fsdp_reshard_after_forward else 2 * block_full
-            gathered = a * (root_full + kept) + (a + 4) * block_full
+            # blocks (and an untied input embedding, a unit of its own) are gathered one at a time plus one
+            # prefetched, or all kept from forward to backward when not resharding. The unsharded gradient
+            # of a unit (compute dtype + fp32 reduce copy).
+            emb = own_embedding_elements(w, lay, stage)
+            unit = max(block_full, emb)
+            kept = layers * block_full + emb if not lay.fsdp_reshard_after_forward else 2 * unit
+            gathered = a * (root_full - emb + kept) + (a + 4) * unit
             if num_microbatches > 1 and lay.pp == 1:
                 # no-sync accumulation keeps unsharded fp32 gradients
                 gathered += 4.0 * (layers * block_full + root_full)
