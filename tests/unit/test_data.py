@@ -31,7 +31,9 @@ def test_prepare_text_files_and_missing_corpus(tmp_path):
     (tmp_path / "b.txt").write_text("more text here " * 400)
     m = prepare(DataConfig(corpus=str(tmp_path / "*.txt"), seq_len=16, val_fraction=0.0), str(tmp_path / "out"),
                 log=lambda *_: None)
-    assert m["splits"]["train"]["rows"] == (400 * 12 + 400 * 15 + 2) // 17
+    # whole windows of 17 tokens, then whole row groups of data.row_group_rows (8) rows
+    assert m["splits"]["train"]["rows"] == (400 * 12 + 400 * 15 + 2) // 17 // 8 * 8
+    assert m["row_group_rows"] == 8 and pq.ParquetFile(f"{tmp_path}/out/train-00000.parquet").metadata.row_group(0).num_rows == 8
     with pytest.raises(ConfigError, match="matches no files"):
         prepare(DataConfig(corpus=str(tmp_path / "nothing-*.txt")), str(tmp_path / "out2"), log=lambda *_: None)
     with pytest.raises(ConfigError, match="already holds a prepared dataset"):
