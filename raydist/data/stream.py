@@ -18,6 +18,7 @@ pipeline peers) receive its batch by broadcast.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 import queue
@@ -262,18 +263,24 @@ def read_rows(split: Split, index: int, rows: np.ndarray | None = None, counter:
         else:
             path = fsspec.core.url_to_fs(uri)[1]
         with _CountingFile(fs.open(path, "rb", cache_type="none"), counter) as f:
-            parquet = pq.ParquetFile(f, pre_buffer=True)
-            meta = parquet.metadata
+            if rows is None:  # the whole file in one read
+                parquet = pq.ParquetFile(pa.BufferReader(f.read()))
+            else:  # the footer, exactly (pyarrow's own open reads 64 KiB from the end, a whole small shard)
+                meta = _read_footer(uri, f)
+            meta = parquet.metadata if rows is None else meta
             if meta.num_rows != split.shards[index]["rows"]:
                 raise DataError(f"{uri}: has {meta.num_rows} rows but the manifest says {split.shards[index]['rows']}"
                                 "; the manifest does not match its shards, prepare the data again")
             if rows is None:
                 return parquet.read(columns=split.columns), None
             bounds = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
-            groups = np.unique(np.searchsorted(bounds, np.asarray(rows), side="right") - 1)
-            if len(groups) == meta.num_row_groups:
-                return parquet.read(columns=split.columns), None
-            table = parquet.read_row_groups(groups.tolist(), columns=split.columns)
+            groups = np.unique(np.searchsorted(bounds, np.asarray(rows), side="right") - 1).tolist()
+            # the chosen row groups' column chunks, adjacent ones in one read (no hole filling: pyarrow's
+            # pre_buffer would read the small gaps between them, here other ranks' row groups, too)
+            ranges = _merge([_chunk_range(meta.row_group(g), c) for g in groups
+                             for c in range(meta.num_columns) if _top_column(meta, c) in split.columns])
+            parquet = pq.ParquetFile(_RangeFile(f, ranges), metadata=meta, pre_buffer=False)
+            table = parquet.read_row_groups(groups, columns=split.columns)
             return table, np.concatenate([np.arange(bounds[g], bounds[g + 1]) for g in groups])
     except FileNotFoundError:
         raise DataError(f"{uri}: shard listed in the manifest is missing; prepare the data again") from None
@@ -281,6 +288,92 @@ def read_rows(split: Split, index: int, rows: np.ndarray | None = None, counter:
         raise DataError(f"{uri}: not a readable parquet file ({exc})") from None
     except KeyError as exc:
         raise DataError(f"{uri}: missing column {exc}") from None
+
+
+def _top_column(meta: pq.FileMetaData, column: int) -> str:
+    return meta.schema.column(column).path.split(".")[0]
+
+
+def _chunk_range(group, column: int) -> tuple[int, int]:
+    """[start, stop) bytes of one column chunk: its dictionary page (if any) and data pages."""
+    chunk = group.column(column)
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page and chunk.dictionary_page_offset else \
+        chunk.data_page_offset
+    return start, start + chunk.total_compressed_size
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[list[int]] = []
+    for start, stop in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return [(a, b) for a, b in merged]
+
+
+class _RangeFile:
+    """A read-only file serving pyarrow's reads from byte ranges read ahead in one read each; a read
+    outside them goes to the file itself (and is counted there like any other)."""
+
+    def __init__(self, f, ranges: list[tuple[int, int]]):
+        self._f, self._pos = f, 0
+        self._starts = [a for a, _ in ranges]
+        self._data = []
+        for start, stop in ranges:
+            f.seek(start)
+            self._data.append(f.read(stop - start))
+        self._size = f.seek(0, 2)
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._size - self._pos if n is None or n < 0 else n
+        k = bisect.bisect_right(self._starts, self._pos) - 1
+        if k >= 0 and self._pos + n <= self._starts[k] + len(self._data[k]):
+            offset = self._pos - self._starts[k]
+            out = self._data[k][offset:offset + n]
+        else:
+            self._f.seek(self._pos)
+            out = self._f.read(n)
+        self._pos += len(out)
+        return out
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._pos = {0: 0, 1: self._pos, 2: self._size}[whence] + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def close(self) -> None:
+        pass  # the underlying file is closed by its owner
+
+
+def _read_footer(uri: str, f) -> pq.FileMetaData:
+    """The parquet footer (file metadata) of `f`, reading only its bytes: the last 8 (footer length and
+    magic), then the footer."""
+    size = f.seek(0, 2)
+    if size < 12:
+        raise DataError(f"{uri}: not a readable parquet file ({size} bytes)")
+    f.seek(size - 8)
+    tail = f.read(8)
+    length = int.from_bytes(tail[:4], "little")
+    if tail[4:] != b"PAR1" or length > size - 12:
+        raise DataError(f"{uri}: not a readable parquet file (no parquet footer at its end)")
+    f.seek(size - 8 - length)
+    return pq.read_metadata(pa.BufferReader(b"PAR1" + f.read(length) + tail))
 
 
 def read_shard(split: Split, index: int, rows: np.ndarray | None = None, counter: ByteCounter | None = None) -> Shard:

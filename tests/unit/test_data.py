@@ -181,3 +181,172 @@ def test_order_is_the_same_sequence_for_every_dp_size_across_epochs():
                 start, stop = rank_slice(step * g, g, rank, dp)
                 seen += order.sample_ids(start, stop - start).tolist()
         assert seen == expected
+
+
+# ---- row groups: the block order, and each dp rank reading only its rows -----------------------------
+
+
+def _old_row_order(seed, epoch, shard, n):
+    """The in-shard order before row groups existed (a copy of the old formula)."""
+    keys = [int(k) & 0xFFFFFFFF for k in (seed, epoch, 2, shard)]
+    return np.random.default_rng(np.random.SeedSequence(keys)).permutation(n)
+
+
+def _old_shard_order(seed, epoch, num_shards):
+    keys = [int(k) & 0xFFFFFFFF for k in (seed, epoch, 1)]
+    return np.random.default_rng(np.random.SeedSequence(keys)).permutation(num_shards)
+
+
+def test_block_1_is_the_order_before_row_groups():
+    rows = [7, 5, 9, 1]
+    order = SampleOrder(rows, seed=11, block=1)
+    n = sum(rows)
+    first = np.concatenate([[0], np.cumsum(rows)[:-1]])
+    expected = []
+    for epoch in range(3):
+        for shard in _old_shard_order(11, epoch, len(rows)):
+            expected += (first[shard] + _old_row_order(11, epoch, shard, rows[shard])).tolist()
+    assert order.sample_ids(0, 3 * n).tolist() == expected
+    assert SampleOrder(rows, seed=11).sample_ids(0, 3 * n).tolist() == expected  # block=1 is the default
+
+
+@pytest.mark.parametrize("block", [2, 3, 8])
+def test_block_order_visits_whole_blocks_and_is_a_permutation(block):
+    rows = [16, 9, 24]
+    order = SampleOrder(rows, seed=5, block=block)
+    for epoch in range(2):
+        for shard, n in enumerate(rows):
+            walk = order.row_order(epoch, shard)
+            assert sorted(walk.tolist()) == list(range(n))
+            full = n // block * block
+            blocks = walk[:full].reshape(-1, block) // block  # every block of the walk is one row group
+            assert (blocks == blocks[:, :1]).all()
+            assert sorted(walk[full:].tolist()) == list(range(full, n))  # the short block last
+    assert order.row_order(0, 2).tolist() != order.row_order(1, 2).tolist()  # reshuffled each epoch
+    assert order.row_order(0, 2).tolist() != list(range(24))
+    # rows inside blocks are shuffled too, not only the blocks
+    assert any((order.row_order(0, 2)[:block * 3] % block != np.tile(np.arange(block), 3)).tolist())
+
+
+@pytest.fixture(scope="module")
+def grouped_data(tmp_path_factory):
+    """Small datasets (seq_len 16, 64-row shards, several epochs' worth of steps cheap) with row groups of
+    1, 2, 4 and 8 rows, and one whose manifest predates row groups (order by row, read by row group)."""
+    out = {}
+    root = tmp_path_factory.mktemp("grouped")
+    for b in (1, 2, 4, 8):
+        out[b] = str(root / f"b{b}")
+        prepare(DataConfig(corpus="stdlib", seq_len=16, max_corpus_mb=0.03, shard_rows=64, row_group_rows=b,
+                           val_fraction=0.0), out[b], log=lambda *_: None)
+    import shutil
+
+    shutil.copytree(out[4], root / "legacy")
+    manifest = json.loads((root / "legacy" / "manifest.json").read_text())
+    del manifest["row_group_rows"]
+    (root / "legacy" / "manifest.json").write_text(json.dumps(manifest))
+    out["legacy"] = str(root / "legacy")
+    return out
+
+
+def _stream(path, start, plan=None, prefetch=2):
+    from raydist.data.position import RankPlan  # noqa: F401
+
+    split = Split.open(path, "train")
+    order = SampleOrder(split.shard_rows, seed=3, block=read_manifest(path).get("row_group_rows", 1))
+    return SampleStream(split, order, ArrowReader(prefetch=prefetch), start, plan), order
+
+
+@pytest.mark.parametrize("block", [1, 2, 4, 8, "legacy"])
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_each_rank_gets_what_a_whole_shard_read_gives(grouped_data, block, dp):
+    """Every rank's rows, read through its plan, equal those of the whole-shard read for the same positions:
+    from the start, and resumed at an arbitrary step boundary, over an epoch boundary."""
+    from raydist.data.position import RankPlan
+
+    g = 8
+    path = grouped_data[block]
+    n = read_manifest(path)["splits"]["train"]["rows"]
+    for first_step in (0, n // g - 3):  # the second run resumes 3 steps before the epoch's end
+        for rank in range(dp):
+            whole, order = _stream(path, rank_slice(first_step * g, g, rank, dp)[0])
+            mine, _ = _stream(path, rank_slice(first_step * g, g, rank, dp)[0],
+                              RankPlan.at(first_step * g, g, rank, dp))
+            try:
+                for step in range(first_step, first_step + 12):
+                    start, stop = rank_slice(step * g, g, rank, dp)
+                    ids, rows = mine.take(start, stop)
+                    ids_whole, rows_whole = whole.take(start, stop)
+                    assert ids.tolist() == ids_whole.tolist() == order.sample_ids(start, stop - start).tolist()
+                    assert np.array_equal(rows, rows_whole)
+                assert first_step == 0 or (step + 1) * g > n  # the resumed run crossed into the next epoch
+            finally:
+                mine.close()
+                whole.close()
+
+
+def test_a_planned_stream_refuses_positions_outside_its_plan(grouped_data):
+    from raydist.data.position import RankPlan
+
+    stream, _ = _stream(grouped_data[2], 4, RankPlan.at(0, 8, 1, 2))
+    try:
+        stream.take(4, 8)
+        with pytest.raises(ValueError, match="not all in this stream's plan"):
+            stream.take(8, 12)  # rank 0's slice of the next step
+    finally:
+        stream.close()
+
+
+def _dataset_bytes(path):
+    import os
+
+    m = read_manifest(path)
+    return [os.path.getsize(f"{path}/{s['path']}") for s in m["splits"]["train"]["shards"]]
+
+
+@pytest.fixture(scope="module")
+def long_rows(tmp_path_factory):
+    """Rows of 1025 tokens (2 KiB) in row groups of 2 rows, 16-row shards: row groups large against their
+    footer entries, as with a real workload's long sequences."""
+    out = str(tmp_path_factory.mktemp("long") / "s1024")
+    prepare(DataConfig(corpus="stdlib", seq_len=1024, max_corpus_mb=0.3, shard_rows=16, row_group_rows=2,
+                       val_fraction=0.0), out, log=lambda *_: None)
+    return out
+
+
+def _footer_bytes(path):
+    """Bytes of each train shard's footer (metadata, its length and the magic): every rank reads them all."""
+    m = read_manifest(path)
+    out = []
+    for s in m["splits"]["train"]["shards"]:
+        with open(f"{path}/{s['path']}", "rb") as f:
+            f.seek(-8, 2)
+            out.append(int.from_bytes(f.read(4), "little") + 8)
+    return out
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_bytes_read_per_rank_per_epoch(long_rows, dp):
+    """Counted by the reader (what the file objects returned), each rank over an epoch reads at most 1/dp of
+    the row groups' bytes, every footer and one shard (the reader is ahead of the last position taken),
+    when the row group (2 rows) divides the rank's slice (8 / dp); the whole-shard read of the same
+    positions reads the whole dataset."""
+    from raydist.data.position import RankPlan
+
+    g, path = 8, long_rows
+    shards, footers = _dataset_bytes(path), sum(_footer_bytes(path))
+    assert len(shards) >= 8 and footers < 0.15 * sum(shards)
+    n = read_manifest(path)["splits"]["train"]["rows"]
+    for rank in range(dp):
+        mine, _ = _stream(path, rank_slice(0, g, rank, dp)[0], RankPlan.at(0, g, rank, dp), prefetch=1)
+        whole, _ = _stream(path, rank_slice(0, g, rank, dp)[0], prefetch=1)
+        try:
+            for step in range(n // g):
+                mine.take(*rank_slice(step * g, g, rank, dp))
+                whole.take(*rank_slice(step * g, g, rank, dp))
+            read, read_whole = mine.bytes_read, whole.bytes_read
+        finally:
+            mine.close()
+            whole.close()
+        assert read <= (sum(shards) - footers) / dp + footers + max(shards), (rank, read, sum(shards), footers)
+        assert read_whole >= sum(shards)  # the count is real: whole shards read are the files' sizes (and more:
+        # the reader is ahead of the last position taken)
