@@ -350,3 +350,15 @@ def test_bytes_read_per_rank_per_epoch(long_rows, dp):
         assert read <= (sum(shards) - footers) / dp + footers + max(shards), (rank, read, sum(shards), footers)
         assert read_whole >= sum(shards)  # the count is real: whole shards read are the files' sizes (and more:
         # the reader is ahead of the last position taken)
+
+
+def test_shard_rows_must_be_whole_row_groups(tmp_path):
+    from raydist.config import Config
+
+    with pytest.raises(ConfigError, match="data.shard_rows=100 is not a multiple of data.row_group_rows=8; set "
+                                          "data.shard_rows=96"):
+        Config.from_dict({"data": {"shard_rows": 100, "row_group_rows": 8}})
+    with pytest.raises(ConfigError, match="data.row_group_rows=0"):
+        Config.from_dict({"data": {"row_group_rows": 0}})
+    with pytest.raises(ConfigError, match="not a multiple of data.row_group_rows=8"):
+        prepare(DataConfig(corpus="stdlib", shard_rows=100), str(tmp_path / "o"), log=lambda *_: None)
