@@ -476,7 +476,7 @@ class RayDataReader:
                      for k, t in enumerate(group)]
             ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
                 _ReadTaskRows(split, fs), batch_size=1, batch_format="pyarrow", num_cpus=self.cpus_per_read,
-                concurrency=self.concurrency)
+                concurrency=min(self.concurrency, len(items)))
             yield from self._shards(split, group, ds)
 
     def _shards(self, split: Split, group: list[ReadTask], ds) -> Iterator[Shard]:
@@ -497,13 +497,35 @@ class RayDataReader:
                         held = None if group[task].rows is None else table.column("_row").to_numpy()
                         yield table_to_shard(split.uri(index), index, table.drop_columns(list(_META)), split, held)
                         parts, rows = [], 0
-        except Exception as exc:  # a read task's DataError arrives wrapped by Ray: raise the DataError itself
-            cause = exc
-            while cause is not None and not isinstance(cause, DataError):
-                cause = cause.__cause__
-            if cause is not None and cause is not exc:
-                raise DataError(str(cause).splitlines()[0]) from None
+        except DataError:
             raise
+        except Exception as exc:  # a read task's DataError arrives wrapped by Ray: raise the DataError itself
+            message = _data_error_in(exc)
+            if message is None:
+                raise
+            raise DataError(message) from None
+
+
+_DATA_ERROR_LINE = f"{DataError.__module__}.{DataError.__qualname__}: "
+
+
+def _data_error_in(exc: BaseException) -> str | None:
+    """The message of the DataError that `exc` wraps. Ray Data hands a task's exception back as a
+    RayTaskError(UserCodeException) whose text holds the task's traceback (the DataError object itself is
+    not in its cause chain), so the message is taken from that text."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, DataError):
+            return str(e)
+        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
+    for line in str(exc).splitlines():
+        if _DATA_ERROR_LINE in line:
+            return line.split(_DATA_ERROR_LINE, 1)[1].strip()
+    return None
 
 
 def _check_exists(uri: str) -> None:
