@@ -88,6 +88,21 @@ class SampleOrder:
         shard = int(self.shard_order(epoch)[k])
         return Location(epoch, shard, int(self.row_order(epoch, shard)[q - starts[k]]))
 
+    def locate_range(self, start: int, stop: int) -> list[tuple[int, int, np.ndarray]]:
+        """Positions [start, stop) as runs [(epoch, shard, rows (n,))] in walk order: the vectorised `locate`."""
+        out = []
+        p = start
+        while p < stop:
+            epoch, q = divmod(p, self.num_samples)
+            starts = self._epoch_starts(epoch)
+            k = bisect.bisect_right(starts, q) - 1
+            shard = int(self.shard_order(epoch)[k])
+            end = min(stop, p + starts[k + 1] - q)  # the run ends with the shard (or at stop)
+            offset = q - starts[k]
+            out.append((epoch, shard, self.row_order(epoch, shard)[offset:offset + end - p]))
+            p = end
+        return out
+
     def sample_id(self, position: int) -> int:
         loc = self.locate(position)
         return int(self.first_id[loc.shard] + loc.row)

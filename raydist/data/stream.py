@@ -608,14 +608,15 @@ class SampleStream:
         if self.plan is not None and not self.plan.covers(start, stop):
             raise ValueError(f"positions [{start}, {stop}) are not all in this stream's plan {self.plan}")
         ids, rows = [], []
-        for p in range(start, stop):
-            loc = self.order.locate(p)
-            shard = self._get(loc.epoch, loc.shard)
-            at = int(shard.lookup(np.array([loc.row]))[0])
+        for epoch, index, shard_rows in self.order.locate_range(start, stop):
+            shard = self._get(epoch, index)
+            at = shard.lookup(shard_rows)
             ids.append(shard.sample_ids[at])
             rows.append(shard.tokens[at])
         self.position = stop
-        return np.asarray(ids, dtype=np.int64), np.stack(rows)
+        window = self.split.window
+        return (np.concatenate(ids).astype(np.int64, copy=False) if ids else np.zeros(0, np.int64),
+                np.concatenate(rows) if rows else np.zeros((0, window), np.int64))
 
     def close(self) -> None:
         self._shards.close()

@@ -362,3 +362,12 @@ def test_shard_rows_must_be_whole_row_groups(tmp_path):
         Config.from_dict({"data": {"row_group_rows": 0}})
     with pytest.raises(ConfigError, match="not a multiple of data.row_group_rows=8"):
         prepare(DataConfig(corpus="stdlib", shard_rows=100), str(tmp_path / "o"), log=lambda *_: None)
+
+
+def test_locate_range_is_locate_for_every_position():
+    order = SampleOrder([7, 5, 9, 0, 4], seed=2, block=2)
+    n = order.num_samples
+    for start, stop in ((0, n), (3, 2 * n + 5), (n - 1, n + 1), (6, 6)):
+        runs = order.locate_range(start, stop)
+        flat = [(e, s, int(r)) for e, s, rows in runs for r in rows]
+        assert flat == [(loc.epoch, loc.shard, loc.row) for loc in map(order.locate, range(start, stop))]
