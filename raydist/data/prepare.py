@@ -191,9 +191,16 @@ class _ShardWriter:
         table = pa.table(columns)
         name = f"{self.split}-{len(self.shards):05d}.parquet"
         with self.fs.open(_join(self.root, name), "wb") as f:
-            # statistics for the tokens only (min/max: Split.check_files's vocabulary check): every row group
-            # adds its column chunks' metadata to the footer, which each reading rank reads whole
-            pq.write_table(table, f, row_group_size=self.row_group_rows, write_statistics=["tokens.list.element"])
+            # Small row groups (a rank reads only its own) need an encoding that does not restart per row
+            # group: a dictionary page per column chunk would, so tokens are byte-stream-split (their low and
+            # high bytes apart) and zstd-compressed (half the size of dictionary + snappy on stdlib text, at
+            # 8-row groups and at 1024). Statistics for the tokens only (min/max: Split.check_files's
+            # vocabulary check): every row group adds its column chunks' metadata to the footer, which each
+            # reading rank reads whole.
+            pq.write_table(table, f, row_group_size=self.row_group_rows, write_statistics=["tokens.list.element"],
+                           compression="zstd", use_dictionary=["loss_mask.list.element"],
+                           column_encoding={"tokens.list.element": "BYTE_STREAM_SPLIT",
+                                            "sample_id": "DELTA_BINARY_PACKED"})
         self.shards.append({"path": name, "rows": len(block), "first_sample_id": self.next_id})
         self.next_id += len(block)
 

@@ -305,10 +305,10 @@ def _dataset_bytes(path):
 
 @pytest.fixture(scope="module")
 def long_rows(tmp_path_factory):
-    """Rows of 1025 tokens (2 KiB) in row groups of 2 rows, 16-row shards: row groups large against their
+    """Rows of 2049 tokens (4 KiB) in row groups of 2 rows, 16-row shards: row groups large against their
     footer entries, as with a real workload's long sequences."""
-    out = str(tmp_path_factory.mktemp("long") / "s1024")
-    prepare(DataConfig(corpus="stdlib", seq_len=1024, max_corpus_mb=0.3, shard_rows=16, row_group_rows=2,
+    out = str(tmp_path_factory.mktemp("long") / "s2048")
+    prepare(DataConfig(corpus="stdlib", seq_len=2048, max_corpus_mb=0.4, shard_rows=16, row_group_rows=2,
                        val_fraction=0.0), out, log=lambda *_: None)
     return out
 
