@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -94,6 +94,7 @@ def _moto_s3(local_path: str):
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
     server.start()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # not a line per request
     os.environ.update({"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"})
     fsspec.config.set_conf_env(fsspec.config.conf)
@@ -135,22 +136,17 @@ def main() -> None:
 
     # 2. delivery, local files and S3
     rates = {}
+    server, s3_path = _moto_s3(path)  # before Ray starts: its workers inherit the S3 endpoint and keys
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
-    server = None
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            local_copy = os.path.join(tmp, "data")
-            shutil.copytree(path, local_copy)
-            server, s3_path = _moto_s3(local_copy)
-            for storage, where in (("local", path), ("s3", s3_path)):
-                steps = args.steps if storage == "local" else max(20, args.steps // 4)
-                for name, reader in (("arrow", ArrowReader(prefetch=2)), ("ray", RayDataReader(prefetch=2))):
-                    first, rate, read = delivery(where, seed, g, reader, steps)
-                    rates[f"{storage}_{name}"] = {"first_batch_s": first, "samples_per_s": rate, "bytes": read}
+        for storage, where in (("local", path), ("s3", s3_path)):
+            steps = args.steps if storage == "local" else max(20, args.steps // 4)
+            for name, reader in (("arrow", ArrowReader(prefetch=2)), ("ray", RayDataReader(prefetch=2))):
+                first, rate, read = delivery(where, seed, g, reader, steps)
+                rates[f"{storage}_{name}"] = {"first_batch_s": first, "samples_per_s": rate, "bytes": read}
     finally:
         ray.shutdown()
-        if server is not None:
-            server.stop()
+        server.stop()
     out["delivery_dp2_rank0"] = rates
     print(f"\none dp rank's stream (dp 2, its row groups only), {args.steps} steps (S3: fewer):")
     for key, r in rates.items():
