@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import fsspec
+import fsspec.implementations.local
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -279,7 +280,17 @@ def read_rows(split: Split, index: int, rows: np.ndarray | None = None, counter:
             # pre_buffer would read the small gaps between them, here other ranks' row groups, too)
             ranges = _merge([_chunk_range(meta.row_group(g), c) for g in groups
                              for c in range(meta.num_columns) if _top_column(meta, c) in split.columns])
-            parquet = pq.ParquetFile(_RangeFile(f, ranges), metadata=meta, pre_buffer=False)
+            if isinstance(fs, fsspec.implementations.local.LocalFileSystem):
+                pieces = []
+                for start, stop in ranges:
+                    f.seek(start)
+                    pieces.append(f.read(stop - start))
+            else:  # remote: the requests at once (fsspec's async filesystems, s3fs/gcsfs, run them concurrently)
+                pieces = fs.cat_ranges([path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges],
+                                       on_error="raise")
+                if counter is not None:
+                    counter.add(sum(len(p) for p in pieces))
+            parquet = pq.ParquetFile(_RangeFile(f, ranges, pieces), metadata=meta, pre_buffer=False)
             table = parquet.read_row_groups(groups, columns=split.columns)
             return table, np.concatenate([np.arange(bounds[g], bounds[g + 1]) for g in groups])
     except FileNotFoundError:
@@ -313,16 +324,13 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 class _RangeFile:
-    """A read-only file serving pyarrow's reads from byte ranges read ahead in one read each; a read
+    """A read-only file serving pyarrow's reads from byte ranges read ahead (one request each); a read
     outside them goes to the file itself (and is counted there like any other)."""
 
-    def __init__(self, f, ranges: list[tuple[int, int]]):
+    def __init__(self, f, ranges: list[tuple[int, int]], pieces: list[bytes]):
         self._f, self._pos = f, 0
         self._starts = [a for a, _ in ranges]
-        self._data = []
-        for start, stop in ranges:
-            f.seek(start)
-            self._data.append(f.read(stop - start))
+        self._data = pieces  # the bytes of each range
         self._size = f.seek(0, 2)
 
     def read(self, n: int = -1) -> bytes:

@@ -391,3 +391,33 @@ def test_the_data_fingerprint_names_the_row_group_size(tiny_data):
     legacy = {k: v for k, v in m.items() if k != "row_group_rows"}
     assert data_fingerprint(m) != data_fingerprint(other)
     assert data_fingerprint(legacy) == data_fingerprint(dict(legacy, row_group_rows=1)) != data_fingerprint(m)
+
+
+def test_remote_storage_reads_the_same_rows(grouped_data):
+    """Through a non-local fsspec filesystem (memory://: the concurrent range requests of remote storage)
+    a rank's planned stream gives the rows the local one gives, and counts what it read."""
+    import fsspec
+
+    from raydist.data.position import RankPlan
+
+    local = grouped_data[4]
+    fs = fsspec.filesystem("memory")
+    fs.put(local + "/", "/grouped-b4/", recursive=True)
+    remote = "memory://grouped-b4"
+    try:
+        g, dp, rank = 8, 2, 1
+        plan = RankPlan.at(0, g, rank, dp)
+        a, _ = _stream(local, rank_slice(0, g, rank, dp)[0], plan)
+        b, _ = _stream(remote, rank_slice(0, g, rank, dp)[0], plan)
+        try:
+            for step in range(20):
+                span = rank_slice(step * g, g, rank, dp)
+                ids_a, rows_a = a.take(*span)
+                ids_b, rows_b = b.take(*span)
+                assert ids_a.tolist() == ids_b.tolist() and np.array_equal(rows_a, rows_b)
+            assert b.bytes_read > 0
+        finally:
+            a.close()
+            b.close()
+    finally:
+        fs.rm("/grouped-b4", recursive=True)
