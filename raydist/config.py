@@ -79,8 +79,8 @@ class DataConfig:
     max_corpus_mb: float = 0.0
     """Stop reading the corpus after this many megabytes (0: read all of it)."""
     reader: str = "auto"
-    """How workers read shards: `ray` (Ray Data), `arrow` (pyarrow through fsspec), `auto` (Ray Data
-    inside a Ray worker, arrow elsewhere)."""
+    """How workers read shards: `ray` (Ray Data), `arrow` (pyarrow through fsspec in a background thread),
+    `auto` (the faster as measured by benchmarks/data_throughput.py: pyarrow, on local files and on S3)."""
     prefetch_shards: int = 2
     """Shards read ahead of the one being consumed."""
 
