@@ -47,7 +47,7 @@ def dataset_bytes(path: str) -> int:
 def epoch_bytes(path: str, seed: int, g: int, dp: int, rank: int, planned: bool = True) -> tuple[int, int]:
     """Bytes rank `rank` of `dp` reads over the whole steps of the first epoch and of the second (a reader
     one shard ahead; a fresh process's footer cache at the start)."""
-    from raydist.data.stream import FOOTERS
+    from raydist.data.row_groups import FOOTERS
 
     FOOTERS.__init__()
     split, order = _order(path, seed)

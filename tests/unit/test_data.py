@@ -331,7 +331,7 @@ def test_bytes_read_per_rank_per_epoch(long_rows, dp):
     footer and one shard (the reader is ahead of the last position taken); over the second (footers kept)
     at most 1/dp of the dataset and one shard. The whole-shard read of the same positions reads it all."""
     from raydist.data.position import RankPlan
-    from raydist.data.stream import FOOTERS
+    from raydist.data.row_groups import FOOTERS
 
     g, path = 8, long_rows
     shards, footers = _dataset_bytes(path), sum(_footer_bytes(path))
