@@ -188,7 +188,7 @@ class Trainer:
         self._val_batches: dict[int, np.ndarray] = {}
 
     def _reader(self):
-        return make_reader(self.cfg.data.reader, self.cfg.data.prefetch_shards, self.cfg.data.path)
+        return make_reader(self.cfg.data.reader, self.cfg.data.prefetch_shards)
 
     def _share(self, rows: np.ndarray | None, count: int) -> torch.Tensor:
         """The batch leader's rows (count, window) on every batch peer, as an int64 tensor."""

@@ -353,14 +353,12 @@ def _check_exists(uri: str) -> None:
         raise DataError(f"{uri}: shard listed in the manifest is missing; prepare the data again")
 
 
-def make_reader(kind: str, prefetch: int, path: str = ""):
+def make_reader(kind: str, prefetch: int):
     """`ray`: Ray Data; `arrow` and `auto`: pyarrow. Measured side by side (benchmarks/data_throughput.py,
     one dp rank of the default workload reading its own row groups, 2 CPUs): the first batch after 0.03 s
     (local files) and 0.7 s (S3 through a local moto server) with pyarrow against 7-8 s with Ray Data
-    (its executor and read tasks start first), and both deliver tens of thousands of samples/s or more,
-    hundreds of times what a training step consumes; so `auto` is pyarrow on every storage. `path` is the
-    dataset's, for a choice that would depend on the storage."""
-    del path  # the measured choice is the same for local and remote storage
+    (its executor and read tasks start first), while both deliver tens of thousands of samples/s or more,
+    hundreds of times what a training step consumes; so `auto` is pyarrow on either storage."""
     return RayDataReader(prefetch) if kind == "ray" else ArrowReader(prefetch)
 
 
