@@ -70,12 +70,17 @@ class DataConfig:
     val_fraction: float = 0.02
     """Share of documents held out for validation (chosen by a hash of the document's name)."""
     shard_rows: int = 4096
-    """Samples per parquet shard."""
+    """Samples per parquet shard (a multiple of data.row_group_rows)."""
+    row_group_rows: int = 8
+    """Samples per parquet row group: the unit a data-parallel rank reads, and the block of rows the sample
+    order keeps together. Each rank reads only its own rows when this divides its slice of a batch
+    (train.global_batch / dp); larger row groups read fewer, bigger pieces. `raydist data prepare` drops a
+    split's last rows short of a whole row group."""
     max_corpus_mb: float = 0.0
     """Stop reading the corpus after this many megabytes (0: read all of it)."""
     reader: str = "auto"
-    """How workers read shards: `ray` (Ray Data), `arrow` (pyarrow through fsspec), `auto` (Ray Data
-    inside a Ray worker, arrow elsewhere)."""
+    """How workers read shards: `ray` (Ray Data), `arrow` (pyarrow through fsspec in a background thread),
+    `auto` (the faster as measured by benchmarks/data_throughput.py: pyarrow, on local files and on S3)."""
     prefetch_shards: int = 2
     """Shards read ahead of the one being consumed."""
 
@@ -248,6 +253,11 @@ class Config:
             raise ConfigError(f"train.micro_batch={t.micro_batch} must be >= 0 (0: derived for the layout)")
         _positive("data.seq_len", d.seq_len)
         _positive("data.shard_rows", d.shard_rows)
+        _positive("data.row_group_rows", d.row_group_rows)
+        if d.shard_rows % d.row_group_rows:
+            raise ConfigError(f"data.shard_rows={d.shard_rows} is not a multiple of data.row_group_rows="
+                              f"{d.row_group_rows}; set data.shard_rows="
+                              f"{max(1, d.shard_rows // d.row_group_rows) * d.row_group_rows}")
         _positive("checkpoint.keep", self.checkpoint.keep)
         _positive("parallel.virtual_stages", p.virtual_stages)
         for key in ("lr", "rope_theta"):

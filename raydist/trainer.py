@@ -27,7 +27,7 @@ import torch.distributed as dist
 from raydist.checkpoint.compat import compat_record
 from raydist.checkpoint.state import AttributeState, ModelOptimizerState, RNGState, SchedulerState, Stateful
 from raydist.config import Config, ConfigError, hf_dir_of
-from raydist.data.position import SampleOrder, rank_slice
+from raydist.data.position import RankPlan, SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.sft import check_masked_layout
 from raydist.data.stream import SampleStream, Split, make_reader
@@ -183,7 +183,9 @@ class Trainer:
         self.manifest = manifest
         self.train_split = Split.open(self.cfg.data.path, "train", manifest)
         self.val_split = Split.open(self.cfg.data.path, "val", manifest) if self.cfg.train.eval_every else None
-        self.train_order = SampleOrder(self.train_split.shard_rows, self.cfg.train.seed)
+        # the order's block is the dataset's row group (absent: a dataset prepared before row groups, order by row)
+        self.train_order = SampleOrder(self.train_split.shard_rows, self.cfg.train.seed,
+                                       block=int(manifest.get("row_group_rows", 1)))
         self._stream: SampleStream | None = None
         self._val_batches: dict[int, np.ndarray] = {}
 
@@ -203,14 +205,17 @@ class Trainer:
 
     def next_batch(self, span: tuple[int, int] | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
         """This dp rank's rows of the next global batch (or the positions `span`), and (on the batch
-        leader) their sample ids."""
-        start, stop = span or rank_slice(self.position, self.layout.global_batch, self.mesh.dp_rank, self.layout.dp)
+        leader) their sample ids. The stream reads only this rank's rows (its `RankPlan`); spans of live
+        recovery, whose split changes with the quorum, read whole shards."""
+        g, dp_rank, dp = self.layout.global_batch, self.mesh.dp_rank, self.layout.dp
+        start, stop = span or rank_slice(self.position, g, dp_rank, dp)
         ids = rows = None
         if self.mesh.is_batch_leader:
-            if self._stream is not None and start < self._stream.position:
+            plan = RankPlan.at(self.position, g, dp_rank, dp) if span is None else None
+            if self._stream is not None and (start < self._stream.position or self._stream.plan != plan):
                 self.close()  # a step redone with another split reads its rows again: reopen there
             if self._stream is None:
-                self._stream = SampleStream(self.train_split, self.train_order, self._reader(), start)
+                self._stream = SampleStream(self.train_split, self.train_order, self._reader(), start, plan)
             ids, rows = self._stream.take(start, stop)
         return self._share(rows, stop - start), ids
 
@@ -222,7 +227,8 @@ class Trainer:
         if self.mesh.is_batch_leader:
             if index not in self._val_batches:
                 order = SampleOrder(self.val_split.shard_rows, seed=0, shuffle=False)
-                stream = SampleStream(self.val_split, order, make_reader("arrow", 1), start)
+                stream = SampleStream(self.val_split, order, make_reader("arrow", 1), start,
+                                      RankPlan.at(index * g, g, self.mesh.dp_rank, self.layout.dp))
                 try:
                     self._val_batches[index] = stream.take(start, stop)[1]
                 finally:

@@ -36,10 +36,13 @@ NOT_SHAPE = ("init_std", "init_from")  # [model] keys a resume may change
 
 
 def data_fingerprint(manifest: dict) -> str:
-    """sha256 of the training split's shard list (names, rows, first sample ids) and window."""
+    """sha256 of the training split's shard list (names, rows, first sample ids), window and row group size
+    (which shapes the sample order)."""
     train = manifest["splits"]["train"]
     layout = {"window": manifest.get("window", manifest["seq_len"] + 1),
               "shards": [{k: s.get(k) for k in ("path", "rows", "first_sample_id")} for s in train["shards"]]}
+    if manifest.get("row_group_rows", 1) != 1:  # the sample order's block (absent before row groups: 1)
+        layout["row_group_rows"] = manifest["row_group_rows"]
     return hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
 
 

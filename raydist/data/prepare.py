@@ -7,6 +7,10 @@ Layout of a prepared dataset (any fsspec URI):
     <path>/val-00000.parquet ...
     <path>/manifest.json             written last: its presence means the dataset is complete
 
+Shards are written in row groups of data.row_group_rows rows (recorded as `row_group_rows` in the
+manifest): the sample order shuffles whole row groups, then rows inside them (position.py), so a
+data-parallel rank reads only the row groups holding its rows (stream.py).
+
 Documents go to validation by a hash of their name, so the split does not depend on reading order.
 Each split's documents are tokenized, joined with an end-of-document token and cut into
 non-overlapping windows of seq_len + 1 tokens (inputs are the first seq_len, targets the last seq_len).
@@ -54,7 +58,7 @@ def default_data_path(cfg: DataConfig) -> str:
     changes the prepared data (so changing any of them prepares afresh instead of reusing stale shards)."""
     root = os.environ.get("RAYDIST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raydist"))
     settings = repr((cfg.corpus, cfg.text_column, cfg.tokenizer, cfg.seq_len, cfg.val_fraction, cfg.shard_rows,
-                     cfg.max_corpus_mb))
+                     cfg.max_corpus_mb, cfg.row_group_rows))
     name = "stdlib" if cfg.corpus == "stdlib" else "corpus"
     return os.path.join(root, "data", f"{name}-s{cfg.seq_len}-{hashlib.sha1(settings.encode()).hexdigest()[:10]}")
 
@@ -129,11 +133,15 @@ def is_validation(name: str, fraction: float) -> bool:
 
 
 class _ShardWriter:
-    """Packs a token stream into rows of `window` tokens and writes shards of `rows_per_shard` rows."""
+    """Packs a token stream into rows of `window` tokens and writes shards of `rows_per_shard` rows in row
+    groups of `row_group_rows` (the split's last rows short of a whole row group are dropped, so every
+    shard is whole row groups and every block of the sample order is one row group: position.py)."""
 
-    def __init__(self, fs, root: str, split: str, window: int, rows_per_shard: int, dtype, masked: bool = False):
+    def __init__(self, fs, root: str, split: str, window: int, rows_per_shard: int, dtype, masked: bool = False,
+                 row_group_rows: int = 1024):
         self.fs, self.root, self.split = fs, root, split
         self.window, self.rows_per_shard, self.dtype = window, rows_per_shard, dtype
+        self.row_group_rows = row_group_rows
         self.masked = masked  # each token carries a loss-mask byte (column loss_mask)
         self.pending: list[np.ndarray] = []  # (n,) tokens, or (2, n) tokens and mask
         self.pending_tokens = 0
@@ -162,6 +170,7 @@ class _ShardWriter:
 
     def close(self) -> dict:
         self._cut()
+        self.rows = self.rows[: len(self.rows) // self.row_group_rows * self.row_group_rows]
         if self.rows:
             self._write(self.rows)
             self.rows = []
@@ -182,7 +191,16 @@ class _ShardWriter:
         table = pa.table(columns)
         name = f"{self.split}-{len(self.shards):05d}.parquet"
         with self.fs.open(_join(self.root, name), "wb") as f:
-            pq.write_table(table, f, row_group_size=1024)
+            # Small row groups (a rank reads only its own) need an encoding that does not restart per row
+            # group: a dictionary page per column chunk would, so tokens are byte-stream-split (their low and
+            # high bytes apart) and zstd-compressed (half the size of dictionary + snappy on stdlib text, at
+            # 8-row groups and at 1024). Statistics for the tokens only (min/max: Split.check_files's
+            # vocabulary check): every row group adds its column chunks' metadata to the footer, which each
+            # reading rank reads whole.
+            pq.write_table(table, f, row_group_size=self.row_group_rows, write_statistics=["tokens.list.element"],
+                           compression="zstd", use_dictionary=["loss_mask.list.element"],
+                           column_encoding={"tokens.list.element": "BYTE_STREAM_SPLIT",
+                                            "sample_id": "DELTA_BINARY_PACKED"})
         self.shards.append({"path": name, "rows": len(block), "first_sample_id": self.next_id})
         self.next_id += len(block)
 
@@ -207,7 +225,11 @@ def prepare(cfg: DataConfig, out: str, *, log=print) -> dict:
     window = cfg.seq_len + 1
     dtype = np.uint16 if tokenizer.vocab_size <= 65536 else np.int32
     masked = sft.is_jsonl(cfg.corpus)
-    writers = {split: _ShardWriter(fs, root, split, window, cfg.shard_rows, dtype, masked) for split in ("train", "val")}
+    if cfg.shard_rows % cfg.row_group_rows:
+        raise ConfigError(f"data.shard_rows={cfg.shard_rows} is not a multiple of data.row_group_rows="
+                          f"{cfg.row_group_rows}; set data.shard_rows to a multiple of it")
+    writers = {split: _ShardWriter(fs, root, split, window, cfg.shard_rows, dtype, masked, cfg.row_group_rows)
+               for split in ("train", "val")}
     docs = {"train": 0, "val": 0}
     source_bytes = 0
     if masked:  # prompt/response examples: the loss mask counts the response only
@@ -236,6 +258,7 @@ def prepare(cfg: DataConfig, out: str, *, log=print) -> dict:
         "seq_len": cfg.seq_len,
         "window": window,
         "loss_mask": masked,
+        "row_group_rows": cfg.row_group_rows,  # the sample order's block (position.py)
         "source_bytes": source_bytes,
         "splits": splits,
         "created_unix": time.time(),
