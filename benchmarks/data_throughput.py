@@ -27,7 +27,8 @@ import torch
 from raydist.config import Config
 from raydist.data.position import RankPlan, SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
-from raydist.data.stream import ArrowReader, RayDataReader, SampleStream, Split
+from raydist.data.readers import ArrowReader, RayDataReader
+from raydist.data.stream import SampleStream, Split
 from raydist.runtime import spawn
 
 

@@ -30,7 +30,8 @@ from raydist.config import Config, ConfigError, hf_dir_of
 from raydist.data.position import RankPlan, SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.sft import check_masked_layout
-from raydist.data.stream import SampleStream, Split, make_reader
+from raydist.data.readers import make_reader
+from raydist.data.stream import SampleStream, Split
 from raydist.elastic.live import Replicas, live_slice, micro_batch_for
 from raydist.elastic.policy import plan_layout
 from raydist.hang import ACTIONS, doing
@@ -183,14 +184,10 @@ class Trainer:
         self.manifest = manifest
         self.train_split = Split.open(self.cfg.data.path, "train", manifest)
         self.val_split = Split.open(self.cfg.data.path, "val", manifest) if self.cfg.train.eval_every else None
-        # the order's block is the dataset's row group (absent: a dataset prepared before row groups, order by row)
-        self.train_order = SampleOrder(self.train_split.shard_rows, self.cfg.train.seed,
-                                       block=int(manifest.get("row_group_rows", 1)))
+        self.train_order = SampleOrder(self.train_split.shard_rows, self.cfg.train.seed,  # block: a row group
+                                       block=int(manifest.get("row_group_rows", 1)))  # (older datasets: a row)
         self._stream: SampleStream | None = None
         self._val_batches: dict[int, np.ndarray] = {}
-
-    def _reader(self):
-        return make_reader(self.cfg.data.reader, self.cfg.data.prefetch_shards)
 
     def _share(self, rows: np.ndarray | None, count: int) -> torch.Tensor:
         """The batch leader's rows (count, window) on every batch peer, as an int64 tensor."""
@@ -215,7 +212,8 @@ class Trainer:
             if self._stream is not None and (start < self._stream.position or self._stream.plan != plan):
                 self.close()  # a step redone with another split reads its rows again: reopen there
             if self._stream is None:
-                self._stream = SampleStream(self.train_split, self.train_order, self._reader(), start, plan)
+                reader = make_reader(self.cfg.data.reader, self.cfg.data.prefetch_shards)
+                self._stream = SampleStream(self.train_split, self.train_order, reader, start, plan)
             ids, rows = self._stream.take(start, stop)
         return self._share(rows, stop - start), ids
 

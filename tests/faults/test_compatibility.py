@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fault_runs import files_under, small_config
-from raydist.config import Config, ConfigError, dump_toml
+from raydist.config import Config, dump_toml
 from raydist.testing import run_fit
 
 

@@ -5,7 +5,8 @@ import pytest
 
 from raydist.data.position import RankPlan, SampleOrder, rank_slice
 from raydist.data.prepare import DataError, read_manifest
-from raydist.data.stream import ArrowReader, RayDataReader, SampleStream, Split
+from raydist.data.readers import ArrowReader, RayDataReader
+from raydist.data.stream import SampleStream, Split
 
 pytestmark = pytest.mark.ray
 

@@ -53,7 +53,8 @@ def test_each_dp_rank_reads_only_its_row_groups(tiny_data):
     rank's slice 8 rows)."""
     from raydist.data.position import RankPlan, SampleOrder, rank_slice
     from raydist.data.prepare import read_manifest
-    from raydist.data.stream import ArrowReader, SampleStream, Split
+    from raydist.data.readers import ArrowReader
+    from raydist.data.stream import SampleStream, Split
 
     raw = tiny_config(tiny_data, train={"global_batch": 16, "micro_batch": 8}, parallel={"dp_replicate": 2})
     steps = 6

@@ -134,7 +134,7 @@ def test_validator_rejects_broken_w(kind):
     with pytest.raises(ScheduleError, match=f"weight gradient .W. of micro-batch {w.microbatch} on stage {w.stage} "
                                             "comes before its input-gradient backward"):
         validate(_replace(good, 1, early))
-    with pytest.raises(ScheduleError, match=f"rank 1 never runs Action\\(kind='W'"):
+    with pytest.raises(ScheduleError, match="rank 1 never runs Action\\(kind='W'"):
         validate(_replace(good, 1, [a for a in acts if a != w]))
     with pytest.raises(ScheduleError, match="rank 0 runs Action\\(kind='W'.*which is not one of its stages"):
         validate(_replace(_replace(good, 1, [a for a in acts if a != w]), 0, list(good.actions[0]) + [w]))
