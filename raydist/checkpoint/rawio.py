@@ -9,9 +9,10 @@ writes each stored chunk's bytes as they are in memory, one file per writer thre
 
 `RawWriter` writes in blocks of `BLOCK` bytes, updating a CRC-32 of every chunk as it goes (no read-back;
 the file's CRC-32 follows from its chunks' by `crc32_combine`, so each byte is checksummed once), fsyncs,
-and keeps `files` ({name: {size, crc32}}) and `chunks` ({name: {offset: crc32}}) for the commit record. `RawReader` verifies each chunk's CRC-32 as it reads it (the commit record is handed
-to it), so a checkpoint whose bytes changed after the commit fails to load with the chunk named, without a
-separate pass over every file. Files written by DCP's own format (checkpoints of earlier raydist versions)
+and keeps `files` ({name: {size, crc32}}) and `chunks` ({name: {offset: crc32}}) for the commit record.
+`RawReader` verifies each chunk's CRC-32 as it reads it (the commit record is handed to it), so a checkpoint
+whose bytes changed after the commit fails to load with the chunk named, without a separate pass over every
+file. Files written by DCP's own format (checkpoints of earlier raydist versions)
 are still read by DCP's code path, through `torch.load(weights_only=True)`.
 
 CRC-32 (zlib) rather than a cryptographic hash: the record detects torn and corrupted writes; it cannot
