@@ -7,9 +7,9 @@ Save:
     stage   blocking: none, the live tensors are written (training waits anyway); async: a host copy (the
             only part that stalls training), then the rest in a background thread
     write   torch.distributed.checkpoint.save -> step_N/: each rank writes raw chunk files with parallel
-            threads, checksummed while written (rawio.py); rank 0 writes extra.json
-    commit  the ranks' file and chunk checksums are gathered to rank 0, which writes COMMIT.json last: no
-            listing and no reading back
+            threads, checksummed while written (rawio.py); rank 0 writes extra.json meanwhile
+    commit  the ranks' file and chunk checksums reach rank 0 inside DCP's write results (the writer's
+            `finish`), and rank 0 writes COMMIT.json last: no listing, no gather, no reading back
     prune   rank 0, in the background: verified checkpoints beyond the newest `keep`, and partial or corrupt
             ones older than the newest verified one (see `_prune`; a committed one is never overwritten)
 The background work runs on a process group of its own (gloo), so its collectives never interleave with
@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -189,26 +190,33 @@ class CheckpointManager:
         checkpoint kept, after removing this attempt's files."""
         start = time.perf_counter()
         uri = join(self.root, step_dir_name(step))
-        if self._broadcast(lambda: self._problem(uri)) is None:
+
+        def problem_cleared() -> str | None:
+            """Rank 0: what is wrong with an existing step_N (None: committed and intact), a partial or
+            corrupt one removed before the answer goes out (so the broadcast is the barrier too)."""
+            problem = self._problem(uri)
+            fs, path = fsspec.core.url_to_fs(uri)
+            if problem is not None and fs.exists(path):
+                storage.remove_dir(uri)  # partial or corrupt, never a usable checkpoint
+            return problem
+
+        if self._broadcast(problem_cleared) is None:
             self.committed_step = step  # already committed and intact: nothing to write
             return
-        if self.rank == 0 and fsspec.core.url_to_fs(uri)[0].exists(fsspec.core.url_to_fs(uri)[1]):
-            storage.remove_dir(uri)  # partial or corrupt, never a usable checkpoint
-        dist.barrier(group=self.group)
         try:
             writer = storage.writer(uri, self.write_threads)
-            dcp.save(tensors, storage_writer=writer, process_group=self.group)
-            if self.rank == 0:
-                storage.write_json(join(uri, EXTRA), extra)
-            gathered: list | None = [None] * self.world if self.rank == 0 else None
-            dist.gather_object((writer.files, writer.chunks), gathered, dst=self._rank0(), group=self.group)
+            # rank 0 writes extra.json while the tensors are written (its fsync off the critical path); the
+            # pool's exit waits for it whatever happens
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="raydist-extra") as pool:
+                extra_record = pool.submit(self._write_extra, uri, extra) if self.rank == 0 else None
+                dcp.save(tensors, storage_writer=writer, process_group=self.group)
             if CheckpointManager.before_commit is not None:
                 CheckpointManager.before_commit(step)
-            if self.rank == 0:
-                files = {name: info for part in gathered for name, info in part[0].items()}
-                chunks = {name: c for part in gathered for name, c in part[1].items()}
-                files.update(storage.file_digests(uri, [METADATA, EXTRA]))
-                storage.write_commit(uri, step, files, chunks)  # last: from here on the checkpoint counts
+            if self.rank == 0:  # the writer's finish() gathered every rank's file and chunk checksums
+                files = dict(writer.files)
+                files.update(storage.file_digests(uri, [METADATA]))
+                files[EXTRA] = extra_record.result()
+                storage.write_commit(uri, step, files, writer.chunks)  # last: from here on the checkpoint counts
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             full = _disk_full(exc)
             if full is None:
@@ -231,6 +239,13 @@ class CheckpointManager:
             self._pruner.start()
         self.committed_step = step  # rank 0 only after COMMIT.json: the ranks agree on the minimum
         self.last_write_s = time.perf_counter() - start
+
+    @staticmethod
+    def _write_extra(uri: str, extra: dict) -> dict:
+        """extra.json in the directory being written (`{size, crc32}` for the commit record)."""
+        fs, path = fsspec.core.url_to_fs(uri)
+        fs.makedirs(path, exist_ok=True)
+        return storage.write_json_recorded(join(uri, EXTRA), extra)
 
     def _rank0(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0

@@ -26,6 +26,7 @@ import os
 import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 from torch.futures import Future
@@ -94,9 +95,17 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
+class _Checked(NamedTuple):
+    """A write result's storage data on its way to the coordinator: where the chunk is, and its CRC-32."""
+    info: _StorageInfo
+    crc32: int
+
+
 class RawWriter(FsspecWriter):
-    """DCP storage writer for raw chunk files; `files` and `chunks` hold this rank's checksums after
-    `write_data` (see the module doc). `thread_count` files are written in parallel."""
+    """DCP storage writer for raw chunk files (see the module doc); `thread_count` files are written in
+    parallel. Each chunk's CRC-32 travels to the coordinator inside its write result (DCP gathers those to
+    `finish` anyway), so after the save the coordinator's `files` and `chunks` cover every rank's files with
+    no gather of our own; another rank's hold its own files."""
 
     def __init__(self, path: str, thread_count: int = 2, **kwargs):
         super().__init__(path, sync_files=True, thread_count=thread_count, overwrite=True, **kwargs)
@@ -128,10 +137,11 @@ class RawWriter(FsspecWriter):
                     block = data[start:start + BLOCK]
                     chunk_crc = zlib.crc32(block, chunk_crc)
                     stream.write(block)
-                chunks[str(offset)] = chunk_crc
+                if len(data):  # an empty chunk shares its offset with the next one and needs no check
+                    chunks[str(offset)] = chunk_crc
                 file_crc = crc32_combine(file_crc, chunk_crc, len(data))  # one pass over the bytes, not two
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data),
-                                           storage_data=_StorageInfo(name, offset, len(data))))
+                                           storage_data=_Checked(_StorageInfo(name, offset, len(data)), chunk_crc)))
                 offset += len(data)
             stream.flush()
             try:
@@ -142,6 +152,31 @@ class RawWriter(FsspecWriter):
             self.files[name] = {"size": offset, "crc32": file_crc}
             self.chunks[name] = chunks
         return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: every rank's results -> `files` and `chunks` of all of them, and `.metadata` holding
+        plain `_StorageInfo`s (the only storage data its reader's allowlist resolves)."""
+        files: dict[str, dict] = {}
+        chunks: dict[str, dict[str, int]] = {}
+        plain = []
+        for part in results:
+            for result in sorted(part, key=lambda r: (r.storage_data.info.offset, r.storage_data.info.length)
+                                 if isinstance(r.storage_data, _Checked) else (0, 0)):
+                data = result.storage_data
+                if isinstance(data, _Checked):
+                    info = data.info
+                    record = files.setdefault(info.relative_path, {"size": 0, "crc32": 0})
+                    if info.offset != record["size"]:
+                        raise RuntimeError(f"{info.relative_path}: chunk at {info.offset} after {record['size']} bytes")
+                    record["crc32"] = crc32_combine(record["crc32"], data.crc32, info.length)
+                    record["size"] += info.length
+                    file_chunks = chunks.setdefault(info.relative_path, {})
+                    if info.length:
+                        file_chunks[str(info.offset)] = data.crc32
+                    result = WriteResult(index=result.index, size_in_bytes=result.size_in_bytes, storage_data=info)
+                plain.append(result)
+        super().finish(metadata, [plain])
+        self.files, self.chunks = files, chunks
 
 
 class RawReader(FsspecReader):
@@ -190,7 +225,7 @@ class RawReader(FsspecReader):
             if not n:
                 raise OSError(f"{name}: chunk at offset {info.offset} is truncated ({got} of {info.length} bytes)")
             got += n
-        if self.chunks is not None:
+        if self.chunks is not None and info.length:
             want = self.chunks.get(name, {}).get(str(info.offset))
             if want is None or zlib.crc32(data) != want:
                 raise ChecksumMismatch(f"{name}: the chunk of {item.storage_index.fqn} at offset {info.offset} does not match "

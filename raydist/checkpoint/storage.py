@@ -37,7 +37,7 @@ import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from raydist.atomic import write_json_atomic
+from raydist.atomic import write_bytes_atomic, write_json_atomic
 from raydist.checkpoint.rawio import RawReader, RawWriter
 from raydist.redact import redact
 
@@ -87,6 +87,14 @@ def list_step_dirs(checkpoints_uri: str) -> list[tuple[int, str]]:
 
 def write_json(uri: str, obj) -> None:
     write_json_atomic(uri, obj)  # a reader never sees half a COMMIT.json or extra.json
+
+
+def write_json_recorded(uri: str, obj) -> dict:
+    """`write_json`, returning the file's {size, crc32} for the commit record (from the bytes written, not
+    read back)."""
+    data = json.dumps(obj, indent=1).encode("utf-8")
+    write_bytes_atomic(uri, data)
+    return {"size": len(data), "crc32": zlib.crc32(data)}
 
 
 def read_json(uri: str):
