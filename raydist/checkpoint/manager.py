@@ -35,6 +35,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 
 from raydist.checkpoint import storage
 from raydist.checkpoint.rawio import ChecksumMismatch
@@ -67,19 +68,49 @@ def _union(trees: list[dict]) -> dict:
     return out
 
 
-def _stage(tree: Any, pinned: bool = False) -> Any:
+def _stage(tree: Any, pinned: bool = False, previous: dict | None = None, kept: dict | None = None,
+           path: tuple = ()) -> Any:
     """A CPU copy of a nested state dict (DTensors stay DTensors, with CPU local shards).
 
     pinned: CUDA tensors are copied into page-locked host memory with non-blocking copies (DMA transfers,
     all in flight at once), and the caller waits once for them (`_wait_for_copies`) before the writer
-    thread reads them. Without it each tensor is a synchronous copy through pageable memory."""
+    thread reads them. Without it each tensor is a synchronous copy through pageable memory.
+    previous: {key path: host tensor} of the previous staging, refilled in place where the layout is the
+    same; `kept` receives this staging's buffers for the next one. A fresh allocation of that size is a fresh mmap whose every page
+    faults (and is zeroed by the kernel) on first touch, about as slow again as the copy itself
+    (TorchTitan keeps its pinned staging buffers between saves for the same reason)."""
     if isinstance(tree, dict):
-        return {k: _stage(v, pinned) for k, v in tree.items()}
+        return {k: _stage(v, pinned, previous, kept, path + (k,)) for k, v in tree.items()}
     if isinstance(tree, torch.Tensor):
-        if pinned and tree.device.type == "cuda":
-            return _pinned_copy(tree.detach())
-        return tree.detach().to("cpu", copy=True)
+        source = tree.detach()
+        staged = (previous or {}).get(path)
+        if staged is not None and _same_layout(staged, source):
+            with torch.no_grad():
+                _local(staged).copy_(_local(source), non_blocking=pinned and source.device.type == "cuda")
+        elif pinned and source.device.type == "cuda":
+            staged = _pinned_copy(source)
+        else:
+            staged = source.to("cpu", copy=True)
+        if kept is not None:
+            kept[path] = staged
+        return staged
     return tree
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _same_layout(held: torch.Tensor, source: torch.Tensor) -> bool:
+    """`held` (a staging buffer) can take `source`'s values in place: same kind, global and local shape,
+    dtype and (for DTensors) mesh and placements."""
+    if type(held) is not type(source) or held.shape != source.shape or held.dtype != source.dtype:
+        return False
+    if isinstance(source, DTensor):
+        if held.device_mesh != source.device_mesh or held.placements != source.placements:
+            return False
+    h, s = _local(held), _local(source)
+    return h.shape == s.shape and h.device.type == "cpu" and h.is_contiguous()
 
 
 def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -123,6 +154,7 @@ class CheckpointManager:
         self._pruner: threading.Thread | None = None
         self._error: BaseException | None = None
         self.committed_step: int | None = None  # newest step this manager committed
+        self._staging: dict = {}  # async saves' host buffers, refilled by the next one (`_stage`)
         self.last_write_s = 0.0
 
     # ---- save ----------------------------------------------------------------------------------
@@ -145,7 +177,9 @@ class CheckpointManager:
             self.wait()
         else:
             devices = _cuda_devices(tensors)  # on CUDA: stage through pinned memory, one wait per device
-            staged = _stage(tensors, pinned=bool(devices))
+            kept: dict = {}
+            staged = _stage(tensors, pinned=bool(devices), previous=self._staging, kept=kept)
+            self._staging = kept
             if devices:
                 _wait_for_copies(devices)
             self._thread = threading.Thread(target=self._write_guarded, args=(step, staged, extra),

@@ -98,3 +98,50 @@ def test_two_rank_commit_matches_the_bytes_and_loads_back(tmp_path):
     open(shard, "wb").write(bytes(data))
     [result] = verify_run(run_dir)
     assert result["status"] == "corrupt" and raws[-1] in result["problem"]
+
+
+def _async_saves(run_dir: str):
+    """Three async saves, the values changed between them: the staging buffers are reused (same objects)
+    and each checkpoint holds its own step's values."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from raydist.checkpoint import CheckpointManager
+
+    mesh = init_device_mesh("cpu", (2,))
+    weights = {"w": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)]), "b": torch.zeros(5)}
+
+    class Part:
+        def state_dict(self):
+            return {"t": weights}
+
+        def load_state_dict(self, loaded):
+            self.loaded = loaded["t"]
+
+    manager = CheckpointManager(run_dir, keep=3, log=lambda *_: None)
+    buffers = []
+    for step in (1, 2, 3):
+        for tensor in (weights["w"].to_local(), weights["b"]):
+            tensor.fill_(float(step))
+        manager.save(step, {"p": Part()}, blocking=False)
+        buffers.append({k: id(v) for k, v in manager._staging.items()})
+        for tensor in (weights["w"].to_local(), weights["b"]):
+            tensor.fill_(-1.0)  # training moves on while the save is written
+        manager.wait()
+    dist.barrier()
+    loaded = {}
+    for found in [manager.latest(before=s + 1) for s in (1, 2, 3)]:
+        part = Part()
+        part_state = {"t": {"w": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)]), "b": torch.zeros(5)}}
+        part.state_dict = lambda: part_state
+        manager.load(found, {"p": part})
+        loaded[found.step] = (float(part.loaded["w"].to_local().min()), float(part.loaded["w"].to_local().max()),
+                              float(part.loaded["b"].min()), float(part.loaded["b"].max()))
+    return buffers, loaded
+
+
+def test_async_saves_reuse_their_staging_buffers(tmp_path):
+    for buffers, loaded in spawn(_async_saves, 2, str(tmp_path / "run")):
+        assert len(buffers[0]) == 2 and buffers[0] == buffers[1] == buffers[2]
+        assert loaded == {s: (float(s),) * 4 for s in (1, 2, 3)}
