@@ -26,8 +26,8 @@ from __future__ import annotations
 import errno
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -76,9 +76,9 @@ def _stage(tree: Any, pinned: bool = False, previous: dict | None = None, kept: 
     all in flight at once), and the caller waits once for them (`_wait_for_copies`) before the writer
     thread reads them. Without it each tensor is a synchronous copy through pageable memory.
     previous: {key path: host tensor} of the previous staging, refilled in place where the layout is the
-    same; `kept` receives this staging's buffers for the next one. A fresh allocation of that size is a fresh mmap whose every page
-    faults (and is zeroed by the kernel) on first touch, about as slow again as the copy itself
-    (TorchTitan keeps its pinned staging buffers between saves for the same reason)."""
+    same; `kept` receives this staging's buffers for the next one. A fresh allocation of that size is a
+    fresh mmap whose every page faults (and is zeroed by the kernel) on first touch, about as slow again as
+    the copy itself (TorchTitan keeps its pinned staging buffers between saves for the same reason)."""
     if isinstance(tree, dict):
         return {k: _stage(v, pinned, previous, kept, path + (k,)) for k, v in tree.items()}
     if isinstance(tree, torch.Tensor):
