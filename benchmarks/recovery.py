@@ -19,7 +19,8 @@ replica): replica 1 is SIGKILLed; the survivor keeps stepping and Ray Train repl
 Save throughput (2 gloo processes, a model of --params parameters, fp32 weights + AdamW moments): a
 blocking `CheckpointManager.save` (DCP shards + checksums + commit) against writing the same bytes as
 one raw file per rank through fsspec to the same directory, best of --repeats each, as a ratio; and
-what an asynchronous save stalls training (staging the state to host memory).
+what an asynchronous save stalls training (staging the state to host memory), also as a share of one
+training step of a GPT of --params parameters on a rank's share of the default workload's batch.
 
     python benchmarks/recovery.py [--params 20e6] [--repeats 3]
 """
@@ -127,7 +128,32 @@ def live_recovery(data_path: str, root: str, steps: int = 400) -> dict[str, floa
             "steps_retried": summary.get("replica_steps_retried")}
 
 
-def _save_vs_raw(params: int, directory: str, repeats: int) -> dict[str, float]:
+def _step_s(params: int, world: int) -> float:
+    """Seconds of one training step (forward, backward, AdamW) of a GPT of about `params` parameters on this
+    rank's share of the default workload's batch (global_batch 16 x seq_len 128), measured on every rank at
+    once (each rank's own copy, no gradient all-reduce: a lower bound of a data-parallel step): what an
+    asynchronous save's stall is compared with."""
+    from raydist.config import ModelConfig
+    from raydist.models.gpt import build_model, cross_entropy
+
+    layers, width = 8, 512  # 8 x (attention 0.79M + SwiGLU 3 x 512 x ffn) + embedding 0.16M
+    ffn = max(64, int((params / layers - 0.79e6) / (3 * width)) // 64 * 64)
+    cfg = ModelConfig(num_layers=layers, d_model=width, num_heads=8, num_kv_heads=4, ffn_hidden=ffn)
+    model = build_model(cfg, 128, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, cfg.vocab_size, (16 // world, 129), generator=torch.Generator().manual_seed(0))
+    times = []
+    for _ in range(3):  # the first warms up (allocations, AdamW's moments)
+        start = time.perf_counter()
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return min(times[1:])
+
+
+def _save_vs_raw(params: int, directory: str, repeats: int, step: bool) -> dict[str, float]:
     import fsspec
     import torch.distributed as dist
 
@@ -177,7 +203,11 @@ def _save_vs_raw(params: int, directory: str, repeats: int) -> dict[str, float]:
             os.fsync(f.fileno())
         dist.barrier()
         raws.append(time.perf_counter() - start)
-    return {"bytes": nbytes * world, "save_s": min(saves), "raw_s": min(raws), "async_stall_s": min(stalls)}
+    out = {"bytes": nbytes * world, "save_s": min(saves), "raw_s": min(raws), "async_stall_s": min(stalls)}
+    if step:
+        dist.barrier()
+        out["step_s"] = _step_s(params, world)
+    return out
 
 
 def main() -> None:
@@ -186,6 +216,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-recovery", action="store_true", help="only the save throughput")
     parser.add_argument("--skip-live", action="store_true", help="no live-recovery measurement")
+    parser.add_argument("--skip-step", action="store_true",
+                        help="do not time a training step of a model of --params parameters (the async stall's share)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
     from raydist.launcher import ensure_data
@@ -198,7 +230,8 @@ def main() -> None:
             r = recovery(cfg.data.path, tmp)
             if not args.skip_live:
                 live = live_recovery(cfg.data.path, tmp)
-        t = spawn(_save_vs_raw, 2, int(args.params), os.path.join(tmp, "save"), args.repeats)[0]
+        t = spawn(_save_vs_raw, 2, int(args.params), os.path.join(tmp, "save"), args.repeats,
+                  not args.skip_step)[0]
     if r is not None:
         print(f"\nworker kill -> first step after restart: {r['total']:.1f} s "
               f"(resumed at step {r['resumed_step']}, {r['steps_redone']} steps to redo)")
@@ -216,11 +249,16 @@ def main() -> None:
           f"raw write of the same bytes {t['raw_s']:.2f} s = {mb / t['raw_s']:.0f} MiB/s; "
           f"save/raw throughput ratio {t['raw_s'] / t['save_s']:.2f}")
     print(f"an asynchronous save stalls training {t['async_stall_s']:.3f} s (staging to host memory), "
-          f"{100 * t['async_stall_s'] / t['save_s']:.0f}% of the blocking save")
+          f"{100 * t['async_stall_s'] / t['save_s']:.0f}% of the blocking save"
+          + (f", {100 * t['async_stall_s'] / t['step_s']:.1f}% of a {t['step_s']:.2f} s training step of a "
+             f"{args.params / 1e6:.0f}M-parameter GPT (8 x 128 tokens per rank)" if "step_s" in t else ""))
     if args.json:
         figures = {"save_mib": round(mb, 1), "save_s": round(t["save_s"], 4), "raw_s": round(t["raw_s"], 4),
                    "save_over_raw_throughput": round(t["raw_s"] / t["save_s"], 3),
                    "async_stall_s": round(t["async_stall_s"], 4)}
+        if "step_s" in t:
+            figures.update({"step_s": round(t["step_s"], 4),
+                            "async_stall_share_of_step": round(t["async_stall_s"] / t["step_s"], 4)})
         if r is not None:
             figures.update({f"recovery_{k.replace(' ', '_')}_s": round(r[k], 3)
                             for k in ("detection", "restart", "load", "first step", "total")})
