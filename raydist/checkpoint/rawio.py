@@ -23,7 +23,6 @@ core would halve the save speed of a disk that writes ~1 GB/s.
 from __future__ import annotations
 
 import os
-import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -125,13 +124,12 @@ class RawWriter(FsspecWriter):
     """DCP storage writer for raw chunk files (see the module doc); `thread_count` files are written in
     parallel. Each chunk's CRC-32 travels to the coordinator inside its write result (DCP gathers those to
     `finish` anyway), so after the save the coordinator's `files` and `chunks` cover every rank's files with
-    no gather of our own; another rank's hold its own files."""
+    no gather of our own (they stay empty on the other ranks)."""
 
     def __init__(self, path: str, thread_count: int = 2, **kwargs):
         super().__init__(path, sync_files=True, thread_count=thread_count, overwrite=True, **kwargs)
-        self.files: dict[str, dict] = {}
-        self.chunks: dict[str, dict[str, int]] = {}
-        self._lock = threading.Lock()
+        self.files: dict[str, dict] = {}  # the coordinator's, after `finish`: {name: {size, crc32}}
+        self.chunks: dict[str, dict[str, int]] = {}  # {name: {offset: crc32}}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
@@ -147,8 +145,7 @@ class RawWriter(FsspecWriter):
 
     def _write_file(self, name: str, items, planner: SavePlanner) -> list[WriteResult]:
         path = self.fs.concat_path(self.path, name)
-        results, chunks = [], {}
-        file_crc, offset = 0, 0
+        results, offset = [], 0
         with self.fs.create_stream(path, "wb") as stream:
             fd = _local_fd(stream) if EARLY_WRITEBACK and _start_writeback is not None else None
             for item in items:
@@ -161,9 +158,6 @@ class RawWriter(FsspecWriter):
                     if fd is not None:
                         stream.flush()
                         _start_writeback(fd, offset + start, len(block))
-                if len(data):  # an empty chunk shares its offset with the next one and needs no check
-                    chunks[str(offset)] = chunk_crc
-                file_crc = crc32_combine(file_crc, chunk_crc, len(data))  # one pass over the bytes, not two
                 results.append(WriteResult(index=item.index, size_in_bytes=len(data),
                                            storage_data=_Checked(_StorageInfo(name, offset, len(data)), chunk_crc)))
                 offset += len(data)
@@ -172,9 +166,6 @@ class RawWriter(FsspecWriter):
                 os.fsync(stream.fileno())
             except (AttributeError, OSError, ValueError):  # object stores: the upload is the sync
                 pass
-        with self._lock:
-            self.files[name] = {"size": offset, "crc32": file_crc}
-            self.chunks[name] = chunks
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -192,10 +183,11 @@ class RawWriter(FsspecWriter):
                     record = files.setdefault(info.relative_path, {"size": 0, "crc32": 0})
                     if info.offset != record["size"]:
                         raise RuntimeError(f"{info.relative_path}: chunk at {info.offset} after {record['size']} bytes")
+                    # each byte was checksummed once, per chunk; the file's CRC-32 follows from its chunks'
                     record["crc32"] = crc32_combine(record["crc32"], data.crc32, info.length)
                     record["size"] += info.length
                     file_chunks = chunks.setdefault(info.relative_path, {})
-                    if info.length:
+                    if info.length:  # an empty chunk shares its offset with the next one and needs no check
                         file_chunks[str(info.offset)] = data.crc32
                     result = WriteResult(index=result.index, size_in_bytes=result.size_in_bytes, storage_data=info)
                 plain.append(result)

@@ -5,6 +5,7 @@ the bytes on storage; a 2-rank save (with an empty shard) loads back bit for bit
 import os
 import random
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,20 +83,20 @@ def test_two_rank_commit_matches_the_bytes_and_loads_back(tmp_path):
     assert {name.split("_")[2] for name in raws} == {"0", "1"}  # both ranks wrote, rank 0 recorded both
     assert sorted(commit["files"]) == sorted(n for n in on_disk if n != storage.COMMIT)
     for name, record in commit["files"].items():
-        data = open(os.path.join(uri, name), "rb").read()
+        data = Path(uri, name).read_bytes()
         assert record == {"size": len(data), "crc32": zlib.crc32(data)}, name
     for name in raws:
-        data = open(os.path.join(uri, name), "rb").read()
+        data = Path(uri, name).read_bytes()
         offsets = sorted(int(o) for o in commit["chunks"][name])
         assert offsets[0] == 0
         for start, end in zip(offsets, offsets[1:] + [len(data)]):
             assert commit["chunks"][name][str(start)] == zlib.crc32(data[start:end])
     assert [r["status"] for r in verify_run(run_dir)] == ["ok"]
 
-    shard = os.path.join(uri, raws[-1])
-    data = bytearray(open(shard, "rb").read())
+    shard = Path(uri, raws[-1])
+    data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 1
-    open(shard, "wb").write(bytes(data))
+    shard.write_bytes(bytes(data))
     [result] = verify_run(run_dir)
     assert result["status"] == "corrupt" and raws[-1] in result["problem"]
 
@@ -132,12 +133,12 @@ def _async_saves(run_dir: str):
     dist.barrier()
     loaded = {}
     for found in [manager.latest(before=s + 1) for s in (1, 2, 3)]:
+        target = {"w": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)]), "b": torch.zeros(5)}
         part = Part()
-        part_state = {"t": {"w": distribute_tensor(torch.zeros(64, 8), mesh, [Shard(0)]), "b": torch.zeros(5)}}
-        part.state_dict = lambda: part_state
+        part.state_dict = lambda target=target: {"t": target}
         manager.load(found, {"p": part})
-        loaded[found.step] = (float(part.loaded["w"].to_local().min()), float(part.loaded["w"].to_local().max()),
-                              float(part.loaded["b"].min()), float(part.loaded["b"].max()))
+        w, b = part.loaded["w"].to_local(), part.loaded["b"]
+        loaded[found.step] = (float(w.min()), float(w.max()), float(b.min()), float(b.max()))
     return buffers, loaded
 
 
