@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from raydist.checkpoint import storage
-from raydist.checkpoint.rawio import ChecksumMismatch
+from raydist.checkpoint.rawio import ChecksumMismatch, RawSavePlanner
 from raydist.checkpoint.state import Stateful, merge_state, split_state
 from raydist.checkpoint.storage import EXTRA, join, step_dir_name
 from raydist.errors import ConfigError
@@ -243,7 +243,7 @@ class CheckpointManager:
             # pool's exit waits for it whatever happens
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="raydist-extra") as pool:
                 extra_record = pool.submit(self._write_extra, uri, extra) if self.rank == 0 else None
-                dcp.save(tensors, storage_writer=writer, process_group=self.group)
+                dcp.save(tensors, storage_writer=writer, planner=RawSavePlanner(), process_group=self.group)
             if CheckpointManager.before_commit is not None:
                 CheckpointManager.before_commit(step)
             if self.rank == 0:  # the writer's finish() gathered every rank's file and chunk checksums

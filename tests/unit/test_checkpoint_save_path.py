@@ -146,3 +146,27 @@ def test_async_saves_reuse_their_staging_buffers(tmp_path):
     for buffers, loaded in spawn(_async_saves, 2, str(tmp_path / "run")):
         assert len(buffers[0]) == 2 and buffers[0] == buffers[1] == buffers[2]
         assert loaded == {s: (float(s),) * 4 for s in (1, 2, 3)}
+
+
+def test_shard_shapes_and_offsets_are_torchs():
+    """The planner's DTensor shard (shape, offset) equals torch's general computation wherever it answers."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from raydist.checkpoint.rawio import shard_shape_and_offset
+
+    answered = 0
+    for shape, mesh in itertools.product([(10,), (7, 5), (1000, 3), (8, 8)], [(2,), (3,), (2, 2), (4,)]):
+        last = len(shape) - 1
+        for placements in ([Shard(0)] * len(mesh), [Replicate(), Shard(0)][:len(mesh)], [Shard(last), Shard(0)][:len(mesh)],
+                           [Shard(0), Shard(last)][:len(mesh)]):
+            for coordinate in itertools.product(*[range(n) for n in mesh]):
+                got = shard_shape_and_offset(shape, mesh, list(coordinate), placements)
+                if got is None:  # an empty shard: torch's code decides
+                    continue
+                want = _compute_local_shape_and_global_offset(shape, mesh, list(coordinate), placements)
+                assert got == (tuple(want[0]), tuple(want[1])), (shape, mesh, placements, coordinate)
+                answered += 1
+    assert answered > 150
