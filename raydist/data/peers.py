@@ -25,6 +25,7 @@ in raydist.runtime's terms (NCCL on CUDA): the pieces live on the training devic
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -78,8 +79,13 @@ class BatchNeeds:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def positions(self, device: torch.device) -> torch.Tensor:
-        """(T_local,) the local tokens' positions in the whole sequence."""
-        return torch.cat([torch.arange(a, a + n, device=device) for a, n in self.runs])
+        """(T_local,) the local tokens' positions in the whole sequence (made once per device)."""
+        return _positions(self.runs, device)
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(runs: tuple[tuple[int, int], ...], device: torch.device) -> torch.Tensor:
+    return torch.cat([torch.arange(a, a + n, device=device) for a, n in runs])
 
 
 def _runs(positions: list[int]) -> tuple[tuple[int, int], ...]:
