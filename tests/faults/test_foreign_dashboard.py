@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -24,9 +25,9 @@ pytestmark = [pytest.mark.ray]
 class _ForeignDashboard(BaseHTTPRequestHandler):
     """The state API of a cluster that has never heard of our actors: every list is empty."""
 
-    asked: list[str] = []
+    asked: ClassVar[list[str]] = []
 
-    def do_GET(self):  # noqa: N802  (http.server's name)
+    def do_GET(self):
         _ForeignDashboard.asked.append(self.path)
         body = json.dumps({"result": True, "msg": "", "data": {"result": {
             "result": [], "total": 0, "num_after_truncation": 0, "num_filtered": 0,
