@@ -79,7 +79,11 @@ def test_the_placement_group_cleaner_never_takes_a_live_controller_for_dead(fore
             return "unknown"  # the cleaner keeps monitoring
 
     actor = Alive.remote()
-    verdict = ray.get(cleaner_check.remote(ray.get(actor.actor_id.remote())), timeout=120)
+    # RAY_ADDRESS names this cluster's GCS: the cleaner finds it by looking for GCS processes, which on a
+    # machine running several clusters is ambiguous (it caches the first it found alone)
+    own_gcs = {"env_vars": {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}}
+    verdict = ray.get(cleaner_check.options(runtime_env=own_gcs).remote(ray.get(actor.actor_id.remote())),
+                      timeout=120)
     ray.kill(actor)
     assert verdict != "dead", "the cleaner would remove this run's placement group and kill every worker"
     if foreign_dashboard is not None:
