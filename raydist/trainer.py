@@ -335,7 +335,7 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         self.position += g
-        self.last_span = span
+        self.last_span, self.last_quorum = span, (rank, count)
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
         stats = StepStats(None, loss, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
