@@ -276,7 +276,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     session.phase("first_step")  # the first data, and the untrained model's evaluation
     if trainer.step == 0:
         # Step 0: the untrained model's validation loss and its loss on the first training batch.
-        pending = trainer.next_batch()
+        pending = trainer.next_batch(whole=False)
         first_val = last_val = trainer.evaluate() if t.eval_every else None
         trainer.notes["first_val_loss"] = first_val
         logger.record(None, val_loss=first_val, loss=trainer.loss_on(pending[0]))
