@@ -8,9 +8,8 @@ test (`raydist.runtime.spawn`). One optimizer step:
     -> clip by the global norm  ->  AdamW  ->  LR schedule  ->  P += G
 
 Losses are means over every target token of the global batch, so any layout computes the same number.
-Everything layout-specific is the `Layout` (decided by `elastic.policy.plan_layout`), the parallelized
-model and its step runner (`raydist.runner`: gradient accumulation, or a pipeline schedule). The loop
-around it (logging, evaluation, checkpoints, restarts) is `train_loop.fit`.
+Layout-specific: the `Layout` (`elastic.policy.plan_layout`), the parallelized model and its step runner
+(`raydist.runner`). The loop around it (logging, evaluation, checkpoints, restarts) is `train_loop.fit`.
 """
 
 from __future__ import annotations
@@ -49,15 +48,13 @@ from raydist.peft import apply_peft, check_pipeline_stages, is_adapter, paramete
 from raydist.runner import make_runner
 from raydist.runtime import HOST, keep_large_host_allocations_unpooled, new_group, set_default_timeout, to_device
 
-
 TIMELINE_STEP = 2  # the (0-based) step whose pipeline actions are timed for the report, after warm-up
 
 
 class StepStats:
-    """One step's figures. The loss and gradient norm stay on the device until read: reading `loss` or
-    `grad_norm` settles every step still pending (`Trainer.settle`: one all-reduce over dp x cp for all of
-    their losses, one host sync), so a loop that reads them only on logged steps pays no per-step
-    collective or device sync. Reading is a collective: every active rank must read on the same steps."""
+    """One step's figures. Loss and gradient norm stay on the device until read: reading either settles
+    every pending step (`Trainer.settle`: one all-reduce over dp x cp, one host sync), so a loop reading them
+    on logged steps only pays no per-step collective. Reading is a collective: all ranks read on the same steps."""
 
     def __init__(self, trainer: "Trainer | None", local_loss: torch.Tensor | float, grad_norm: torch.Tensor | float,
                  lr: float, step_time_s: float, data_wait_s: float, sample_ids: np.ndarray | None = None,
@@ -66,8 +63,7 @@ class StepStats:
         self._trainer = trainer
         self._local_loss, self._grad_norm = local_loss, grad_norm
         self._loss: float | None = None if trainer is not None else float(local_loss)
-        self.lr, self.step_time_s, self.data_wait_s = lr, step_time_s, data_wait_s
-        self.sample_ids = sample_ids
+        self.lr, self.step_time_s, self.data_wait_s, self.sample_ids = lr, step_time_s, data_wait_s, sample_ids
         self.pipeline = pipeline  # per-stage busy/idle seconds and the bubble (pp > 1)
         self.pipeline_timeline = pipeline_timeline  # every action's start/end on every stage, one step
         self.replicas: int | None = None  # live recovery: replicas in this step's quorum
@@ -193,8 +189,7 @@ class Trainer:
         self._val_batches: dict[int, np.ndarray] = {}
 
     def _share(self, rows: np.ndarray | None, count: int, whole: bool) -> torch.Tensor | LocalBatch:
-        """The batch leader's rows (count, window): `whole`, on every batch peer as an int64 tensor (a
-        broadcast); else each peer's LocalBatch, only what it uses (raydist.data.peers)."""
+        """The leader's rows (count, window) on every batch peer (`whole`), else each peer's LocalBatch."""
         tokens = to_device(torch.from_numpy(rows), self.device) if rows is not None else None  # CUDA: pinned
         if not whole:
             return self.batches.share(tokens, count)
@@ -206,11 +201,9 @@ class Trainer:
 
     def next_batch(self, span: tuple[int, int] | None = None, whole: bool = True
                    ) -> tuple[torch.Tensor | LocalBatch, np.ndarray | None]:
-        """This dp rank's rows of the next global batch (or the positions `span`) and (on the batch leader)
-        their sample ids. `whole`: the whole rows on every batch peer (callers that need rows: tests, tools);
-        else each peer's LocalBatch, only what it uses (what training reads). The stream reads only this
-        rank's rows (its `RankPlan`); spans of live recovery, whose split changes with the quorum, read
-        whole shards."""
+        """This dp rank's rows of the next global batch (or positions `span`), sample ids on the leader.
+        `whole`: the rows on every batch peer (tests, tools), else each peer's LocalBatch (raydist.data.peers).
+        The stream reads this rank's rows only (`RankPlan`); live recovery's spans read whole shards."""
         g, dp_rank, dp = self.layout.global_batch, self.mesh.dp_rank, self.layout.dp
         start, stop = span or rank_slice(self.position, g, dp_rank, dp)
         ids = rows = None
@@ -225,8 +218,7 @@ class Trainer:
         return self._share(rows, stop - start, whole), ids
 
     def val_batch(self, index: int, whole: bool = True) -> torch.Tensor | LocalBatch:
-        """Validation batch `index`: the val split in file order, sliced by dp rank like training; `whole` as
-        in `next_batch`."""
+        """Validation batch `index`: the val split in file order, sliced like training (`whole`: next_batch)."""
         g = self.layout.global_batch
         start, stop = rank_slice(index * g, g, self.mesh.dp_rank, self.layout.dp)
         rows = None
