@@ -39,8 +39,31 @@ def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
     # address="local": a fresh instance even when another local cluster runs; no dashboard: nobody
     # submits jobs to an embedded cluster, and its processes would compete with training for the cores.
     num_cpus = max(os.cpu_count() or 1, int(min_cpus + 2))
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, **kwargs)
+    ray.init(address="local", num_cpus=num_cpus, **embedded_dashboard(), **kwargs)
     return True
+
+
+def embedded_dashboard() -> dict[str, object]:
+    """`ray.init` arguments for an embedded cluster: no dashboard, and its recorded address on a port of
+    its own.
+
+    Ray 2.60 records a dashboard address in the GCS even when the dashboard's HTTP server is off, on the
+    default port 8265 (ray/dashboard/head.py, the `internal_kv_put` of DASHBOARD_ADDRESS after "http
+    server disabled"). Ray Train's PlacementGroupCleaner (ray/train/v2/_internal/execution/controller/
+    placement_group_cleaner.py, `_monitor_loop`) asks the state API at that address every second whether
+    the run's controller is alive, and `is_actor_alive` (ray/train/v2/_internal/state/util.py) takes "no
+    such actor" for dead: the cleaner then removes the run's placement group, which kills every worker.
+    When another Ray cluster on the machine serves its dashboard on 8265 (a second run, a test, a user's
+    own `ray start --head`), it answers "no such actor" for our controller and the whole worker group is
+    torn down mid-run. On a free port nobody serves, every query fails instead, which the cleaner
+    survives ("Continuing to monitor"); it has nothing to do for an embedded cluster anyway, which ends
+    with the driver."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"include_dashboard": False, "dashboard_port": port}
 
 
 def worker_resources(cfg: Config, use_gpu: bool) -> dict[str, float]:

@@ -1,9 +1,9 @@
 """Step runners: one rank's forward and backward of a step's rows, the same interface with and without a
 pipeline, so the Trainer has no pipeline branches.
 
-    runner.step(tokens) -> StepOutput   forward + backward of this rank's rows (B_rank, T + 1); gradients
+    runner.step(batch) -> StepOutput    forward + backward of this rank's part of its dp rank's rows; gradients
                                         left in the parameters, synchronised across data-parallel ranks
-    runner.evaluate(tokens) -> loss     forwards only
+    runner.evaluate(batch) -> loss      forwards only
     runner.clip(max_norm) -> norm       clip by the whole model's gradient norm
 
 `AccumulationRunner`: the rows in micro-batches of layout.micro_batch, gradients accumulated, the
@@ -12,10 +12,14 @@ flow through the schedule (`raydist.schedule`), then a tied embedding split acro
 gets its summed gradient. Losses are this rank's means over its tokens; the Trainer averages them over the
 data ranks. Autocast and gradient sync come from the model's data-parallel strategy.
 
+A batch is a `LocalBatch` (raydist.data.peers: the columns of the rows this rank uses, its context-parallel
+tokens, none on a middle pipeline stage) or the dp rank's whole rows (B_rank, T + 1), which the runner
+cuts to the same columns itself (`_local`).
+
 Prompt/response data (`masked`): targets that do not count are IGNORE, each micro-batch's loss is the sum
 over counted targets / all its targets (what every plan's `pm.loss_fn` computes, the vocabulary-parallel
 one included), times the step's global targets / counted targets (`MaskScale`: one all-reduce over the
-data-parallel ranks), so the averages above give the mean over counted tokens (raydist.data.sft). Both
+dp x cp ranks), so the averages above give the mean over counted tokens (raydist.data.sft). Both
 runners do it: under a pipeline the last stage's loss of each micro-batch carries the scale.
 """
 
@@ -28,7 +32,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from raydist.data import sft
+from raydist.data.peers import BatchNeeds, LocalBatch
 from raydist.layout import Layout
 from raydist.mesh import Mesh
 from raydist.parallel import ParallelModel
@@ -52,45 +56,48 @@ class StepOutput:
 
 
 class MaskScale:
-    """The step's N_targets / N_counted over every data-parallel rank's rows (1 for unmasked data). Every
-    rank of a tp / cp / pp group holds the same rows, so the all-reduce over its dp group agrees everywhere."""
+    """The step's N_targets / N_counted over every data-parallel rank's rows (1 for unmasked data), on the
+    ranks that compute a loss. cp ranks hold disjoint targets of the same rows and tp ranks the same ones,
+    so summing the local counts over the dp x cp group (`dp_cp_group`) gives the global counts everywhere."""
 
-    def __init__(self, masked: bool, dp_group, device: torch.device):
-        self.masked, self.dp_group, self.device = masked, dp_group, device
+    def __init__(self, masked: bool, dp_cp_group, device: torch.device):
+        self.masked, self.group, self.device = masked, dp_cp_group, device
         self.value = torch.ones((), device=device)
 
-    def update(self, tokens: torch.Tensor) -> None:
+    def update(self, batch: LocalBatch) -> None:
         if not self.masked:
             return
-        counts = torch.stack([torch.tensor(tokens[:, 1:].numel(), device=tokens.device),
-                              sft.counted_targets(tokens)]).to(self.device, torch.float64)
-        if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(counts, group=self.dp_group)
+        targets, counted = batch.target_counts()
+        counts = torch.stack([torch.tensor(targets, device=counted.device), counted]).to(self.device, torch.float64)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(counts, group=self.group)
         self.value = (counts[0] / counts[1].clamp_min(1)).float()
 
 
+def _local(tokens: torch.Tensor | LocalBatch, needs: BatchNeeds) -> LocalBatch:
+    """A LocalBatch as is; the dp rank's whole rows cut to `needs` (no communication)."""
+    return tokens if isinstance(tokens, LocalBatch) else LocalBatch.of_rows(tokens, needs)
+
+
 class AccumulationRunner:
-    def __init__(self, pm: ParallelModel, layout: Layout, device: torch.device, masked: bool = False,
-                 dp_group=None):
+    def __init__(self, pm: ParallelModel, layout: Layout, device: torch.device, needs: BatchNeeds,
+                 masked: bool = False, dp_cp_group=None):
         self.pm, self.layout, self.device = pm, layout, device
         self.params = [p for p in pm.model.parameters() if p.requires_grad]
+        self.needs = needs
         self.masked = masked
-        self.mask_scale = MaskScale(masked, dp_group, device)
+        self.mask_scale = MaskScale(masked, dp_cp_group, device)
 
     def autocast(self):
         return self.pm.data_parallel.autocast(self.device.type)
 
-    def micro_batches(self, tokens: torch.Tensor, micro_batch: int | None = None) -> list[MicroBatch]:
-        """(inputs, targets, positions) per micro-batch of this rank's rows; `positions` is None unless a
-        parallel plan shards the sequence (context parallelism: `pm.shard_sequence`). `micro_batch` must
+    def micro_batches(self, tokens: torch.Tensor | LocalBatch, micro_batch: int | None = None) -> list[MicroBatch]:
+        """(inputs, targets, positions) per micro-batch of this rank's rows; `positions` is None unless the
+        sequence is sharded (context parallelism: this rank's tokens, raydist.data.peers). `micro_batch` must
         divide the rows (equal micro-batches keep the mean of their means the mean over the rows)."""
-        out = []
-        for chunk in tokens.split(micro_batch or self.layout.micro_batch):
-            (inputs, targets), positions = sft.split_rows(chunk, self.masked), None
-            if self.pm.shard_sequence is not None:
-                inputs, targets, positions = self.pm.shard_sequence(inputs, targets)
-            out.append(MicroBatch(inputs, targets, positions))
-        return out
+        batch = _local(tokens, self.needs)
+        return [MicroBatch(part.inputs(self.masked), part.targets(self.masked), part.positions(self.device))
+                for part in batch.split(micro_batch or self.layout.micro_batch)]
 
     def forward_loss(self, micro: MicroBatch) -> torch.Tensor:
         """The mean loss over this rank's tokens of one micro-batch (the one place a parallel plan may
@@ -99,11 +106,13 @@ class AccumulationRunner:
             loss = self.pm.loss_fn(self.pm.module(micro.inputs, micro.positions), micro.targets)
             return loss * self.mask_scale.value if self.masked else loss
 
-    def step(self, tokens: torch.Tensor, record_timeline: bool = False, micro_batch: int | None = None) -> StepOutput:
+    def step(self, tokens: torch.Tensor | LocalBatch, record_timeline: bool = False,
+             micro_batch: int | None = None) -> StepOutput:
         """`micro_batch` overrides the layout's for this step (live recovery: a replica's share of the global
         batch changes with the number of live replicas)."""
-        micro = self.micro_batches(tokens, micro_batch)
-        self.mask_scale.update(tokens)
+        batch = _local(tokens, self.needs)
+        micro = self.micro_batches(batch, micro_batch)
+        self.mask_scale.update(batch)
         total = torch.zeros((), device=self.device)
         timer = ForwardTimer(self.device)
         for i, mb in enumerate(micro):
@@ -115,9 +124,10 @@ class AccumulationRunner:
         return StepOutput(total, compute_s=timer.seconds)
 
     @torch.no_grad()
-    def evaluate(self, tokens: torch.Tensor) -> torch.Tensor:
-        micro = self.micro_batches(tokens)
-        self.mask_scale.update(tokens)
+    def evaluate(self, tokens: torch.Tensor | LocalBatch) -> torch.Tensor:
+        batch = _local(tokens, self.needs)
+        micro = self.micro_batches(batch)
+        self.mask_scale.update(batch)
         total = torch.zeros((), device=self.device)
         for mb in micro:
             total += self.forward_loss(mb).float() / len(micro)
@@ -166,13 +176,15 @@ class ForwardTimer:
 class PipelineRunner:
     """pp > 1: this rank's rows -> M micro-batches -> the executor -> tied sync; clipping across stages."""
 
-    def __init__(self, pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, masked: bool = False):
+    def __init__(self, pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, needs: BatchNeeds,
+                 masked: bool = False):
         from raydist.schedule import make_schedule
         from raydist.schedule.executor import PipelineExecutor
 
         self.pm, self.layout, self.device = pm, layout, device
+        self.needs = needs  # inputs on the rank holding the first stage, targets on the one holding the last
         self.masked = masked
-        self.mask_scale = MaskScale(masked, mesh.dp.get_group() if masked else None, device)
+        self.mask_scale = MaskScale(masked, mesh.dp_cp.get_group() if masked else None, device)
         self.group = mesh["pp"].get_group()
         schedule = make_schedule(layout.pp_schedule, layout.pp, layout.num_microbatches, layout.virtual_stages)
         self.tied = TiedEmbeddingSync(pm.chunks, self.group)
@@ -190,18 +202,20 @@ class PipelineRunner:
         """The last stage's loss of one micro-batch of masked data (the executor divides it by M)."""
         return self.pm.loss_fn(logits, targets) * self.mask_scale.value
 
-    def _split(self, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
-        """M micro-batches of (inputs, targets) (IGNORE targets for masked data), this rank's sequence shard
-        of them under context parallelism, and the shard's positions (the same for every micro-batch)."""
-        self.mask_scale.update(tokens)
-        split = [sft.split_rows(m, self.masked) for m in tokens.chunk(self.layout.num_microbatches)]
-        inputs, targets, positions = [x for x, _ in split], [y for _, y in split], None
-        if self.pm.shard_sequence is not None:
-            shards = [self.pm.shard_sequence(x, y) for x, y in zip(inputs, targets)]
-            inputs, targets, positions = [s[0] for s in shards], [s[1] for s in shards], shards[0][2]
-        return inputs, targets, positions
+    def _split(self, tokens: torch.Tensor | LocalBatch) -> tuple[list[torch.Tensor] | None,
+                                                                  list[torch.Tensor] | None, torch.Tensor | None]:
+        """M micro-batches of inputs (the first stage's rank; None elsewhere) and of targets (the last
+        stage's; IGNORE targets for masked data), this rank's sequence shard of them under context
+        parallelism, and the shard's positions (the same for every micro-batch and every stage)."""
+        batch = _local(tokens, self.needs)
+        if self.needs.targets:
+            self.mask_scale.update(batch)
+        parts = batch.chunk(self.layout.num_microbatches)
+        inputs = [p.inputs(self.masked) for p in parts] if self.needs.inputs else None
+        targets = [p.targets(self.masked) for p in parts] if self.needs.targets else None
+        return inputs, targets, batch.positions(self.device)
 
-    def step(self, tokens: torch.Tensor, record_timeline: bool = False) -> StepOutput:
+    def step(self, tokens: torch.Tensor | LocalBatch, record_timeline: bool = False) -> StepOutput:
         inputs, targets, positions = self._split(tokens)
         with self.pm.data_parallel.autocast(self.device.type):
             stats = self.executor.step(inputs, targets, record_timeline=record_timeline, positions=positions)
@@ -212,7 +226,7 @@ class PipelineRunner:
             out.timeline = self._gather_timeline()
         return out
 
-    def evaluate(self, tokens: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, tokens: torch.Tensor | LocalBatch) -> torch.Tensor:
         inputs, targets, positions = self._split(tokens)
         with self.pm.data_parallel.autocast(self.device.type):
             return torch.tensor(self.executor.evaluate(inputs, targets, positions), device=self.device)
@@ -236,8 +250,10 @@ class PipelineRunner:
                 "bubble": round(sum(t["pp_bubble"]) / len(t["pp_bubble"]), 4)}
 
 
-def make_runner(pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, masked: bool = False):
-    """`masked`: the data has loss masks (prompt/response, raydist.data.sft)."""
+def make_runner(pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, needs: BatchNeeds,
+                masked: bool = False):
+    """`needs`: what this rank uses of its dp rank's rows (raydist.data.peers.rank_needs); `masked`: the data
+    has loss masks (prompt/response, raydist.data.sft)."""
     if layout.pp > 1:
-        return PipelineRunner(pm, layout, mesh, device, masked)
-    return AccumulationRunner(pm, layout, device, masked, mesh.dp.get_group() if masked else None)
+        return PipelineRunner(pm, layout, mesh, device, needs, masked)
+    return AccumulationRunner(pm, layout, device, needs, masked, mesh.dp_cp.get_group() if masked else None)

@@ -276,7 +276,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     session.phase("first_step")  # the first data, and the untrained model's evaluation
     if trainer.step == 0:
         # Step 0: the untrained model's validation loss and its loss on the first training batch.
-        pending = trainer.next_batch()
+        pending = trainer.next_batch(whole=False)
         first_val = last_val = trainer.evaluate() if t.eval_every else None
         trainer.notes["first_val_loss"] = first_val
         logger.record(None, val_loss=first_val, loss=trainer.loss_on(pending[0]))
@@ -366,7 +366,9 @@ def _attach_replicas(trainer: Trainer, replicas, goodput: Goodput | None, events
 
 def _record_live_samples(run_dir: str, trainer: Trainer, stats: StepStats) -> None:
     """Tests (TrainerOptions.record_samples): every replica appends the sample ids of each step it
-    committed to RUN_DIR/samples/replica-<pid>.jsonl, so a test can account for every sample of a run."""
+    committed, with its span and (rank, size) in that step's quorum, to RUN_DIR/samples/replica-<pid>.jsonl,
+    so a test can account for every sample of a run. A replica killed between a step's commit and this line
+    trained that step without recording it: the survivors' lines name the quorum it was part of."""
     from raydist.metrics.logger import append_line
 
     if stats.sample_ids is None:
@@ -374,6 +376,7 @@ def _record_live_samples(run_dir: str, trainer: Trainer, stats: StepStats) -> No
     path = join(run_dir, "samples", f"replica-{os.getpid()}.jsonl")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     append_line(path, json.dumps({"step": trainer.step, "span": list(trainer.last_span),
+                                  "quorum": list(trainer.last_quorum),
                                   "ids": [int(i) for i in stats.sample_ids]}))
 
 

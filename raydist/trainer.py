@@ -8,9 +8,8 @@ test (`raydist.runtime.spawn`). One optimizer step:
     -> clip by the global norm  ->  AdamW  ->  LR schedule  ->  P += G
 
 Losses are means over every target token of the global batch, so any layout computes the same number.
-Everything layout-specific is the `Layout` (decided by `elastic.policy.plan_layout`), the parallelized
-model and its step runner (`raydist.runner`: gradient accumulation, or a pipeline schedule). The loop
-around it (logging, evaluation, checkpoints, restarts) is `train_loop.fit`.
+Layout-specific: the `Layout` (`elastic.policy.plan_layout`), the parallelized model and its step runner
+(`raydist.runner`). The loop around it (logging, evaluation, checkpoints, restarts) is `train_loop.fit`.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import torch.distributed as dist
 from raydist.checkpoint.compat import compat_record
 from raydist.checkpoint.state import AttributeState, ModelOptimizerState, RNGState, SchedulerState, Stateful
 from raydist.config import Config, ConfigError, hf_dir_of
+from raydist.data.peers import BatchTransfer, LocalBatch
 from raydist.data.position import RankPlan, SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.sft import check_masked_layout
@@ -48,15 +48,13 @@ from raydist.peft import apply_peft, check_pipeline_stages, is_adapter, paramete
 from raydist.runner import make_runner
 from raydist.runtime import HOST, keep_large_host_allocations_unpooled, new_group, set_default_timeout, to_device
 
-
 TIMELINE_STEP = 2  # the (0-based) step whose pipeline actions are timed for the report, after warm-up
 
 
 class StepStats:
-    """One step's figures. The loss and gradient norm stay on the device until read: reading `loss` or
-    `grad_norm` settles every step still pending (`Trainer.settle`: one all-reduce over dp x cp for all of
-    their losses, one host sync), so a loop that reads them only on logged steps pays no per-step
-    collective or device sync. Reading is a collective: every active rank must read on the same steps."""
+    """One step's figures. Loss and gradient norm stay on the device until read: reading either settles
+    every pending step (`Trainer.settle`: one all-reduce over dp x cp, one host sync), so a loop reading them
+    on logged steps only pays no per-step collective. Reading is a collective: all ranks read on the same steps."""
 
     def __init__(self, trainer: "Trainer | None", local_loss: torch.Tensor | float, grad_norm: torch.Tensor | float,
                  lr: float, step_time_s: float, data_wait_s: float, sample_ids: np.ndarray | None = None,
@@ -65,8 +63,7 @@ class StepStats:
         self._trainer = trainer
         self._local_loss, self._grad_norm = local_loss, grad_norm
         self._loss: float | None = None if trainer is not None else float(local_loss)
-        self.lr, self.step_time_s, self.data_wait_s = lr, step_time_s, data_wait_s
-        self.sample_ids = sample_ids
+        self.lr, self.step_time_s, self.data_wait_s, self.sample_ids = lr, step_time_s, data_wait_s, sample_ids
         self.pipeline = pipeline  # per-stage busy/idle seconds and the bubble (pp > 1)
         self.pipeline_timeline = pipeline_timeline  # every action's start/end on every stage, one step
         self.replicas: int | None = None  # live recovery: replicas in this step's quorum
@@ -162,7 +159,9 @@ class Trainer:
         masked = bool(read_manifest(cfg.data.path).get("loss_mask"))  # prompt/response: response tokens count
         if masked:
             check_masked_layout(cfg.elastic.live_recovery)
-        self.runner = make_runner(self.pm, self.layout, self.mesh, device, masked)
+        # what each batch peer uses of its dp rank's rows: middle pipeline stages nothing, cp ranks their tokens
+        self.batches = BatchTransfer(self.mesh, self.layout, cfg.data.seq_len, device)
+        self.runner = make_runner(self.pm, self.layout, self.mesh, device, self.batches.needs, masked)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         self.step = 0  # optimizer steps done
@@ -189,21 +188,22 @@ class Trainer:
         self._stream: SampleStream | None = None
         self._val_batches: dict[int, np.ndarray] = {}
 
-    def _share(self, rows: np.ndarray | None, count: int) -> torch.Tensor:
-        """The batch leader's rows (count, window) on every batch peer, as an int64 tensor."""
-        window = self.train_split.window
-        if self.mesh.is_batch_leader:
-            tokens = to_device(torch.from_numpy(rows), self.device)  # CUDA: pinned, non-blocking
-        else:
-            tokens = torch.empty(count, window, dtype=torch.int64, device=self.device)
+    def _share(self, rows: np.ndarray | None, count: int, whole: bool) -> torch.Tensor | LocalBatch:
+        """The leader's rows (count, window) on every batch peer (`whole`), else each peer's LocalBatch."""
+        tokens = to_device(torch.from_numpy(rows), self.device) if rows is not None else None  # CUDA: pinned
+        if not whole:
+            return self.batches.share(tokens, count)
+        if tokens is None:
+            tokens = torch.empty(count, self.train_split.window, dtype=torch.int64, device=self.device)
         if self.layout.pp * self.layout.cp * self.layout.tp > 1:
             dist.broadcast(tokens, src=self.mesh.batch_leader_rank, group=self.mesh.batch_peers.get_group())
         return tokens
 
-    def next_batch(self, span: tuple[int, int] | None = None) -> tuple[torch.Tensor, np.ndarray | None]:
-        """This dp rank's rows of the next global batch (or the positions `span`), and (on the batch
-        leader) their sample ids. The stream reads only this rank's rows (its `RankPlan`); spans of live
-        recovery, whose split changes with the quorum, read whole shards."""
+    def next_batch(self, span: tuple[int, int] | None = None, whole: bool = True
+                   ) -> tuple[torch.Tensor | LocalBatch, np.ndarray | None]:
+        """This dp rank's rows of the next global batch (or positions `span`), sample ids on the leader.
+        `whole`: the rows on every batch peer (tests, tools), else each peer's LocalBatch (raydist.data.peers).
+        The stream reads this rank's rows only (`RankPlan`); live recovery's spans read whole shards."""
         g, dp_rank, dp = self.layout.global_batch, self.mesh.dp_rank, self.layout.dp
         start, stop = span or rank_slice(self.position, g, dp_rank, dp)
         ids = rows = None
@@ -215,10 +215,10 @@ class Trainer:
                 reader = make_reader(self.cfg.data.reader, self.cfg.data.prefetch_shards)
                 self._stream = SampleStream(self.train_split, self.train_order, reader, start, plan)
             ids, rows = self._stream.take(start, stop)
-        return self._share(rows, stop - start), ids
+        return self._share(rows, stop - start, whole), ids
 
-    def val_batch(self, index: int) -> torch.Tensor:
-        """Validation batch `index`: the val split in file order, sliced by dp rank like training."""
+    def val_batch(self, index: int, whole: bool = True) -> torch.Tensor | LocalBatch:
+        """Validation batch `index`: the val split in file order, sliced like training (`whole`: next_batch)."""
         g = self.layout.global_batch
         start, stop = rank_slice(index * g, g, self.mesh.dp_rank, self.layout.dp)
         rows = None
@@ -232,7 +232,7 @@ class Trainer:
                 finally:
                     stream.close()
             rows = self._val_batches[index]
-        return self._share(rows, stop - start)
+        return self._share(rows, stop - start, whole)
 
     # ---- compute -----------------------------------------------------------------------------------
     def _data_mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -272,19 +272,19 @@ class Trainer:
             raise RuntimeError("the model's weights are neither initialised nor loaded (TrainerOptions.defer_init):"
                                " call Trainer.init_weights() or load a checkpoint into state_parts() first")
 
-    def loss_on(self, tokens: torch.Tensor) -> float:
-        """Mean loss over the global batch whose local rows are `tokens`, without touching gradients."""
+    def loss_on(self, tokens: torch.Tensor | LocalBatch) -> float:
+        """Mean loss over the global batch whose local rows (or LocalBatch) are `tokens`, without gradients."""
         self._require_weights()
         return float(self._data_mean(self.runner.evaluate(tokens).detach().float().reshape(())))
 
-    def train_step(self, batch: tuple[torch.Tensor, np.ndarray | None] | None = None) -> StepStats:
+    def train_step(self, batch: tuple[torch.Tensor | LocalBatch, np.ndarray | None] | None = None) -> StepStats:
         self._require_weights()
         if self.replicas is not None:
             return self._live_step()
         start = time.perf_counter()
         ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.hang)
         with doing("data: next batch"):
-            tokens, ids = batch if batch is not None else self.next_batch()
+            tokens, ids = batch if batch is not None else self.next_batch(whole=False)
         data_wait = time.perf_counter() - start
         with doing("forward/backward"):
             out = self.runner.step(tokens, record_timeline=self.step == TIMELINE_STEP)
@@ -317,7 +317,7 @@ class Trainer:
             rank, count = self.replicas.begin_step()  # a replacement receives the live state here
             span = live_slice(self.position, g, rank, count)
             wait_start = time.perf_counter()
-            tokens, ids = self.next_batch(span)
+            tokens, ids = self.next_batch(span, whole=False)
             data_wait += time.perf_counter() - wait_start
             rows = span[1] - span[0]
             out = self.runner.step(tokens, micro_batch=micro_batch_for(rows, self.layout.micro_batch))
@@ -335,7 +335,7 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         self.position += g
-        self.last_span = span
+        self.last_span, self.last_quorum = span, (rank, count)
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
         stats = StepStats(None, loss, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
@@ -360,7 +360,7 @@ class Trainer:
     def evaluate(self) -> float:
         batches = self.cfg.train.eval_batches
         with doing("evaluate"):
-            return sum(self.loss_on(self.val_batch(b)) for b in range(batches)) / batches
+            return sum(self.loss_on(self.val_batch(b, whole=False)) for b in range(batches)) / batches
 
     # ---- checkpoint state ---------------------------------------------------------------------------
     def state_parts(self) -> dict[str, Stateful]:

@@ -36,7 +36,24 @@ class ByteCounter:
             self.bytes += n
 
 
-class _CountingFile:
+class _ReadOnlyFile:
+    """The file-object protocol pyarrow asks of a read-only, seekable wrapper around `self._f`."""
+
+    def seekable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return False
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+
+class _CountingFile(_ReadOnlyFile):
     """A read-only file object that counts the bytes its reads return (pyarrow reads through it)."""
 
     def __init__(self, f, counter: ByteCounter | None):
@@ -53,19 +70,6 @@ class _CountingFile:
 
     def tell(self) -> int:
         return self._f.tell()
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
-
-    @property
-    def closed(self) -> bool:
-        return self._f.closed
 
     def close(self) -> None:
         self._f.close()
@@ -148,7 +152,7 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in merged]
 
 
-class _RangeFile:
+class _RangeFile(_ReadOnlyFile):
     """A read-only file serving pyarrow's reads from byte ranges read ahead (one request each); a read
     outside them goes to the file itself (and is counted there like any other)."""
 
@@ -176,19 +180,6 @@ class _RangeFile:
 
     def tell(self) -> int:
         return self._pos
-
-    def seekable(self) -> bool:
-        return True
-
-    def readable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return False
-
-    @property
-    def closed(self) -> bool:
-        return self._f.closed
 
     def close(self) -> None:
         pass  # the underlying file is closed by its owner

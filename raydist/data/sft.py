@@ -88,13 +88,12 @@ def split_rows(rows: torch.Tensor, masked: bool) -> tuple[torch.Tensor, torch.Te
     """(B, T + 1) rows -> inputs (B, T), targets (B, T) (IGNORE where a target does not count)."""
     if not masked:
         return rows[:, :-1], rows[:, 1:]
-    targets = rows[:, 1:]
-    return strip_mask(rows[:, :-1]), torch.where(targets >= NOT_TARGET, IGNORE, targets)
+    return strip_mask(rows[:, :-1]), as_targets(rows[:, 1:])
 
 
-def counted_targets(rows: torch.Tensor) -> torch.Tensor:
-    """Number of targets that count in (B, T + 1) rows (0-d int64)."""
-    return (rows[:, 1:] < NOT_TARGET).sum()
+def as_targets(flagged: torch.Tensor) -> torch.Tensor:
+    """Target ids with their flag bit -> target ids with IGNORE where the target does not count."""
+    return torch.where(flagged >= NOT_TARGET, IGNORE, flagged)
 
 
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -164,11 +164,13 @@ class TorchftReplicas(Replicas):
     parts (the checkpoint's model/optimizer, schedule, data position, RNG, notes; goodput and membership);
     the lighthouse address comes from Ray Train ($TORCHFT_LIGHTHOUSE)."""
 
-    def __init__(self, replica: int, device: torch.device, timeout_s: float, parts: Callable[[], dict[str, Any]]):
+    def __init__(self, replica: int, device: torch.device, timeout_s: float, parts: Callable[[], dict[str, Any]],
+                 group_size: int = 1):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
         self.replica, self.parts = replica, parts
+        self.group_size, self.start_wait_s = group_size, timeout_s  # see join()
         timeout = timedelta(seconds=timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         transport = PGTransport(pg, timeout=timeout, device=device)
@@ -210,9 +212,23 @@ class TorchftReplicas(Replicas):
     # ---- the step ------------------------------------------------------------------------------------
     def join(self) -> bool:
         """The first quorum, before any durable resume: True when a peer's live state was loaded (a
-        replacement joining a running group), False at a start of the whole group."""
-        self.begin_step()
-        return self.healed_at is not None
+        replacement joining a running group), False at a start of the whole group.
+
+        At a start of the whole group every replica waits (at most start_wait_s) until all `group_size`
+        replicas are in the quorum before anyone steps. The Lighthouse forms a quorum of whoever asks
+        (min_replicas 1, so that survivors never wait for a replacement), and a replica slower to build
+        than its peers (seconds on a loaded machine) would otherwise find them already stepping alone: if
+        the one that stepped alone then died, no live replica held the state, and the slow one had to
+        resume from storage, a restart with steps redone. Waiting here, before the first step, is free
+        for a replacement (a peer ahead of it heals it in its first quorum) and costs a fresh group only
+        the skew of its start."""
+        deadline = time.monotonic() + self.start_wait_s
+        while True:
+            _, count = self.begin_step()
+            if self.healed_at is not None or count >= self.group_size or time.monotonic() >= deadline:
+                return self.healed_at is not None
+            self._began = False  # ask the Lighthouse again: the step has not started
+            time.sleep(0.1)
 
     def begin_step(self) -> tuple[int, int]:
         if not self._began:

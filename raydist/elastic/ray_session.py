@@ -186,7 +186,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
                                                                record_samples=payload.get("record_samples", False)))
         if live:  # after the trainer is built: the quorum waits for a replica only once it can step
             trainer.replicas = TorchftReplicas(session.replica, device, cfg.elastic.collective_timeout_s,
-                                               trainer.state_parts)
+                                               trainer.state_parts, group_size=ctx.get_world_size())
         try:
             fit(trainer, payload["run_dir"], session)
         finally:

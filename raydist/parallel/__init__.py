@@ -6,7 +6,8 @@
 
 TP comes first because FSDP shards the TP-local DTensors (a 2-D dp_shard x tp layout); checkpointing
 comes before FSDP so that recompute re-runs FSDP's unshard hooks inside the region. Context parallelism
-replaces each block's attention function (on the TP-local heads) and returns the sequence-sharding hook.
+replaces each block's attention function (on the TP-local heads); which tokens a cp rank holds is the
+data's business (raydist.data.peers gives each rank only its own).
 Everything is read from the `Layout`; model dimensions come from the model itself.
 
 A model on the meta device (the Trainer builds it there) is parallelized without storage and given it by
@@ -44,8 +45,6 @@ class ParallelModel:
     data_parallel: NoDataParallel
     # How logits become the mean loss over this rank's tokens (tensor.py swaps in a vocabulary-parallel one)
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
-    # (inputs, targets) -> (local inputs, local targets, positions): context.py's sequence sharding
-    shard_sequence: Callable | None = None
     # Pipeline parallelism: this rank's unwrapped chunks (they carry the tied-embedding roles), and names
     # of parameters the unsplit model knows by another name (a tied output copy)
     chunks: list[nn.Module] | None = None
@@ -66,9 +65,9 @@ Materialize = Callable[[nn.Module], object]  # gives a meta-device module storag
 
 def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_parallel: NoDataParallel,
                         device: torch.device, materialize: Materialize | None = None
-                        ) -> tuple[nn.Module, Callable, Callable | None]:
+                        ) -> tuple[nn.Module, Callable]:
     """TP -> CP -> activation checkpointing -> the data-parallel wrap, on one module (the model, or a
-    pipeline chunk). Returns (the module forward is called on, the loss function, the sequence hook)."""
+    pipeline chunk). Returns (the module forward is called on, the loss function)."""
     on_meta = is_meta(model)
     if on_meta and materialize is None:
         raise ValueError("a model on the meta device needs `materialize` to give it storage")
@@ -79,11 +78,10 @@ def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_paral
         from raydist.parallel.tensor import apply_tensor_parallel
 
         loss_fn = apply_tensor_parallel(model, mesh, layout.sequence_parallel)  # vocab-parallel on the head
-    shard_sequence = None
     if layout.cp > 1:
         from raydist.parallel.context import apply_context_parallel
 
-        shard_sequence = apply_context_parallel(model, mesh, layout.cp_impl)
+        apply_context_parallel(model, mesh, layout.cp_impl)
     apply_activation_checkpointing(model, layout.activation_checkpoint, layout.activation_checkpoint_k)
     if on_meta and not data_parallel.moves_model:
         materialize(model)  # the whole (TP-local) model: DDP and single replicas hold all of it
@@ -95,7 +93,7 @@ def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_paral
     wrapped = data_parallel.wrap(model)
     if on_meta and data_parallel.moves_model:
         materialize(model)  # FSDP: to_empty allocates this rank's shards only
-    return wrapped, loss_fn, shard_sequence
+    return wrapped, loss_fn
 
 
 def parallelize(model: nn.Module, mesh: Mesh, layout: Layout, device: torch.device,
@@ -106,9 +104,8 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: Layout, device: torch.devi
                                        reshard_after_forward=layout.fsdp_reshard_after_forward,
                                        forward_prefetch=layout.fsdp_forward_prefetch)
     if layout.pp == 1:
-        module, loss_fn, shard_sequence = _parallelize_module(model, mesh, layout, data_parallel, device,
-                                                              materialize)
-        return ParallelModel(model, [module], data_parallel, loss_fn, shard_sequence)
+        module, loss_fn = _parallelize_module(model, mesh, layout, data_parallel, device, materialize)
+        return ParallelModel(model, [module], data_parallel, loss_fn)
     return _parallelize_pipeline(model, mesh, layout, data_parallel, device, materialize)
 
 
@@ -116,19 +113,17 @@ def _parallelize_pipeline(model: nn.Module, mesh: Mesh, layout: Layout, data_par
                           device: torch.device, materialize: Materialize | None = None) -> ParallelModel:
     """Split into this pipeline rank's chunks (pp is the outer mesh axis; the schedule's placement), then
     parallelize each chunk on the rest of the mesh; `model` becomes a view over the chunks with the
-    unsharded names. The loss function is the last stage's (vocabulary-parallel under TP); the sequence
-    hook (context parallelism) is the same for every chunk."""
+    unsharded names. The loss function is the last stage's (vocabulary-parallel under TP)."""
     from raydist.parallel.pipeline import split_model, stage_view, tied_aliases
     from raydist.schedule.actions import placement_of
 
     chunks = split_model(model, mesh.local_rank("pp"), layout.pp, layout.virtual_stages,
                          stage_layers=layout.stage_layers, placement=placement_of(layout.pp_schedule))
-    wrapped, loss_fn, shard_sequence = [], cross_entropy, None
+    wrapped, loss_fn = [], cross_entropy
     for chunk in chunks:
-        module, chunk_loss, shard_sequence = _parallelize_module(chunk, mesh, layout, data_parallel, device,
-                                                                 materialize)
+        module, chunk_loss = _parallelize_module(chunk, mesh, layout, data_parallel, device, materialize)
         wrapped.append(module)
         if chunk.output is not None:
             loss_fn = chunk_loss
-    return ParallelModel(stage_view(model, chunks), wrapped, data_parallel, loss_fn, shard_sequence, chunks=chunks,
+    return ParallelModel(stage_view(model, chunks), wrapped, data_parallel, loss_fn, chunks=chunks,
                          aliases=tied_aliases(chunks))

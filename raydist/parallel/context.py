@@ -1,10 +1,10 @@
 """Context parallelism: the sequence split across the cp mesh axis, attention made whole again.
 
-    shard_sequence = apply_context_parallel(model, mesh, impl)   # parallelize() calls this when cp > 1
+    apply_context_parallel(model, mesh, impl)   # parallelize() calls this when cp > 1
 
-installs a cp attention on every block and returns the `ParallelModel.shard_sequence` hook the trainer
-runs on each micro-batch: (inputs (B, T), targets (B, T)) -> (the rank's inputs (B, T/cp), its targets
-(B, T/cp), their positions (T/cp,) in the full sequence, which index the model's RoPE tables).
+installs a cp attention on every block. Each cp rank is given only its own tokens: inputs (B, T/cp), targets
+(B, T/cp) and their positions (T/cp,) in the full sequence, which index the model's RoPE tables
+(`POSITIONS` below says which; raydist.data.peers sends each rank those columns of its rows and no others).
 
 - `parallel.cp_impl = ring` (ring_attention.py): zig-zag sharding (rank r holds chunks r and 2cp-1-r of
   2cp equal chunks) so causal work is equal on every rank; K/V blocks travel around the ring.
@@ -56,18 +56,6 @@ def contiguous_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
 POSITIONS = {"ring": zigzag_positions, "ulysses": contiguous_positions}
 
 
-def sequence_sharder(impl: str, cp: int, rank: int) -> Callable:
-    """The `shard_sequence(inputs, targets) -> (inputs, targets, positions)` hook for `impl`."""
-    positions_of = functools.lru_cache(maxsize=8)(
-        lambda seq_len, device: POSITIONS[impl](seq_len, cp, rank).to(device))
-
-    def shard_sequence(inputs: torch.Tensor, targets: torch.Tensor):
-        positions = positions_of(inputs.shape[1], inputs.device)
-        return inputs[:, positions], targets[:, positions], positions
-
-    return shard_sequence
-
-
 def unshard_sequence(local: torch.Tensor, impl: str, group, dim: int = 1) -> torch.Tensor:
     """The inverse of the sharding (all-gather, then reorder): local (..., T/cp, ...) -> (..., T, ...) on
     every cp rank. Not used in training; tests and tools use it to compare with a single-process run."""
@@ -102,9 +90,9 @@ def ring_backend_for(attention_fn: Callable) -> str:
     return "triton" if attention_fn is triton_causal_attention else "torch"
 
 
-def apply_context_parallel(model, mesh: Mesh, impl: str) -> Callable:
+def apply_context_parallel(model, mesh: Mesh, impl: str) -> None:
     """Install cp attention (`impl`: ring | ulysses) on every block of `model` (after tensor parallelism,
-    before checkpointing and FSDP); returns the sequence-sharding hook for the step runner."""
+    before checkpointing and FSDP); the step runner gives it this rank's tokens (`POSITIONS`)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     cp_mesh = mesh["cp"]
@@ -112,4 +100,3 @@ def apply_context_parallel(model, mesh: Mesh, impl: str) -> Callable:
     for block in model.layers.values():
         inner = block.attention.attention_fn
         block.attention.attention_fn = context_attention(impl, group, inner, ring_backend_for(inner))
-    return sequence_sharder(impl, mesh.size("cp"), mesh.local_rank("cp"))

@@ -55,6 +55,9 @@ class Background:
 def ray_4cpu():
     import ray
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
+    from raydist.ray_cluster import embedded_dashboard
+
+    # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one
+    ray.init(address="local", num_cpus=4, logging_level="warning", **embedded_dashboard())
     yield ray
     ray.shutdown()
