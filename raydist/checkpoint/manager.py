@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import fsspec
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor
 
 from raydist.checkpoint import storage
 from raydist.checkpoint.rawio import ChecksumMismatch, RawSavePlanner
+from raydist.checkpoint.staging import cuda_devices, stage, wait_for_copies
 from raydist.checkpoint.state import Stateful, merge_state, split_state
 from raydist.checkpoint.storage import EXTRA, join, step_dir_name
 from raydist.errors import ConfigError
@@ -68,72 +67,6 @@ def _union(trees: list[dict]) -> dict:
     return out
 
 
-def _stage(tree: Any, pinned: bool = False, previous: dict | None = None, kept: dict | None = None,
-           path: tuple = ()) -> Any:
-    """A CPU copy of a nested state dict (DTensors stay DTensors, with CPU local shards).
-
-    pinned: CUDA tensors are copied into page-locked host memory with non-blocking copies (DMA transfers,
-    all in flight at once), and the caller waits once for them (`_wait_for_copies`) before the writer
-    thread reads them. Without it each tensor is a synchronous copy through pageable memory.
-    previous: {key path: host tensor} of the previous staging, refilled in place where the layout is the
-    same; `kept` receives this staging's buffers for the next one. A fresh allocation of that size is a
-    fresh mmap whose every page faults (and is zeroed by the kernel) on first touch, about as slow again as
-    the copy itself (TorchTitan keeps its pinned staging buffers between saves for the same reason)."""
-    if isinstance(tree, dict):
-        return {k: _stage(v, pinned, previous, kept, path + (k,)) for k, v in tree.items()}
-    if isinstance(tree, torch.Tensor):
-        source = tree.detach()
-        staged = (previous or {}).get(path)
-        if staged is not None and _same_layout(staged, source):
-            with torch.no_grad():
-                _local(staged).copy_(_local(source), non_blocking=pinned and source.device.type == "cuda")
-        elif pinned and source.device.type == "cuda":
-            staged = _pinned_copy(source)
-        else:
-            staged = source.to("cpu", copy=True)
-        if kept is not None:
-            kept[path] = staged
-        return staged
-    return tree
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _same_layout(held: torch.Tensor, source: torch.Tensor) -> bool:
-    """`held` (a staging buffer) can take `source`'s values in place: same kind, global and local shape,
-    dtype and (for DTensors) mesh and placements."""
-    if type(held) is not type(source) or held.shape != source.shape or held.dtype != source.dtype:
-        return False
-    if isinstance(source, DTensor):
-        if held.device_mesh != source.device_mesh or held.placements != source.placements:
-            return False
-    h, s = _local(held), _local(source)
-    return h.shape == s.shape and h.device.type == "cpu" and h.is_contiguous()
-
-
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` (a CUDA tensor, or a DTensor with a CUDA local shard) copied to the host, not yet
-    synchronised. A non-blocking CUDA-to-CPU `_to_copy` allocates its output in pinned memory, and on a
-    DTensor it copies the local shard and keeps the mesh, placements and global shape (as the blocking
-    path's `.to("cpu")` does; `DTensor.from_local` would move a CPU shard back to the mesh's device)."""
-    return tensor.to("cpu", non_blocking=True, copy=True)
-
-
-def _cuda_devices(tree: Any) -> set[torch.device]:
-    if isinstance(tree, dict):
-        return set().union(*(_cuda_devices(v) for v in tree.values()))
-    return {tree.device} if isinstance(tree, torch.Tensor) and tree.device.type == "cuda" else set()
-
-
-def _wait_for_copies(devices: set[torch.device]) -> None:
-    """The staged copies were queued on each device's current stream: wait for those streams (only the
-    devices the state lives on, so no CUDA context is created on any other)."""
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()
-
-
 class CheckpointManager:
     # Test hook: called on every rank after the files are written and before the commit.
     before_commit: Callable[[int], None] | None = None
@@ -154,7 +87,7 @@ class CheckpointManager:
         self._pruner: threading.Thread | None = None
         self._error: BaseException | None = None
         self.committed_step: int | None = None  # newest step this manager committed
-        self._staging: dict = {}  # async saves' host buffers, refilled by the next one (`_stage`)
+        self._staging: dict = {}  # async saves' host buffers, refilled by the next one (`stage`)
         self.last_write_s = 0.0
 
     # ---- save ----------------------------------------------------------------------------------
@@ -176,12 +109,12 @@ class CheckpointManager:
             self._write_guarded(step, tensors, extra)
             self.wait()
         else:
-            devices = _cuda_devices(tensors)  # on CUDA: stage through pinned memory, one wait per device
+            devices = cuda_devices(tensors)  # on CUDA: stage through pinned memory, one wait per device
             kept: dict = {}
-            staged = _stage(tensors, pinned=bool(devices), previous=self._staging, kept=kept)
+            staged = stage(tensors, pinned=bool(devices), previous=self._staging, kept=kept)
             self._staging = kept
             if devices:
-                _wait_for_copies(devices)
+                wait_for_copies(devices)
             self._thread = threading.Thread(target=self._write_guarded, args=(step, staged, extra),
                                             name=f"raydist-checkpoint-{step}", daemon=True)
             self._thread.start()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raydist import runtime
-from raydist.checkpoint import manager
+from raydist.checkpoint import staging
 
 
 def fake_gpus(monkeypatch, count: int) -> None:
@@ -80,8 +80,8 @@ def test_to_device_pins_and_copies_without_blocking_for_cuda():
 
 def test_cpu_state_is_staged_as_before():
     tree = {"model": {"w": torch.ones(3)}, "step": torch.tensor(4), "note": "x"}
-    assert manager._cuda_devices(tree) == set()  # so save() stages without pinning, async or not
-    staged = manager._stage(tree, pinned=True)
+    assert staging.cuda_devices(tree) == set()  # so save() stages without pinning, async or not
+    staged = staging.stage(tree, pinned=True)
     assert torch.equal(staged["model"]["w"], tree["model"]["w"]) and staged["note"] == "x"
     assert staged["model"]["w"].data_ptr() != tree["model"]["w"].data_ptr()  # a copy
     assert not staged["model"]["w"].is_pinned()
