@@ -355,9 +355,9 @@ def _attach_replicas(trainer: Trainer, replicas, goodput: Goodput | None, events
         for kind, fields in changes:
             if goodput is not None:
                 if kind == "replica_lost":
-                    goodput.on_replica_lost()
+                    goodput.on_replica_lost(fields["replica"])
                 else:
-                    goodput.on_replica_joined(fields["time_to_rejoin_s"])
+                    goodput.on_replica_joined(fields["replica"], fields["time_to_rejoin_s"])
             if events is not None:
                 events.event(kind, trainer.step, **fields)
 

@@ -11,7 +11,8 @@ Checkpoint stalls are the seconds training waited for staging or for a previous 
 RUN_DIR/events.jsonl gets one line per event: launch (a worker group is up), start, restart, resize,
 checkpoint, checkpoint_skipped, worker_error (a worker saw a failure, e.g. a dead peer), replica_lost and
 replica_joined (live recovery: a replica left or rejoined the quorum; replica_time_out_s sums the replica-
-seconds the run trained without a lost replica, while restarts and steps_redone stay 0), end. Events come
+seconds the run trained without a lost replica, up to the end for one that never came back, counted in
+replicas_out_at_end; restarts and steps_redone stay 0), end. Events come
 from several writers (rank 0 in `fit`, any rank outside it, each attempt); see logger.py for how their
 lines stay whole, and `read_events` for the merged, time-ordered view. Every string in an event is passed
 through `redact` (a checkpoint path or an error message may hold a storage URI with credentials).
@@ -70,7 +71,7 @@ class Goodput:
         self.state: dict[str, Any] = {
             "run_start_time": driver_start, "attempts": 0, "restarts": 0, "max_step": 0, "last_time": None,
             "steps_redone": 0, "time_lost_restart_s": 0.0, "time_lost_checkpoint_s": 0.0, "recovering": None,
-            "replicas_lost": 0, "replica_time_out_s": 0.0,
+            "replicas_lost": 0, "replica_time_out_s": 0.0, "replicas_out": {},
             **state,
         }
         self.gate: Callable[[], bool] | None = None  # live recovery: only the quorum's rank 0 writes
@@ -91,6 +92,10 @@ class Goodput:
             info.update(previous_step=s["max_step"], resumed_step=resumed_step, steps_to_redo=redone)
             if s["last_time"] is not None:
                 s["recovering"] = {"since": s["last_time"], "until_step": max(s["max_step"], resumed_step)}
+            # a whole-group restart brings every replica back: one still out was out until the last progress
+            for since in s["replicas_out"].values():
+                s["replica_time_out_s"] += max(0.0, (s["last_time"] or since) - since)
+            s["replicas_out"] = {}
         self.save()
         return info
 
@@ -109,12 +114,14 @@ class Goodput:
     def add_checkpoint_stall(self, seconds: float) -> None:
         self.state["time_lost_checkpoint_s"] += seconds
 
-    def on_replica_lost(self) -> None:
+    def on_replica_lost(self, replica: int) -> None:
         self.state["replicas_lost"] += 1
+        self.state["replicas_out"][str(replica)] = time.time()
 
-    def on_replica_joined(self, time_out_s: float) -> None:
+    def on_replica_joined(self, replica: int, time_out_s: float) -> None:
         """A replica (live recovery) is back after `time_out_s`: replica-seconds the run trained without it."""
         self.state["replica_time_out_s"] += time_out_s
+        self.state["replicas_out"].pop(str(replica), None)
 
     def save(self) -> None:
         if self.gate is not None and not self.gate():
@@ -127,14 +134,17 @@ class Goodput:
 
     def summary(self, final_step: int, tokens_per_step: int) -> dict[str, Any]:
         s = self.state
-        wall = time.time() - s["run_start_time"]
+        now = time.time()
+        wall = now - s["run_start_time"]
+        still_out = sum(now - since for since in s["replicas_out"].values())  # lost and never back by the end
         return {
             "restarts": s["restarts"],
             "steps_redone": s["steps_redone"],
             "time_lost_restart_s": round(s["time_lost_restart_s"], 3),
             "time_lost_checkpoint_s": round(s["time_lost_checkpoint_s"], 3),
             "replicas_lost": s["replicas_lost"],
-            "replica_time_out_s": round(s["replica_time_out_s"], 3),
+            "replica_time_out_s": round(s["replica_time_out_s"] + still_out, 3),
+            "replicas_out_at_end": len(s["replicas_out"]),
             "run_wall_s": round(wall, 3),
             "useful_tokens_per_s": round(final_step * tokens_per_step / max(wall, 1e-9), 2),
         }
