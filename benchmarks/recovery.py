@@ -4,9 +4,20 @@ Recovery (a local Ray, the default workload's model, 2 workers, a checkpoint eve
 step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metrics.jsonl:
 
     detection  kill -> the first surviving worker's `worker_error` (its collective failed)
-    restart    -> the new worker group's `launch` (Ray Train tore the group down and started another)
+    restart    -> the new worker group's `launch` (Ray Train tore the group down and started another),
+                  split by rank 0's new process (its `launch` event says when it started and when
+                  raydist's train function was entered):
+      group down + spawn  -> the new worker process started (the controller's next poll sees the error,
+                             removes the group and its placement group, places a new one, forks workers)
+      worker start        -> raydist's train function entered (import ray, Ray Train's worker actor and
+                             train context, which import torch; the gloo process group; the train function)
+      entry               -> the `launch` event (raydist's imports, session, layout broadcast)
     load       -> the `restart` event (Trainer built: mesh, model, data; checkpoint verified and loaded)
     first step -> the first step completed after it
+
+The recovery runs through `launch` as `raydist train` does (an embedded Ray with raydist's Ray Train
+settings, raydist.ray_cluster). --compare runs it a second time, first, with the settings raydist had
+before (PREVIOUS_ENV), and prints both side by side.
 
 Live recovery, measured in the same run (`elastic.live_recovery`, dp_replicate 2: each worker one torchft
 replica): replica 1 is SIGKILLed; the survivor keeps stepping and Ray Train replaces only that worker:
@@ -22,7 +33,7 @@ one raw file per rank through fsspec to the same directory, best of --repeats ea
 what an asynchronous save stalls training (staging the state to host memory), also as a share of one
 training step of a GPT of --params parameters on a rank's share of the default workload's batch.
 
-    python benchmarks/recovery.py [--params 20e6] [--repeats 3]
+    python benchmarks/recovery.py [--params 20e6] [--repeats 3] [--compare] [--skip-live] [--json]
 """
 
 from __future__ import annotations
@@ -49,17 +60,23 @@ def _lines(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def recovery(data_path: str, root: str) -> dict[str, float]:
-    import ray
+# raydist's Ray Train settings before issue 17's restart work (raydist.ray_cluster has the current ones)
+PREVIOUS_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
+PARTS = ("detection", "restart", "group down + spawn", "worker start", "entry", "load", "first step")
 
+
+def recovery(data_path: str, root: str, name: str = "recovery", env: dict[str, str] | None = None) -> dict:
+    """One kill-and-restart run through `launch` (its embedded Ray); `env` overrides raydist's Ray Train
+    settings for this run only."""
     from raydist.launcher import launch
 
     cfg = Config.load("workloads/gpt_tiny.toml", [f"data.path={data_path}", "data.reader=arrow", "train.steps=150",
                                                   "train.eval_every=0", "train.log_every=1",
                                                   "checkpoint.every_steps=10", "checkpoint.async_save=false",
-                                                  f"checkpoint.storage={root}", "train.run_name=recovery"])
-    run_dir = os.path.join(root, "recovery")
-    ray.init(address="local", num_cpus=4, logging_level="warning")
+                                                  f"checkpoint.storage={root}", f"train.run_name={name}"])
+    run_dir = os.path.join(root, name)
+    saved = dict(os.environ)
+    os.environ.update(env or {})
     try:
         errors: list = []
         job = threading.Thread(target=lambda: errors.append(launch(cfg, log=lambda *_: None)), daemon=True)
@@ -71,16 +88,21 @@ def recovery(data_path: str, root: str) -> dict[str, float]:
         os.kill(starts[-1]["workers"][-1]["pid"], signal.SIGKILL)
         job.join(600)
     finally:
-        ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
     events = _lines(os.path.join(run_dir, "events.jsonl"))
     after = [e for e in events if e["time"] > killed_at]
     error = min(e["time"] for e in after if e["kind"] == "worker_error")
-    launched = min(e["time"] for e in after if e["kind"] == "launch")
+    launch_event = min((e for e in after if e["kind"] == "launch"), key=lambda e: e["time"])
+    launched = launch_event["time"]
+    spawned = launch_event.get("process_started") or float("nan")
+    entered = launch_event.get("entered") or float("nan")
     restarted = next(e for e in after if e["kind"] == "restart")
     first_step = next(r for r in _lines(os.path.join(run_dir, "metrics.jsonl"))
                       if r.get("attempt") == 2 and r["step"] > restarted["step"])
     first_step_time = restarted["time"] + (first_step["elapsed_s"] - restarted["elapsed_s"])
-    return {"detection": error - killed_at, "restart": launched - error, "load": restarted["time"] - launched,
+    return {"detection": error - killed_at, "restart": launched - error, "group down + spawn": spawned - error,
+            "worker start": entered - spawned, "entry": launched - entered, "load": restarted["time"] - launched,
             "first step": first_step_time - restarted["time"], "total": first_step_time - killed_at,
             "resumed_step": restarted["step"], "steps_redone": restarted.get("steps_to_redo", 0)}
 
@@ -218,15 +240,19 @@ def main() -> None:
     parser.add_argument("--skip-live", action="store_true", help="no live-recovery measurement")
     parser.add_argument("--skip-step", action="store_true",
                         help="do not time a training step of a model of --params parameters (the async stall's share)")
+    parser.add_argument("--compare", action="store_true",
+                        help="also measure the recovery with raydist's previous Ray Train settings, side by side")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
     from raydist.launcher import ensure_data
 
     cfg = Config.load("workloads/gpt_tiny.toml")
     cfg = ensure_data(cfg)
-    r = live = None
+    r = live = before = None
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_recovery:
+            if args.compare:
+                before = recovery(cfg.data.path, tmp, "recovery_before", PREVIOUS_ENV)
             r = recovery(cfg.data.path, tmp)
             if not args.skip_live:
                 live = live_recovery(cfg.data.path, tmp)
@@ -235,8 +261,12 @@ def main() -> None:
     if r is not None:
         print(f"\nworker kill -> first step after restart: {r['total']:.1f} s "
               f"(resumed at step {r['resumed_step']}, {r['steps_redone']} steps to redo)")
-        for part in ("detection", "restart", "load", "first step"):
-            print(f"  {part:<11} {r[part]:6.2f} s")
+        if before is not None:
+            print(f"  {'':<22} {'before':>7} {'now':>7}   (before: {PREVIOUS_ENV})")
+        for part in PARTS + ("total",):
+            indent = "    " if part in ("group down + spawn", "worker start", "entry") else "  "
+            was = f"{before[part]:6.2f} s " if before is not None else ""
+            print(f"{indent}{part:<{24 - len(indent)}} {was}{r[part]:6.2f} s")
     if live is not None:
         def secs(v):
             return "n/a" if v is None else f"{v:.2f} s"
@@ -259,9 +289,10 @@ def main() -> None:
         if "step_s" in t:
             figures.update({"step_s": round(t["step_s"], 4),
                             "async_stall_share_of_step": round(t["async_stall_s"] / t["step_s"], 4)})
-        if r is not None:
-            figures.update({f"recovery_{k.replace(' ', '_')}_s": round(r[k], 3)
-                            for k in ("detection", "restart", "load", "first step", "total")})
+        for prefix, run in (("recovery", r), ("recovery_before", before)):
+            if run is not None:
+                figures.update({f"{prefix}_{k.replace(' + ', '_').replace(' ', '_')}_s": round(run[k], 3)
+                                for k in PARTS + ("total",)})
         if live is not None:
             figures.update({f"live_{k.replace(' ', '_')}" + ("_s" if k in ("detection", "survivor stall", "median step",
                                                                            "rejoin") else ""):

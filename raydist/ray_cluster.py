@@ -11,7 +11,31 @@ from raydist.config import Config, ConfigError
 
 
 
-RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+# Ray Train V2 settings (ray/train/v2/_internal/constants.py); a value the user set in the environment wins.
+# On any cluster:
+RAY_TRAIN_ENV = {
+    # How often the controller polls the workers (Ray's default 2 s): a failed worker group is noticed and
+    # restarted up to this much later. Safe when the machine is loaded: a poll that has not answered within
+    # the interval is only a missed check, not a failure (a worker is declared dead only after its poll
+    # hangs RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, 600 s); the cost is one small actor call per worker
+    # per interval (8 a second for 2 workers: nothing next to a training step).
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+}
+# Only on an embedded cluster (one local node that ends with the driver: no autoscaler, no node drains):
+EMBEDDED_RAY_TRAIN_ENV = {
+    # Ray Train starts a PreemptionWatcher actor with every worker group and kills it with the group
+    # (callbacks/preemption_callback.py): a new Python process importing Ray Train, about a second of a
+    # core, started while a restarted group's workers import torch on the same cores. It watches Ray's
+    # drain state for node preemption (spot nodes), which a local embedded cluster never has; without it a
+    # lost node would still fail the group and be restarted, only without the drain grace window.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+}
+
+
+def train_env(embedded: bool) -> dict[str, str]:
+    """The Ray Train environment raydist runs with, the user's own values winning."""
+    wanted = {**RAY_TRAIN_ENV, **(EMBEDDED_RAY_TRAIN_ENV if embedded else {})}
+    return {k: os.environ.get(k, v) for k, v in wanted.items()}
 
 
 def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
@@ -23,10 +47,13 @@ def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
 
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
     if ray.is_initialized():
+        # A driver that started Ray itself: Ray Train hands the RAY_TRAIN_* variables set in the driver's
+        # environment to its controller and workers (ENV_VARS_TO_PROPAGATE in its constants.py)
+        os.environ.update(train_env(embedded=False))
         return False
-    # Ray Train's controller polls the worker group every 2 s by default: a dead worker would wait up to
-    # that long to be noticed. The job's runtime env carries the setting to the controller on any cluster.
-    env = {k: os.environ.get(k, v) for k, v in RAY_TRAIN_ENV.items()}
+    # The settings reach Ray Train's controller and workers on any cluster: in the job's runtime env when
+    # joining one, through the driver's environment (inherited by every process) for an embedded one.
+    env = train_env(embedded=not address)
     kwargs = dict(logging_level=logging.WARNING, log_to_driver=True)
     if not address:
         os.environ.update(env)  # the embedded cluster's processes inherit the driver's environment

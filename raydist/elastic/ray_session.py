@@ -69,6 +69,7 @@ class RaySession(Session):
         self.heartbeat_interval_s = heartbeat_interval_s
         self._last_beat = 0.0
         self._diagnosed = False
+        self.timings: dict[str, float | None] = {}  # this worker process's start, the train function's entry
 
     def _diagnose(self, trigger: str, error: BaseException | None = None) -> None:
         if self.monitor is None or self._diagnosed:
@@ -94,7 +95,7 @@ class RaySession(Session):
             run_event(self.run_dir, self.start_time, "launch", world_size=dist.get_world_size(), replica=self.replica,
                       host=socket.gethostname(), pid=os.getpid())
         elif self.rank == 0:  # the attempt's worker group is up (restart timing: detection -> restart -> load)
-            run_event(self.run_dir, self.start_time, "launch", world_size=dist.get_world_size())
+            run_event(self.run_dir, self.start_time, "launch", world_size=dist.get_world_size(), **self.timings)
         if isinstance(started, Idle):
             self.watchdog.stop()  # an idle worker follows rank 0's heartbeat instead
         return started
@@ -153,6 +154,7 @@ class RaySession(Session):
 
 def ray_worker_entry(payload: dict[str, Any]) -> None:
     """What each Ray Train worker runs; the process group is already initialised by TorchTrainer."""
+    entered = time.time()  # (with the process's start: where a restart's time goes, in the `launch` event)
     import ray.train
 
     from raydist.train_loop import fit
@@ -176,6 +178,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
         print(f"worker {dist.get_rank()}: not training: {fatal['error']}", flush=True)
         return
     session = RaySession(cfg, payload["run_dir"], payload["start_time"])
+    session.timings = {"process_started": process_start_time(), "entered": entered}
     try:
         started = session.start(cfg)
         if isinstance(started, Idle):
@@ -202,6 +205,18 @@ def ray_world_rank() -> int:
     import ray.train
 
     return ray.train.get_context().get_world_rank()
+
+
+def process_start_time() -> float | None:
+    """When this process started (wall time, 10 ms resolution), from /proc; None where there is none."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks since boot
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])  # seconds since boot, same clock
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def run_event(run_dir: str, driver_start: float, kind: str, step: int | None = None, **fields: Any) -> None:
