@@ -10,7 +10,8 @@ step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metr
       group down + spawn  -> the new worker process started (the controller's next poll sees the error,
                              removes the group and its placement group, places a new one, forks workers)
       worker start        -> raydist's train function entered (import ray, Ray Train's worker actor and
-                             train context, which import torch; the gloo process group; the train function)
+                             train context, which import torch; the gloo process group; unpickling the
+                             train function, which imports its module raydist.elastic.ray_session)
       entry               -> the `launch` event (raydist's imports, session, layout broadcast)
     load       -> the `restart` event (Trainer built: mesh, model, data; checkpoint verified and loaded)
     first step -> the first step completed after it
