@@ -1,0 +1,46 @@
+"""raydist's Ray Train settings: which clusters get which, the user's own values winning, and that a driver
+which started Ray itself gets them too (Ray Train hands the driver's RAY_TRAIN_* variables on)."""
+
+import pytest
+
+from raydist.ray_cluster import EMBEDDED_RAY_TRAIN_ENV, RAY_TRAIN_ENV, train_env
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for key in {**RAY_TRAIN_ENV, **EMBEDDED_RAY_TRAIN_ENV}:
+        monkeypatch.delenv(key, raising=False)
+    return monkeypatch
+
+
+def test_embedded_clusters_get_the_extra_settings_and_joined_ones_do_not(clean_env):
+    assert train_env(embedded=True) == {**RAY_TRAIN_ENV, **EMBEDDED_RAY_TRAIN_ENV}
+    assert train_env(embedded=False) == RAY_TRAIN_ENV
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in train_env(embedded=False)  # real clusters drain nodes
+
+
+def test_a_value_the_user_set_wins(clean_env):
+    clean_env.setenv("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "3")
+    clean_env.setenv("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "1")
+    env = train_env(embedded=True)
+    assert env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] == "3" and env["RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"] == "1"
+
+
+def test_every_setting_is_one_ray_train_hands_from_the_driver_to_its_controller_and_workers():
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+
+    assert set(RAY_TRAIN_ENV) | set(EMBEDDED_RAY_TRAIN_ENV) <= ENV_VARS_TO_PROPAGATE
+
+
+def test_a_driver_that_started_ray_itself_gets_the_settings(clean_env):
+    import ray
+
+    from raydist.config import Config
+    from raydist.ray_cluster import connect_ray
+
+    clean_env.setattr(ray, "is_initialized", lambda: True)
+    assert connect_ray(Config(), None, 2) is False  # nothing started
+    import os
+
+    assert {k: os.environ.get(k) for k in RAY_TRAIN_ENV} == RAY_TRAIN_ENV
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ  # not known to be a local cluster
