@@ -3,7 +3,8 @@
 Recovery (a local Ray, the default workload's model, 2 workers, a checkpoint every 10 steps, every
 step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metrics.jsonl:
 
-    detection  kill -> the first surviving worker's `worker_error` (its collective failed)
+    detection  kill -> the first surviving worker's `worker_error` (its collective failed); 0 when Ray
+               Train's health check saw the dead actor first and removed the group before that
     restart    -> the new worker group's `launch` (Ray Train tore the group down and started another),
                   split by rank 0's new process (its `launch` event says when it started and when
                   raydist's train function was entered):
@@ -93,7 +94,9 @@ def recovery(data_path: str, root: str, name: str = "recovery", env: dict[str, s
         os.environ.update(saved)
     events = _lines(os.path.join(run_dir, "events.jsonl"))
     after = [e for e in events if e["time"] > killed_at]
-    error = min(e["time"] for e in after if e["kind"] == "worker_error")
+    # the survivor's collective fails within ~0.1 s, unless Ray Train's health check saw the dead actor
+    # first and removed the group before the survivor noticed: then the restart is counted from the kill
+    error = min((e["time"] for e in after if e["kind"] == "worker_error"), default=killed_at)
     launch_event = min((e for e in after if e["kind"] == "launch"), key=lambda e: e["time"])
     launched = launch_event["time"]
     spawned = launch_event.get("process_started") or float("nan")

@@ -89,6 +89,7 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     job = Background(small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=killed",
                            "elastic.max_failures=3"))
     wait_for(lambda: any(r["step"] >= 24 for r in records(run_dir)), 240, "step 24")
+    killed_at = time.time()
     os.kill(worker_pids(run_dir)[-1], signal.SIGKILL)  # a training worker dies mid-run
     summary = job.join(300)
     assert summary["steps"] == steps and summary["restarts"] == 1
@@ -101,11 +102,10 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     assert killed_at >= max(r["step"] for r in records(run_dir) if r["attempt"] == 1)
     assert summary["steps_redone"] <= killed_at - committed_before_kill  # at most the steps since the commit
     assert abs(summary["final_loss"] - reference["final_loss"]) / reference["final_loss"] < 1e-3
-    # the restarted group's `launch` says where the restart went: a new process, started after the failure,
+    # the restarted group's `launch` says where the restart went: a new process, started after the kill,
     # entered raydist's train function, then the group was up (benchmarks/recovery.py splits the time so)
-    failed = min(e["time"] for e in events if e["kind"] == "worker_error")
-    relaunch = next(e for e in events if e["kind"] == "launch" and e["time"] > failed)
-    assert failed < relaunch["process_started"] <= relaunch["entered"] <= relaunch["time"]
+    relaunch = next(e for e in events if e["kind"] == "launch" and e["time"] > killed_at)
+    assert killed_at < relaunch["process_started"] <= relaunch["entered"] <= relaunch["time"]
 
 
 def test_node_loss_shrinks_and_node_join_grows_the_run(tiny_data, tmp_path):
