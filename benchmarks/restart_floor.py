@@ -85,7 +85,10 @@ def ray_train_restart(root: str) -> dict[str, float]:
                                       failure_config=FailureConfig(max_failures=1))).fit()
     with open(os.path.join(d, "exited")) as f:
         exited = float(f.read())
-    entries = [json.load(open(p)) for p in glob.glob(os.path.join(d, "enter_*.json"))]
+    entries = []
+    for path in glob.glob(os.path.join(d, "enter_*.json")):
+        with open(path) as f:
+            entries.append(json.load(f))
     new = [e for e in entries if e["entered"] > exited]
     rank0 = next(e for e in new if e["rank"] == 0)
     return {"exit -> new rank 0 process": rank0["started"] - exited,
