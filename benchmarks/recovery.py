@@ -63,7 +63,7 @@ def _lines(path: str) -> list[dict]:
 
 
 # raydist's Ray Train settings before issue 17's restart work (raydist.ray_cluster has the current ones)
-PREVIOUS_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}  # before the embedded cluster dropped the watcher
+PREVIOUS_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
 PARTS = ("detection", "restart", "group down + spawn", "worker start", "entry", "load", "first step")
 
 
