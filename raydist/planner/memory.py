@@ -250,15 +250,19 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
     a = w.compute_dtype_bytes
     worst: dict[str, float] = {}
     counts = rank_layer_counts(w, lay)
+    m, tp, fsdp = w.model, lay.tp, lay.fsdp_size
+    block_local, block_full = _block_elements(m, tp, fsdp, None), _block_elements(m, tp, 1, None)
     for stage in range(lay.pp):  # the first stages hold more micro-batches in flight, the last the head
-        layers, block_local, root_local = _unit_elements(w, lay, counts[stage], stage, None, True)
+        layers = counts[stage]
+        first, last = holds_stage(lay, stage, "first"), holds_stage(lay, stage, "last")
+        root_local = _root_elements(m, first, last, lay.pp == 1, tp, fsdp, None) if first or last else 0
+        root_full = _root_elements(m, first, last, lay.pp == 1, tp, 1, None) if first or last else 0
         n_local = layers * block_local + root_local
-        _, block_full, root_full = _unit_elements(w, lay, counts[stage], stage, None, False)
         terms = {"params": 4.0 * n_local, "grads": 4.0 * n_local, "optimizer": 8.0 * n_local}
         acts = activation_bytes(w, lay, layers, num_microbatches, stage)
         terms["activations"] = acts["saved"]
         transient = acts["recompute"]
-        if holds_stage(lay, stage, "last"):
+        if last:
             head = head_bytes(w, lay)
             terms["activations"] += head["saved"]
             transient = max(transient, head["transient"])
