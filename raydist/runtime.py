@@ -155,8 +155,8 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # Imported once by the fork server that starts spawn()'s ranks, not by every rank: a rank is a fork of a
-# process that has imported these and run nothing (no threads, no CUDA context, no process group, no
-# seeded generator), so each call still gets fresh processes in the same initial state, without paying
+# process that has imported these and run nothing (no process group, no torch thread pool, no
+# CUDA), so each call still gets fresh processes, as a spawned interpreter would start, without paying
 # for the interpreter and `import torch` (~3 s of CPU) per rank. Triton is not among them: kernels are
 # created when first used, after the rank has taken the caller's environment (TRITON_INTERPRET).
 PRELOAD = ("torch", "torch.distributed", "raydist.trainer", "raydist.testing")
@@ -195,6 +195,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     stdio.adopt()
     os.environ.clear()
     os.environ.update(env)
+    torch.seed()  # a fresh interpreter's random default seed, not the fork server's (shared by every fork)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
