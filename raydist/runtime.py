@@ -154,8 +154,48 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device)
 
 
+# Imported once by the fork server that starts spawn()'s ranks, not by every rank: a rank is a fork of a
+# process that has imported these and run nothing (no process group, no torch thread pool, no
+# CUDA), so each call still gets fresh processes, as a spawned interpreter would start, without paying
+# for the interpreter and `import torch` (~3 s of CPU) per rank. Triton is not among them: kernels are
+# created when first used, after the rank has taken the caller's environment (TRITON_INTERPRET).
+PRELOAD = ("torch", "torch.distributed", "raydist.trainer", "raydist.testing")
+
+
+def start_method_context():
+    """The multiprocessing context `spawn` starts ranks with: a fork server preloading `PRELOAD`."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (once per parent process)
+    return ctx
+
+
+class _CallerStdio:
+    """The caller's stdout and stderr as they are when a rank starts (pytest may have redirected them since
+    the fork server started): pickled as descriptors the fork server hands to the rank."""
+
+    def __init__(self, out=None, err=None):
+        self.out, self.err = out, err
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _CallerStdio, (reduction.DupFd(1), reduction.DupFd(2))  # only while a Process starts
+
+    def adopt(self) -> None:
+        for fd, dup in ((1, self.out), (2, self.err)):
+            got = dup.detach()
+            os.dup2(got, fd)
+            os.close(got)
+
+
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
-           threads: int, device: str) -> None:
+           threads: int, device: str, env: dict[str, str], stdio: _CallerStdio) -> None:
+    # The caller's environment and standard streams at the time of the call, as a spawned process would
+    # inherit them (the fork server's are those of its own start).
+    stdio.adopt()
+    os.environ.clear()
+    os.environ.update(env)
+    torch.seed()  # a fresh interpreter's random default seed, not the fork server's (shared by every fork)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)
@@ -180,16 +220,19 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, threads: int = 1,
           device: str = "cpu") -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes with a process group; return results by rank.
+    The processes are forks of a fork server (`start_method_context`) and run with this process's
+    environment.
 
     `fn` must be importable (a module-level function). A failure on any rank raises with its traceback.
     device: 'cpu' (gloo), 'cuda' (NCCL, rank r on cuda:r) or 'auto' (see `harness_device`).
     """
     device = harness_device(world_size, device)
-    ctx = mp.get_context("spawn")
+    ctx = start_method_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout_s, threads, device),
-                         daemon=False) for r in range(world_size)]
+    env = dict(os.environ)
+    procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout_s, threads, device,
+                                              env, _CallerStdio()), daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}

@@ -69,7 +69,13 @@ def holds_stage(lay: Layout, rank: int, stage: str) -> bool:
     loss): ranks 0 and pp - 1, both rank 0 under zbv."""
     if lay.pp == 1:
         return True
-    return (0 if stage == "first" else lay.num_stages - 1) in lay.stages_of(rank)
+    return rank in _holders(lay.pp, lay.virtual_stages, placement_of(lay.pp_schedule), stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _holders(pp: int, virtual_stages: int, placement: str, stage: str) -> frozenset[int]:
+    index = 0 if stage == "first" else pp * virtual_stages - 1
+    return frozenset(r for r in range(pp) if index in stages_of_rank(placement, pp, virtual_stages, r))
 
 
 def every_k_segment(layers: int, k: int) -> int:

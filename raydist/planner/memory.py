@@ -38,6 +38,7 @@ min(m, p) on the first stage, GPipe all m, interleaved 1F1B Megatron's warm-up c
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -54,7 +55,11 @@ class Tensor2D:
 
 
 def block_tensors(w: Workload) -> list[Tensor2D]:
-    m, e = w.model, w.head_dim
+    return _block_tensors(w.model)
+
+
+def _block_tensors(m) -> list[Tensor2D]:
+    e = m.d_model // m.num_heads  # Workload.head_dim
     d, f = m.d_model, m.ffn_hidden
     return [Tensor2D(d, 1, None),  # attention_norm
             Tensor2D(m.num_heads * e, d, 0), Tensor2D(m.num_kv_heads * e, d, 0), Tensor2D(m.num_kv_heads * e, d, 0),
@@ -66,13 +71,16 @@ def block_tensors(w: Workload) -> list[Tensor2D]:
 def root_tensors(w: Workload, lay: Layout, rank: int) -> list[Tensor2D]:
     """Embedding / final norm / output head held by pipeline rank `rank` (FSDP's root unit); a tied head
     is a copy of its own whenever there is a pipeline (zbv's rank 0 holds both, in two chunks)."""
-    m = w.model
+    return _root_tensors(w.model, holds_stage(lay, rank, "first"), holds_stage(lay, rank, "last"), lay.pp == 1)
+
+
+def _root_tensors(m, first: bool, last: bool, no_pipeline: bool) -> list[Tensor2D]:
     out = []
-    if holds_stage(lay, rank, "first"):
+    if first:
         out.append(Tensor2D(m.vocab_size, m.d_model, 0))
-    if holds_stage(lay, rank, "last"):
+    if last:
         out.append(Tensor2D(m.d_model, 1, None))
-        if not (m.tie_embeddings and lay.pp == 1):
+        if not (m.tie_embeddings and no_pipeline):
             out.append(Tensor2D(m.vocab_size, m.d_model, 0))
     return out
 
@@ -83,7 +91,7 @@ def own_embedding_elements(w: Workload, lay: Layout, rank: int) -> int:
     m = w.model
     if not holds_stage(lay, rank, "first") or (m.tie_embeddings and lay.pp == 1):
         return 0
-    return local_elements(Tensor2D(m.vocab_size, m.d_model, 0), lay.tp, 1)
+    return _root_elements(m, True, False, lay.pp == 1, lay.tp, 1, None)  # the embedding alone
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -112,11 +120,29 @@ def stage_units(w: Workload, lay: Layout, stage: int) -> list[list[Tensor2D]]:
 def unit_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
                   sharded: bool = True) -> tuple[int, int, int]:
     """(blocks on the stage, elements of one block, elements of the root unit) held by one rank."""
+    return _unit_elements(w, lay, rank_layer_counts(w, lay)[stage], stage, fsdp_index, sharded)
+
+
+def _unit_elements(w: Workload, lay: Layout, layers: int, stage: int, fsdp_index: int | None,
+                   sharded: bool) -> tuple[int, int, int]:
     fsdp = lay.fsdp_size if sharded else 1
-    layers = rank_layer_counts(w, lay)[stage]
-    block = sum(local_elements(t, lay.tp, fsdp, fsdp_index) for t in block_tensors(w))
-    root = sum(local_elements(t, lay.tp, fsdp, fsdp_index) for t in root_tensors(w, lay, stage))
+    block = _block_elements(w.model, lay.tp, fsdp, fsdp_index)
+    root = _root_elements(w.model, holds_stage(lay, stage, "first"), holds_stage(lay, stage, "last"), lay.pp == 1,
+                          lay.tp, fsdp, fsdp_index)
     return layers, block, root
+
+
+# The planner asks for the same few sums for every candidate layout (hundreds of thousands of them, times
+# their stages): they depend on the model and a handful of degrees only, so each is computed once.
+@functools.lru_cache(maxsize=1 << 14)
+def _block_elements(m, tp: int, fsdp: int, fsdp_index: int | None) -> int:
+    return sum(local_elements(t, tp, fsdp, fsdp_index) for t in _block_tensors(m))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _root_elements(m, first: bool, last: bool, no_pipeline: bool, tp: int, fsdp: int,
+                   fsdp_index: int | None) -> int:
+    return sum(local_elements(t, tp, fsdp, fsdp_index) for t in _root_tensors(m, first, last, no_pipeline))
 
 
 def stage_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
@@ -223,15 +249,20 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
     """Peak bytes on the worst pipeline stage, by term; 'total' is the estimate that must fit."""
     a = w.compute_dtype_bytes
     worst: dict[str, float] = {}
+    counts = rank_layer_counts(w, lay)
+    m, tp, fsdp = w.model, lay.tp, lay.fsdp_size
+    block_local, block_full = _block_elements(m, tp, fsdp, None), _block_elements(m, tp, 1, None)
     for stage in range(lay.pp):  # the first stages hold more micro-batches in flight, the last the head
-        layers, block_local, root_local = unit_elements(w, lay, stage)
+        layers = counts[stage]
+        first, last = holds_stage(lay, stage, "first"), holds_stage(lay, stage, "last")
+        root_local = _root_elements(m, first, last, lay.pp == 1, tp, fsdp, None) if first or last else 0
+        root_full = _root_elements(m, first, last, lay.pp == 1, tp, 1, None) if first or last else 0
         n_local = layers * block_local + root_local
-        _, block_full, root_full = unit_elements(w, lay, stage, sharded=False)
         terms = {"params": 4.0 * n_local, "grads": 4.0 * n_local, "optimizer": 8.0 * n_local}
         acts = activation_bytes(w, lay, layers, num_microbatches, stage)
         terms["activations"] = acts["saved"]
         transient = acts["recompute"]
-        if holds_stage(lay, stage, "last"):
+        if last:
             head = head_bytes(w, lay)
             terms["activations"] += head["saved"]
             transient = max(transient, head["transient"])

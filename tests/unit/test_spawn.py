@@ -1,0 +1,64 @@
+"""raydist.runtime.spawn starts its ranks as forks of a fork server that has imported torch and the trainer:
+each call must still behave as fresh spawned interpreters would (the caller's environment at the call, a
+process group of its own, failures reported with the rank's traceback or exit status)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raydist.runtime import spawn
+
+_CALLS: list[int] = []  # module state a rank changes: a later call must not see it
+
+
+def _rank_view(tag: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    _CALLS.append(1)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "env": os.environ.get("RAYDIST_SPAWN_TEST"),
+            "tag": tag, "calls": len(_CALLS), "seed": torch.initial_seed(), "pid": os.getpid()}
+
+
+def _fail_on(rank: int) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        raise ValueError(f"rank {rank} refuses")
+    return dist.get_rank()
+
+
+def _exit_on(rank: int, code: int) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == rank:
+        os._exit(code)
+    return dist.get_rank()
+
+
+def test_each_call_gets_fresh_ranks_with_the_callers_environment(monkeypatch):
+    views = []
+    for world, value in ((2, "first"), (3, "second")):
+        monkeypatch.setenv("RAYDIST_SPAWN_TEST", value)  # set after the fork server may have started
+        views.append(spawn(_rank_view, world, value))
+    first, second = views
+    assert [v["rank"] for v in first] == [0, 1] and [v["rank"] for v in second] == [0, 1, 2]
+    assert {v["world"] for v in first} == {2} and {v["world"] for v in second} == {3}
+    assert {v["env"] for v in first} == {"first"} and {v["env"] for v in second} == {"second"}
+    assert all(v["calls"] == 1 for v in first + second)  # nothing left over from an earlier call
+    assert len({v["pid"] for v in first + second}) == 5 and os.getpid() not in {v["pid"] for v in first}
+    assert len({v["seed"] for v in first + second}) == 5  # a fresh random torch seed each, as spawned
+
+
+def test_a_rank_failure_is_reported_with_its_traceback():
+    with pytest.raises(RuntimeError) as err:
+        spawn(_fail_on, 2, 1)
+    assert "rank 1 failed" in str(err.value) and "Traceback" in str(err.value)
+    assert "ValueError: rank 1 refuses" in str(err.value)
+
+
+def test_a_rank_that_exits_is_reported_with_its_status():
+    with pytest.raises(RuntimeError, match="rank 1 exited with status 7 without a result"):
+        spawn(_exit_on, 2, 1, 7)
