@@ -188,6 +188,18 @@ class _CallerStdio:
             os.close(got)
 
 
+def _reread_import_time_settings() -> None:
+    """Settings a preloaded module read from the fork server's environment when it was imported, read again
+    from the caller's: fsspec's FSSPEC_<PROTOCOL>_<KEY> defaults and config directory (e.g. an S3 endpoint a
+    test sets just before it spawns)."""
+    from fsspec import config
+
+    config.conf.clear()
+    config.conf_dir = os.environ.get("FSSPEC_CONFIG_DIR", os.path.join(os.path.expanduser("~"), ".config/fsspec"))
+    config.set_conf_files(config.conf_dir, config.conf)
+    config.set_conf_env(config.conf)
+
+
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
            threads: int, device: str, env: dict[str, str], stdio: _CallerStdio) -> None:
     # The caller's environment and standard streams at the time of the call, as a spawned process would
@@ -195,6 +207,7 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     stdio.adopt()
     os.environ.clear()
     os.environ.update(env)
+    _reread_import_time_settings()
     torch.seed()  # a fresh interpreter's random default seed, not the fork server's (shared by every fork)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))

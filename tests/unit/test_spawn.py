@@ -22,6 +22,20 @@ def _rank_view(tag: str) -> dict:
             "tag": tag, "calls": len(_CALLS), "seed": torch.initial_seed(), "pid": os.getpid()}
 
 
+def _fsspec_defaults() -> dict:
+    from fsspec.config import conf
+
+    return dict(conf.get("memory", {}))
+
+
+def test_fsspec_settings_come_from_the_callers_environment(monkeypatch):
+    # fsspec reads FSSPEC_<PROTOCOL>_<KEY> once, at import, which in a rank is the fork server's import
+    monkeypatch.delenv("FSSPEC_MEMORY_RAYDIST_SPAWN_TEST", raising=False)
+    assert spawn(_fsspec_defaults, 1) == [{}]  # the fork server is running now, started without the setting
+    monkeypatch.setenv("FSSPEC_MEMORY_RAYDIST_SPAWN_TEST", "at-the-call")
+    assert spawn(_fsspec_defaults, 1) == [{"raydist_spawn_test": "at-the-call"}]
+
+
 def _fail_on(rank: int) -> int:
     import torch.distributed as dist
 
