@@ -335,7 +335,7 @@ class Config:
             raise ConfigError(f"monitor.straggler_factor={mon.straggler_factor} must be > 1 (how many times the "
                               "median rank's busy time), or 0 to turn straggler events off")
         _positive("monitor.straggler_intervals", mon.straggler_intervals)
-        for key in ("collective_timeout_s", "startup_timeout_s", "checkpoint_timeout_s"):
+        for key in ("collective_timeout_s", "startup_timeout_s", "checkpoint_timeout_s", "group_start_timeout_s"):
             if not getattr(e, key) > 0:
                 raise ConfigError(f"elastic.{key}={getattr(e, key)} must be > 0 (seconds)")
         if e.live_recovery:

@@ -37,6 +37,10 @@ class ElasticConfig:
     checkpoint, and the first step (which waits for the first data)."""
     checkpoint_timeout_s: float = 1800.0
     """The longest a checkpoint save (or waiting for one in flight) may take before the worker fails."""
+    group_start_timeout_s: float = 60.0
+    """How long Ray Train waits for a new worker group's resources and processes before it decides its size
+    again (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S). After a node loss an elastic run first asks again for
+    its old size, since Ray's resource view still counts the lost node, and shrinks only after this wait."""
     live_recovery: bool = False
     """Live recovery (torchft): each of the parallel.dp_replicate workers is a replica; when one dies the
     others keep stepping and its replacement receives the live state from a peer (no restart, no reload).

@@ -33,10 +33,17 @@ EMBEDDED_RAY_TRAIN_ENV = {
 }
 
 
-def train_env(embedded: bool) -> dict[str, str]:
-    """The Ray Train environment raydist runs with, the user's own values winning."""
+GROUP_START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # from elastic.group_start_timeout_s
+
+
+def train_env(embedded: bool, cfg: Config | None = None) -> dict[str, str]:
+    """The Ray Train environment raydist runs with: its defaults, the user's own values winning, and the
+    run's configured settings (`cfg`), which always win (an earlier run in the same driver set them too)."""
     wanted = {**RAY_TRAIN_ENV, **(EMBEDDED_RAY_TRAIN_ENV if embedded else {})}
-    return {k: os.environ.get(k, v) for k, v in wanted.items()}
+    env = {k: os.environ.get(k, v) for k, v in wanted.items()}
+    if cfg is not None:
+        env[GROUP_START_TIMEOUT] = str(cfg.elastic.group_start_timeout_s)
+    return env
 
 
 def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
@@ -50,15 +57,16 @@ def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
     if ray.is_initialized():
         # A driver that started Ray itself: Ray Train hands the RAY_TRAIN_* variables set in the driver's
         # environment to its controller and workers (ENV_VARS_TO_PROPAGATE in its constants.py)
-        os.environ.update(train_env(embedded=False))
+        os.environ.update(train_env(embedded=False, cfg=cfg))
         return False
     # The settings reach Ray Train's controller and workers on any cluster: in the job's runtime env when
     # joining one, through the driver's environment (inherited by every process) for an embedded one.
-    env = train_env(embedded=not address)
+    env = train_env(embedded=not address, cfg=cfg)
     kwargs = dict(logging_level=logging.WARNING, log_to_driver=True)
-    if not address:
-        os.environ.update(env)  # the embedded cluster's processes inherit the driver's environment
-    elif not os.environ.get("RAY_JOB_ID"):  # (a submitted job keeps the runtime env it was submitted with)
+    # An embedded cluster's processes inherit the driver's environment, and Ray Train hands the driver's
+    # RAY_TRAIN_* variables to its controller (a submitted job keeps the runtime env it was submitted with)
+    os.environ.update(env)
+    if address and not os.environ.get("RAY_JOB_ID"):
         kwargs["runtime_env"] = {"env_vars": env}
     if address:
         ray.init(address=address, **kwargs)

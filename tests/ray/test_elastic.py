@@ -119,7 +119,8 @@ def test_node_loss_shrinks_and_node_join_grows_the_run(tiny_data, tmp_path):
         run_dir = tmp_path / "elastic"
         job = Background(small(tiny_data, tmp_path, "train.steps=400", "train.run_name=elastic",
                                "elastic.min_workers=2", "elastic.max_workers=4", "elastic.max_failures=5",
-                               "elastic.resize_check_interval_s=5"), address=cluster.address)
+                               "elastic.resize_check_interval_s=5", "elastic.group_start_timeout_s=30"),
+                     address=cluster.address)
         wait_for(lambda: any(r["step"] >= 12 and r["world_size"] == 4 for r in records(run_dir)), 300,
                  "training on 4 workers")
         cluster.remove_node(nodes[1])  # two workers lost with their node

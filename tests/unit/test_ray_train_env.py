@@ -44,3 +44,24 @@ def test_a_driver_that_started_ray_itself_gets_the_settings(clean_env):
 
     assert {k: os.environ.get(k) for k in RAY_TRAIN_ENV} == RAY_TRAIN_ENV
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in os.environ  # not known to be a local cluster
+
+
+def test_the_configured_group_start_timeout_reaches_ray_train_and_a_later_run_sets_its_own(clean_env):
+    from raydist.config import Config
+    from raydist.ray_cluster import GROUP_START_TIMEOUT
+
+    clean_env.delenv(GROUP_START_TIMEOUT, raising=False)
+    first = Config.load(None, ["elastic.group_start_timeout_s=25"])
+    assert train_env(embedded=False, cfg=first)[GROUP_START_TIMEOUT] == "25.0"
+    clean_env.setenv(GROUP_START_TIMEOUT, "25.0")  # the first run's driver environment
+    assert train_env(embedded=True, cfg=Config())[GROUP_START_TIMEOUT] == "60.0"  # Ray Train's own default
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+
+    assert GROUP_START_TIMEOUT in ENV_VARS_TO_PROPAGATE
+
+
+def test_a_group_start_timeout_that_is_not_positive_is_refused():
+    from raydist.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match=r"elastic.group_start_timeout_s=0.0 must be > 0"):
+        Config.load(None, ["elastic.group_start_timeout_s=0"])
