@@ -94,12 +94,9 @@ def embedded_dashboard() -> dict[str, object]:
     torn down mid-run. On a free port nobody serves, every query fails instead, which the cleaner
     survives ("Continuing to monitor"); it has nothing to do for an embedded cluster anyway, which ends
     with the driver."""
-    import socket
+    from raydist.runtime import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"include_dashboard": False, "dashboard_port": port}
+    return {"include_dashboard": False, "dashboard_port": free_port()}
 
 
 def worker_resources(cfg: Config, use_gpu: bool) -> dict[str, float]:

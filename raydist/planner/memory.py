@@ -120,11 +120,7 @@ def stage_units(w: Workload, lay: Layout, stage: int) -> list[list[Tensor2D]]:
 def unit_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
                   sharded: bool = True) -> tuple[int, int, int]:
     """(blocks on the stage, elements of one block, elements of the root unit) held by one rank."""
-    return _unit_elements(w, lay, rank_layer_counts(w, lay)[stage], stage, fsdp_index, sharded)
-
-
-def _unit_elements(w: Workload, lay: Layout, layers: int, stage: int, fsdp_index: int | None,
-                   sharded: bool) -> tuple[int, int, int]:
+    layers = rank_layer_counts(w, lay)[stage]
     fsdp = lay.fsdp_size if sharded else 1
     block = _block_elements(w.model, lay.tp, fsdp, fsdp_index)
     root = _root_elements(w.model, holds_stage(lay, stage, "first"), holds_stage(lay, stage, "last"), lay.pp == 1,
