@@ -10,7 +10,6 @@ from typing import Callable
 from raydist.config import Config, ConfigError
 
 
-
 # Ray Train V2 settings (ray/train/v2/_internal/constants.py); a value the user set in the environment wins.
 # On any cluster:
 RAY_TRAIN_ENV = {
@@ -33,13 +32,27 @@ EMBEDDED_RAY_TRAIN_ENV = {
 }
 
 
+# Read by Ray Train's controller, but not among the variables Ray Train hands from the driver to it
+# (ENV_VARS_TO_PROPAGATE): they reach it through the environment its processes inherit (an embedded cluster
+# started by this driver, `ray start` on a node) or the job's runtime env (raydist joining a cluster). A
+# driver that starts Ray itself must set them before `ray.init`.
+CONTROLLER_ENV = {
+    # How long the controller waits, when it tears a worker group down, for every worker to destroy its
+    # process group (TorchConfig.on_shutdown, ray/train/torch/config.py; Ray's default 30 s). A hung or
+    # stopped worker never answers, so every hang recovery waited the whole 30 s before the new group
+    # started; the workers are killed after the wait either way, and a healthy gloo or NCCL teardown takes
+    # well under a second.
+    "TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S": "5",
+}
+
+
 GROUP_START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # from elastic.group_start_timeout_s
 
 
 def train_env(embedded: bool, cfg: Config | None = None) -> dict[str, str]:
     """The Ray Train environment raydist runs with: its defaults, the user's own values winning, and the
     run's configured settings (`cfg`), which always win (an earlier run in the same driver set them too)."""
-    wanted = {**RAY_TRAIN_ENV, **(EMBEDDED_RAY_TRAIN_ENV if embedded else {})}
+    wanted = {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **(EMBEDDED_RAY_TRAIN_ENV if embedded else {})}
     env = {k: os.environ.get(k, v) for k, v in wanted.items()}
     if cfg is not None:
         env[GROUP_START_TIMEOUT] = str(cfg.elastic.group_start_timeout_s)
@@ -56,7 +69,8 @@ def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
     address = address or cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
     if ray.is_initialized():
         # A driver that started Ray itself: Ray Train hands the RAY_TRAIN_* variables set in the driver's
-        # environment to its controller and workers (ENV_VARS_TO_PROPAGATE in its constants.py)
+        # environment to its controller and workers (ENV_VARS_TO_PROPAGATE in its constants.py); the
+        # CONTROLLER_ENV ones only reach it if they were set before that `ray.init`
         os.environ.update(train_env(embedded=False, cfg=cfg))
         return False
     # The settings reach Ray Train's controller and workers on any cluster: in the job's runtime env when

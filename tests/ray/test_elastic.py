@@ -5,16 +5,15 @@ acts on the cluster while the run trains (kill a worker process, remove a node, 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import time
 
 import pytest
 
 from raydist.config import Config
 from raydist.launcher import launch
+from ray_runs import Background, ray_4cpu, records, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -27,59 +26,10 @@ def small(tiny_data, run_root, *extra):
         f"checkpoint.storage={run_root}", "ray.max_pending_s=60", "elastic.collective_timeout_s=60", *extra])
 
 
-def records(run_dir, name="metrics.jsonl"):
-    path = os.path.join(run_dir, name)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-class Background:
-    """`launch` in a thread; `result` or `error` when it ends."""
-
-    def __init__(self, cfg, address=None):
-        self.result = self.error = None
-        self.thread = threading.Thread(target=self._run, args=(cfg, address), daemon=True)
-        self.thread.start()
-
-    def _run(self, cfg, address):
-        try:
-            self.result = launch(cfg, address=address, log=lambda *_: None)
-        except BaseException as exc:  # reported by the test
-            self.error = exc
-
-    def join(self, timeout_s):
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "training did not finish"
-        if self.error:
-            raise self.error
-        return self.result
-
-
-def wait_for(predicate, timeout_s, what):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def worker_pids(run_dir):
     """The training workers' pids, from the newest start/restart event."""
     starts = [e for e in records(run_dir, "events.jsonl") if e["kind"] in ("start", "restart")]
     return [w["pid"] for w in starts[-1]["workers"]]
-
-
-@pytest.fixture
-def ray_4cpu():
-    import ray
-
-    ray.init(address="local", num_cpus=4, include_dashboard=True, logging_level="warning")
-    yield ray
-    ray.shutdown()
 
 
 def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_4cpu, tiny_data, tmp_path):
@@ -92,6 +42,7 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     kill_time = time.time()
     os.kill(worker_pids(run_dir)[-1], signal.SIGKILL)  # a training worker dies mid-run
     summary = job.join(300)
+    assert job.error is None, job.error
     assert summary["steps"] == steps and summary["restarts"] == 1
     events = records(run_dir, "events.jsonl")
     restart = next(i for i, e in enumerate(events) if e["kind"] == "restart")
@@ -129,6 +80,7 @@ def test_node_loss_shrinks_and_node_join_grows_the_run(tiny_data, tmp_path):
         wait_for(lambda: any(r["world_size"] == 4 and r["attempt"] >= 3 for r in records(run_dir)), 300,
                  "training on 4 workers again")
         summary = job.join(600)
+        assert job.error is None, job.error
         events = records(run_dir, "events.jsonl")
         sizes = [e["world_size"] for e in events if e["kind"] in ("start", "restart")]
         assert sizes[:3] == [4, 2, 4], sizes

@@ -3,19 +3,19 @@ which started Ray itself gets them too (Ray Train hands the driver's RAY_TRAIN_*
 
 import pytest
 
-from raydist.ray_cluster import EMBEDDED_RAY_TRAIN_ENV, RAY_TRAIN_ENV, train_env
+from raydist.ray_cluster import CONTROLLER_ENV, EMBEDDED_RAY_TRAIN_ENV, RAY_TRAIN_ENV, train_env
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for key in {**RAY_TRAIN_ENV, **EMBEDDED_RAY_TRAIN_ENV}:
+    for key in {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **EMBEDDED_RAY_TRAIN_ENV}:
         monkeypatch.delenv(key, raising=False)
     return monkeypatch
 
 
 def test_embedded_clusters_get_the_extra_settings_and_joined_ones_do_not(clean_env):
-    assert train_env(embedded=True) == {**RAY_TRAIN_ENV, **EMBEDDED_RAY_TRAIN_ENV}
-    assert train_env(embedded=False) == RAY_TRAIN_ENV
+    assert train_env(embedded=True) == {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **EMBEDDED_RAY_TRAIN_ENV}
+    assert train_env(embedded=False) == {**RAY_TRAIN_ENV, **CONTROLLER_ENV}
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in train_env(embedded=False)  # real clusters drain nodes
 
 
@@ -30,6 +30,16 @@ def test_every_setting_is_one_ray_train_hands_from_the_driver_to_its_controller_
     from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
 
     assert set(RAY_TRAIN_ENV) | set(EMBEDDED_RAY_TRAIN_ENV) <= ENV_VARS_TO_PROPAGATE
+
+
+def test_the_controller_settings_are_the_ones_ray_train_reads_and_does_not_hand_on():
+    """They must reach the controller through the processes' environment or the job's runtime env."""
+    from ray.train.constants import TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
+    from ray.train.v2._internal.constants import ENV_VARS_TO_PROPAGATE
+
+    assert set(CONTROLLER_ENV) == {TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S}
+    assert not set(CONTROLLER_ENV) & ENV_VARS_TO_PROPAGATE
+    assert float(CONTROLLER_ENV[TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S]) < 30  # Ray's default, paid per hang
 
 
 def test_a_driver_that_started_ray_itself_gets_the_settings(clean_env):

@@ -1,5 +1,5 @@
-"""Shared pieces of the fault tests that run `launch` on a real local Ray: a 4-CPU cluster, a run in a
-background thread, reading the JSON-lines files it writes, and waiting for them."""
+"""Shared pieces of the tests that run `launch` on a real local Ray (tests/ray, tests/faults): a 4-CPU
+cluster, a run in a background thread, reading the JSON-lines files it writes, and waiting for them."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ def jsonl(path) -> list[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def records(run_dir, name="metrics.jsonl") -> list[dict]:
+    """A run directory's metrics (or another of its JSON-lines files, e.g. events.jsonl)."""
+    return jsonl(os.path.join(run_dir, name))
 
 
 def wait_for(predicate, timeout_s, what):
@@ -52,12 +57,15 @@ class Background:
 
 
 @pytest.fixture
-def ray_4cpu():
+def ray_4cpu(monkeypatch):
     import ray
 
-    from raydist.ray_cluster import embedded_dashboard
+    from raydist.ray_cluster import embedded_dashboard, train_env
 
-    # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one
+    # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one, and
+    # its processes inherit raydist's Ray Train settings (the controller's ones only reach it this way)
+    for key, value in train_env(embedded=True).items():
+        monkeypatch.setenv(key, value)
     ray.init(address="local", num_cpus=4, logging_level="warning", **embedded_dashboard())
     yield ray
     ray.shutdown()
