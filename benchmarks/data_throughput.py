@@ -9,7 +9,13 @@
 3. Consumption (`--train`): the default workload's training step on 2 gloo processes, and the data-wait
    share of a Ray Train run with the Ray Data reader (from metrics.jsonl, after the first logged interval).
 
-    python benchmarks/data_throughput.py [--steps 200] [--train] [--json]
+The footers (row-group metadata) every rank reads once per shard are a fixed cost per row group: large
+against the default workload's tiny rows (128 tokens, 8 rows a group), small against real ones; `--set`
+prepares and measures another shape of the same corpus, e.g. `--set data.seq_len=1024
+--set data.row_group_rows=4` (a dp 4 rank's slice of a 16-sample batch is 4 rows: a row group larger than
+the slice is read by every rank that shares it). `--bytes-only` skips parts 2 and 3.
+
+    python benchmarks/data_throughput.py [--steps 200] [--train] [--set KEY=VALUE ...] [--bytes-only] [--json]
 """
 
 from __future__ import annotations
@@ -119,13 +125,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--train", action="store_true", help="also measure the training step and a Ray Train run")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON line at the end")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override of the default workload (e.g. data.seq_len=1024)")
+    parser.add_argument("--bytes-only", action="store_true", help="only part 1, the bytes per dp rank")
     args = parser.parse_args()
     import ray
 
     from raydist.launcher import ensure_data, launch
     from raydist.metrics.logger import read_metrics
 
-    cfg = ensure_data(Config.load("workloads/gpt_tiny.toml", ["train.eval_every=0"]), log=print)
+    cfg = ensure_data(Config.load("workloads/gpt_tiny.toml", ["train.eval_every=0", *args.set]), log=print)
     path, seed, g = cfg.data.path, cfg.train.seed, cfg.train.global_batch
     out: dict = {"global_batch": g, "seq_len": cfg.data.seq_len,
                  "row_group_rows": read_manifest(path).get("row_group_rows", 1)}
@@ -145,6 +154,10 @@ def main() -> None:
         print(f"  dp={dp}: epoch 1 {first / 1e6:6.2f} MB = {first / size:.3f} of the dataset, epoch 2 (footers "
               f"kept) {second / 1e6:6.2f} MB = {second / size:.3f}   (1/dp = {1 / dp:.3f}; slice {g // dp} rows)")
 
+    if args.bytes_only:
+        if args.json:
+            print(json.dumps(out))
+        return
     # 2. delivery, local files and S3
     rates = {}
     server, s3_path = _moto_s3(path)  # before Ray starts: its workers inherit the S3 endpoint and keys
