@@ -129,7 +129,12 @@ def evaluate_split(model: GPT, data_path: str, split: str = "val", batch_rows: i
 def cmd_eval(args) -> int:
     from raydist.data.prepare import read_manifest
 
-    seq_len = read_manifest(args.data)["seq_len"]
+    manifest = read_manifest(args.data)
+    if args.model.startswith("hf:"):  # data made with another tokenizer than DIR's tokenizer.json: refused
+        from raydist.models.hf_load import check_data_tokenizer
+
+        check_data_tokenizer(hf_dir_of(args.model), manifest["tokenizer"], args.data)
+    seq_len = manifest["seq_len"]
     loaded = load_model(args.model, seq_len, args.step)
     result = evaluate_split(loaded.model, args.data, args.split, args.batch_rows)
     result.update(model=args.model, step=loaded.step, split=args.split, data=args.data)

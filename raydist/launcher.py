@@ -70,6 +70,11 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
     if vocab > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
                           f"({vocab}); set model.vocab_size >= {vocab}")
+    if cfg.model.init_from:  # a model directory's own tokenizer.json must be the one the data was made with
+        from raydist.config import hf_dir_of
+        from raydist.models.hf_load import check_data_tokenizer
+
+        check_data_tokenizer(hf_dir_of(cfg.model.init_from), manifest["tokenizer"], cfg.data.path)
     if manifest.get("loss_mask"):
         check_masked_layout(cfg.elastic.live_recovery)
     for split in ("train", "val") if cfg.train.eval_every else ("train",):

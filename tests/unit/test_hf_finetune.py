@@ -133,18 +133,39 @@ def test_init_from_errors(tmp_path, llama_dirs, tiny_data):
     assert cfg.model.tie_embeddings and cfg.model.d_model == 64 and cfg.model.init_from == f"hf:{d}"
 
 
+def _with_own_tokenizer(path) -> None:
+    """A tiny Llama directory whose tokenizer.json (a word-level vocabulary of the model's 320 ids, </s>
+    last) is not the byte tokenizer tiny_data was made with, though both fit the model's vocabulary."""
+    from tokenizers import Tokenizer, models
+
+    save_tiny_llama(path)
+    vocab = {f"w{i}": i for i in range(319)} | {"</s>": 319}
+    Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
+
+
 def test_cli_init_from_errors_before_workers(tmp_path, llama_dirs, tiny_data, capsys):
-    """One `error:` line, exit 2, from the driver's checks: no safetensors, a mismatched vocabulary."""
+    """One `error:` line, exit 2, from the driver's checks: no safetensors, not a Llama model, a mismatched
+    vocabulary (larger than the model's, or another tokenizer than the directory's tokenizer.json)."""
     import shutil
 
     from raydist.cli import main
 
+    pytest.importorskip("tokenizers")
     empty = tmp_path / "no-weights"
     empty.mkdir()
     shutil.copy(os.path.join(llama_dirs["tied"], "config.json"), empty / "config.json")
     small = tmp_path / "small-vocab"
     save_tiny_llama(small, vocab_size=128)
-    for init, match in [(empty, "no \\*.safetensors files"), (small, "tokenized with a vocabulary of 257 but")]:
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 320, "n_embd": 64}))
+    own = tmp_path / "own-tokenizer"
+    _with_own_tokenizer(own)
+    for init, match in [(empty, "no \\*.safetensors files"), (small, "tokenized with a vocabulary of 257 but"),
+                        (gpt2, "model_type='gpt2' is not supported"),
+                        (tmp_path, "config.json not found; a Hugging Face model directory holds"),
+                        (own, ("tokenized with byte \\(vocabulary of 257, end-of-sequence id 256\\) but .* "
+                               "tokenizer.json \\(vocabulary of 320, end-of-sequence id 319\\)"))]:
         config = tmp_path / "finetune.toml"  # only the pretrained directory: its config.json gives the shape
         config.write_text(f'[model]\ninit_from = "hf:{init}"\n[data]\npath = "{tiny_data}"\nseq_len = 32\n'
                           f'[checkpoint]\nstorage = "{tmp_path}/runs"\n')
@@ -153,6 +174,11 @@ def test_cli_init_from_errors_before_workers(tmp_path, llama_dirs, tiny_data, ca
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
         assert __import__("re").search(match, err[0]), err[0]
+
+    # `raydist eval hf:DIR` refuses data made with another tokenizer than DIR's the same way
+    code = main(["eval", f"hf:{own}", "--data", tiny_data])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "tokenized with byte" in err[0] and "hf:" in err[0], err
 
 
 # ---- raydist export ------------------------------------------------------------------------------
