@@ -54,7 +54,26 @@ def _local_bytes(model) -> int:
     return sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
 
 
-def _build_on_rank(raw: dict, mode: str) -> dict:
+def _trace_units(model, baseline_kib: int, marks: list) -> list:
+    """Forward hooks on the FSDP units (input embedding, blocks, final norm + head) that record the resident
+    set and its peak above `baseline_kib` as each starts (after FSDP's pre-forward gathered it) and ends
+    (after its post-forward resharded it): where the validation forward's memory goes."""
+    units = [("embedding", model.tok_embeddings)] + [(f"block {i}", b) for i, b in model.layers.items()]
+    units += [("norm", model.norm), ("head", model.output)]
+
+    def record(label):
+        def hook(*_):
+            marks.append((label, (_rss_kib("VmRSS") - baseline_kib) / 1024, (_rss_kib("VmHWM") - baseline_kib) / 1024))
+        return hook
+
+    handles = []
+    for name, module in units:
+        handles.append(module.register_forward_pre_hook(record(f"{name} in")))
+        handles.append(module.register_forward_hook(record(f"{name} out")))
+    return handles
+
+
+def _build_on_rank(raw: dict, mode: str, trace: bool = False) -> dict:
     import torch.distributed as dist
 
     from raydist.elastic.policy import plan_layout
@@ -66,14 +85,19 @@ def _build_on_rank(raw: dict, mode: str) -> dict:
     dist.barrier()
     baseline = _rss_kib("VmRSS")
     exact = _reset_peak()
-    val_peak = None
+    val_peak, marks = None, []
     if mode == "meta":
         trainer = Trainer(cfg, torch.device("cpu"), layout)
         model, close = trainer.pm.model, trainer.close
         build_peak = _rss_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         local = _local_bytes(model)  # before the forward: FSDP leaves the root's parameters gathered after it
+        handles = _trace_units(model, baseline, marks) if trace else []
+        marks.append(("built", (_rss_kib("VmRSS") - baseline) / 1024, (build_peak - baseline) / 1024))
         trainer.loss_on(trainer.val_batch(0))  # the step-0 validation line: FSDP gathers each block in turn
         val_peak = _rss_kib("VmHWM") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        marks.append(("validated", (_rss_kib("VmRSS") - baseline) / 1024, (val_peak - baseline) / 1024))
+        for handle in handles:
+            handle.remove()
     else:
         from raydist.models.gpt import build_model
         from raydist.parallel import parallelize
@@ -89,7 +113,7 @@ def _build_on_rank(raw: dict, mode: str) -> dict:
     dist.barrier()
     return {"baseline_mib": baseline / 1024, "peak_mib": peak / 1024, "above_baseline_mib": (peak - baseline) / 1024,
             "build_above_baseline_mib": (build_peak - baseline) / 1024,
-            "local_param_mib": local / 2**20, "peak_exact": exact}
+            "local_param_mib": local / 2**20, "peak_exact": exact, "trace": marks if trace else None}
 
 
 def config(args, data: str) -> dict:
@@ -112,6 +136,8 @@ def main() -> None:
     p.add_argument("--p", type=int, nargs="+", default=[1, 2, 4], help="FSDP degrees (one process each)")
     p.add_argument("--modes", nargs="+", default=["meta", "eager"], choices=["meta", "eager"])
     p.add_argument("--json", action="store_true", help="also print one JSON line of every figure")
+    p.add_argument("--trace", action="store_true",
+                   help="meta: the resident set above the baseline as each FSDP unit's forward starts and ends")
     args = p.parse_args()
     for key, value in PRESETS.get(args.preset, {}).items():
         setattr(args, key, value)
@@ -135,13 +161,17 @@ def main() -> None:
             for size in args.p:
                 raw_p = json.loads(json.dumps(raw))
                 raw_p["parallel"].update(dp_shard=size)
-                ranks = spawn(_build_on_rank, size, raw_p, mode, timeout_s=1200)
+                ranks = spawn(_build_on_rank, size, raw_p, mode, args.trace, timeout_s=1200)
                 worst = max(ranks, key=lambda r: r["above_baseline_mib"])
                 rows.append({"mode": mode, "p": size, "share_mib": full_mib / size, **worst,
                              "ranks": ranks})
                 print(f"{mode:6} {size:2d} {full_mib / size:8.0f} {worst['local_param_mib']:13.0f} "
                       f"{worst['above_baseline_mib']:14.0f} {worst['build_above_baseline_mib']:13.0f} "
                       f"{worst['peak_mib']:8.0f} {worst['baseline_mib']:9.0f}")
+                if worst["trace"]:
+                    print("    resident / peak above baseline, MiB, as each unit's forward starts and ends:")
+                    for label, now, high in worst["trace"]:
+                        print(f"      {label:14} {now:7.0f} {high:7.0f}")
     if args.json:
         print(json.dumps({"benchmark": "build_memory", "params": n, "full_fp32_mib": full_mib, "rows": rows}))
 
