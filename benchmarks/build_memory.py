@@ -25,7 +25,7 @@ gathers units. `--trace` prints the resident set as each unit's forward starts a
           the head (250, a unit of its own, kept gathered for the backward) is gathered only at the end.
 
 So the overhead above 4N/p is what FSDP needs to compute, about 2 x the largest unit + 2 x a block here,
-independent of p: 1084 MiB over 909 at p = 4. The whole model at fp32 (4N) is never reached for p >= 2.
+which does not shrink with p: 1084 MiB over 909 at p = 4. The whole model at fp32 (4N) is never reached for p >= 2.
 Before the head became a unit of its own (raydist.parallel.fsdp) the root gathered it, with its buffer,
 as the forward started: 2231 MiB. With 2 validation micro-batches per rank (p = 2 here) the head is
 still gathered from the first when the second starts.
