@@ -60,29 +60,48 @@ def is_norm(name: str) -> bool:
     return name.rsplit(".", 2)[-2].endswith("norm") if "." in name else False
 
 
+def _draw_block(name: str, shape: tuple[int, ...], block: int, cfg, seed: int) -> torch.Tensor:
+    """Block `block` (rows [block * per, ...) of at most rows_per_block rows) of parameter `name`'s initial
+    value, fp32 on the CPU."""
+    per = rows_per_block(shape)
+    rows = min(per, shape[0] - block * per)
+    gen = torch.Generator().manual_seed(block_seed(seed, name, block))
+    values = torch.empty((rows, *shape[1:]))
+    if name.endswith(LORA_A):  # LoRA's A: uniform(+-1/sqrt(in)), as nn.Linear's default (Hu et al., 2021)
+        bound = 1 / math.sqrt(shape[1])
+        return values.uniform_(-bound, bound, generator=gen)
+    return values.normal_(0.0, init_std(name, cfg), generator=gen)
+
+
+@torch.no_grad()
+def write_rows(out: torch.Tensor, name: str, shape: tuple[int, ...], start: int, offsets: tuple[int, ...],
+               cfg, seed: int) -> torch.Tensor:
+    """Fill `out` with its box of parameter `name`'s initial value (full shape `shape`): rows
+    [start, start + len(out)), and in every other dimension d the range [offsets[d - 1], + out.shape[d]).
+    Each generator block is drawn, copied into place and dropped, so no more than one block (about
+    BLOCK_ELEMENTS) is held beside `out`, however large the parameter. Returns `out`."""
+    stop = start + out.shape[0]
+    if is_norm(name):
+        return out.fill_(1.0)
+    if name.endswith(LORA_B):  # LoRA's B starts at zero: the adapted model starts as the base model
+        return out.zero_()
+    if stop <= start:
+        return out
+    per = rows_per_block(shape)
+    for block in range(start // per, (stop - 1) // per + 1):
+        values = _draw_block(name, shape, block, cfg, seed)
+        lo, hi = max(start, block * per), min(stop, block * per + values.shape[0])
+        piece = values[lo - block * per: hi - block * per]
+        for dim, offset in enumerate(offsets, start=1):
+            piece = piece.narrow(dim, offset, out.shape[dim])
+        out[lo - start: hi - start].copy_(piece)
+    return out
+
+
 def full_rows(name: str, shape: tuple[int, ...], start: int, stop: int, cfg, seed: int) -> torch.Tensor:
     """Rows [start, stop) of parameter `name`'s initial value (full shape `shape`), fp32 on the CPU."""
-    rest = tuple(shape[1:])
-    if is_norm(name):
-        return torch.ones((stop - start, *rest))
-    if name.endswith(LORA_B):  # LoRA's B starts at zero: the adapted model starts as the base model
-        return torch.zeros((stop - start, *rest))
-    if stop <= start:
-        return torch.empty((0, *rest))
-    per = rows_per_block(shape)
-    first, last = start // per, (stop - 1) // per
-    parts = []
-    for block in range(first, last + 1):
-        rows = min(per, shape[0] - block * per)
-        gen = torch.Generator().manual_seed(block_seed(seed, name, block))
-        values = torch.empty((rows, *rest))
-        if name.endswith(LORA_A):  # LoRA's A: uniform(+-1/sqrt(in)), as nn.Linear's default (Hu et al., 2021)
-            bound = 1 / math.sqrt(shape[1])
-            parts.append(values.uniform_(-bound, bound, generator=gen))
-        else:
-            parts.append(values.normal_(0.0, init_std(name, cfg), generator=gen))
-    values = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return values[start - first * per: stop - first * per]
+    out = torch.empty((max(stop - start, 0), *shape[1:]))
+    return write_rows(out, name, shape, start, (0,) * (len(shape) - 1), cfg, seed)
 
 
 def full_value(name: str, shape: tuple[int, ...], cfg, seed: int) -> torch.Tensor:
@@ -134,8 +153,18 @@ def init_weights(module: nn.Module, cfg, seed: int) -> None:
     by its name in the unsharded model. Tied parameters are written once (they are one tensor)."""
     tied = bool(cfg.tie_embeddings)
     for name, param in module.named_parameters():
-        value = local_value(canonical_name(name, tied), param, cfg, seed)
+        name = canonical_name(name, tied)
         target = param.to_local() if hasattr(param, "to_local") else param
+        shape = tuple(param.shape)
+        box = (tuple(target.shape), (0,) * len(shape)) if not hasattr(param, "device_mesh") else (
+            _local_box(param) if shape else None)
+        if box is not None and shape and target.dtype == torch.float32 and target.device.type == "cpu" \
+                and target.is_contiguous():
+            (local_shape, offset) = box  # written block by block, straight into this rank's storage
+            if 0 not in local_shape:
+                write_rows(target, name, shape, offset[0], tuple(offset[1:]), cfg, seed)
+            continue
+        value = local_value(name, param, cfg, seed)  # another dtype or device, or a piece that is not one box
         target.copy_(value.to(dtype=target.dtype))
 
 

@@ -2,10 +2,15 @@
 
 Each block is one FSDP unit (Zhao et al. 2023, "PyTorch FSDP": the unit is the granularity of all-gather in
 forward and of reduce-scatter in backward). An untied input embedding is a unit of its own, resharded after
-its forward like a block (as TorchTitan does): gathered together with the output head, a vocabulary of 128k
-would keep two V x D matrices whole through the forward. The root unit holds the final norm and the output
-head (and a tied embedding, which must sit in the one unit that owns both uses). With a 2-D mesh (dp_replicate, dp_shard_cp) this is HSDP: parameters are
-sharded inside a replica group and gradients are all-reduced across groups.
+its forward like a block (as TorchTitan does), and so is an untied output head, kept gathered from its
+forward to its backward, which comes right after: the root unit's parameters are gathered when the model's
+forward *starts*, so a head in the root would sit whole, with its all-gather buffer (FSDP2 keeps a unit's
+buffer until the next unit's copy-out), beside the embedding and the first blocks through the whole forward:
+two V x D matrices and two buffers at the forward's start (benchmarks/build_memory.py --trace at 953M
+parameters, FSDP 4: peak 2231 -> 1981 MiB above the baseline). The root unit holds the final norm (and a tied
+embedding and head, which must sit in the one unit that owns both uses). With a 2-D mesh (dp_replicate,
+dp_shard_cp) this is HSDP: parameters are sharded inside a replica group and gradients are all-reduced
+across groups.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ def apply_fsdp(model, mesh: DeviceMesh, compute_dtype: torch.dtype, *, reshard_a
         fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    head = model.output if model.output is not None and not model.tied else None
+    if head is not None:  # used last in forward and first in backward: kept gathered in between
+        fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # The root's parameters are used last in forward and first in backward: keeping them gathered after
     # forward avoids an all-gather right before backward needs them again.
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)

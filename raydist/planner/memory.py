@@ -264,7 +264,8 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
             transient = max(transient, head["transient"])
         gathered = 0.0
         if lay.fsdp_size > 1:
-            # FSDP2: the root unit stays gathered (reshard_after_forward=False in raydist's apply_fsdp);
+            # FSDP2: the root unit and an untied head (a unit of its own) stay gathered from forward to
+            # backward (reshard_after_forward=False in raydist's apply_fsdp);
             # blocks (and an untied input embedding, a unit of its own) are gathered one at a time plus one
             # prefetched, or all kept from forward to backward when not resharding. The unsharded gradient
             # of a unit (compute dtype + fp32 reduce copy).

@@ -49,6 +49,38 @@ def test_the_audit_catches_a_host_tensor_on_a_device_group():
         assert len(violations) == 1 and "host tensor (1,) torch.int64 on a device group" in violations[0]
 
 
+def _derived_and_point_to_point() -> list[str]:
+    import numpy as np
+
+    host = new_group([0, 1], HOST, "cpu", 30)
+    peer = 1 - dist.get_rank()
+    training = torch.ones(2, device="cpu")  # made before the audit, like the model's tensors
+    with CollectiveAudit() as audit:
+        dist.all_reduce(torch.tensor([3]).long() + 1)  # computed from a host tensor only: still a host tensor
+        dist.all_reduce(torch.from_numpy(np.array([1.0])))  # numpy's memory is host memory
+        dist.all_reduce(torch.from_numpy(np.array([1.0])).to(torch.device("cpu")))  # moved to the device: fine
+        dist.all_reduce(torch.tensor([2.0]) * training[:1])  # with a training tensor: lands on its device
+        if dist.get_rank() == 0:
+            dist.send(torch.zeros(1), dst=1)
+        else:
+            dist.recv(torch.zeros(1), src=0)
+        ops = [dist.P2POp(dist.isend, training, peer), dist.P2POp(dist.irecv, torch.empty(2, device="cpu"), peer)]
+        for work in dist.batch_isend_irecv(ops):  # `dist.isend` (wrapped while auditing) is accepted by P2POp
+            work.wait()
+        dist.all_reduce(training.clone(), group=host)  # a training tensor on gloo: not on a CUDA run
+    return audit.violations
+
+
+def test_the_audit_follows_host_tensors_and_checks_point_to_point():
+    for rank, violations in enumerate(spawn(_derived_and_point_to_point, 2)):
+        p2p = "send" if rank == 0 else "recv"
+        assert [v.split(" (")[0] for v in violations] == [
+            "all_reduce of a host tensor", "all_reduce of a host tensor", f"{p2p} of a host tensor",
+            "all_reduce of a training-device tensor"], violations
+        assert "(1,) torch.int64 on a device group" in violations[0]
+        assert "(1,) torch.float64 on a device group" in violations[1]
+
+
 def _timeouts(raw: dict) -> list[tuple[str, float]]:
     from torch.distributed import distributed_c10d
 

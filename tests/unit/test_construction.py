@@ -9,7 +9,7 @@ import torch
 
 from raydist.config import ModelConfig
 from raydist.models.gpt import build_model, param_counts
-from raydist.models.init import BLOCK_ELEMENTS, full_rows, full_value, rows_per_block
+from raydist.models.init import BLOCK_ELEMENTS, full_rows, full_value, rows_per_block, write_rows
 from raydist.testing import constructed, run_fit, tiny_config
 
 MODEL = {"num_layers": 4}
@@ -70,6 +70,9 @@ def test_rows_are_drawn_independently_of_the_slice():
     for start, stop in [(0, 1), (per - 1, per + 1), (5, shape[0]), (2 * per, 3 * per + 7)]:
         assert torch.equal(full_rows("layers.0.feed_forward.w2.weight", shape, start, stop, cfg, 3),
                            whole[start:stop])
+    # a box (rows and columns, as a tensor-parallel shard holds) written in place, block by block
+    box = write_rows(torch.empty(per + 3, 100), "layers.0.feed_forward.w2.weight", shape, per - 1, (200,), cfg, 3)
+    assert torch.equal(box, whole[per - 1:2 * per + 2, 200:300])
     other = full_value("layers.1.feed_forward.w2.weight", shape, cfg, seed=3)
     assert not torch.equal(whole, other)  # keyed by name
     assert abs(float(whole.std()) - 0.02 / 2) < 1e-3  # residual output: std / sqrt(2 L)

@@ -39,3 +39,13 @@ def test_fsdp_clips_by_the_global_norm(tiny_data):
         clipped = math.sqrt(sum(float(g.pow(2).sum()) for g in rank.grads.values()))
         assert abs(clipped - 0.05) < 1e-5
         assert_equivalent(ref, rank)
+
+
+@pytest.mark.parametrize("layout, world", [({"dp_shard": 2}, 2), ({"pp": 2, "dp_shard": 2}, 4)],
+                         ids=["fsdp2", "pp2xfsdp2"])
+def test_untied_embedding_and_head_units_equal_single_process(tiny_data, layout, world):
+    """An untied embedding and output head are FSDP units of their own (raydist.parallel.fsdp)."""
+    model = {**MODEL, "tie_embeddings": False}
+    [ref] = run_layout(tiny_config(tiny_data, model=model), 1, steps=4)
+    for rank in run_layout(tiny_config(tiny_data, model=model, parallel=layout), world, steps=4):
+        assert_equivalent(ref, rank)
