@@ -144,6 +144,29 @@ def pick_device(local_rank: int | None = None, use_gpu: bool | None = None) -> t
     return torch.device("cpu")
 
 
+def bind_device(device: torch.device) -> bool:
+    """Eager NCCL initialisation for a default process group created without `device_id` (Ray Train's
+    TorchConfig calls `init_process_group(backend, init_method, rank, world_size, timeout)`): what
+    `init_process_group(device_id=device)` does after creating the group (torch/distributed/
+    distributed_c10d.py, `_new_process_group_helper`): bind the group to this rank's GPU and connect its
+    NCCL communicator now, collectively, instead of at the first collective. Later `new_group` calls
+    (the mesh's dp/tp/pp/cp groups) then split that communicator (ncclCommSplit) instead of bootstrapping
+    each one through the store. Every rank of the default group must call it, before any `new_group`.
+    Returns whether it bound (not for a CPU device, no group, a group already bound, or a backend that
+    cannot split, e.g. gloo)."""
+    if device.type != "cuda" or not dist.is_initialized():
+        return False
+    group = dist.distributed_c10d._get_default_group()
+    if getattr(group, "bound_device_id", None) is not None:
+        return False
+    backend = group._get_backend(device)
+    if not getattr(backend, "supports_splitting", False):
+        return False
+    group.bound_device_id = device
+    backend.eager_connect_single_device(device)
+    return True
+
+
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`. To CUDA through pinned (page-locked) memory with a non-blocking copy, so
     the copy is a DMA that overlaps the host's work instead of a staged synchronous one (the caching host

@@ -157,6 +157,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     entered = time.time()  # (with the process's start: where a restart's time goes, in the `launch` event)
     import ray.train
 
+    from raydist.runtime import bind_device
     from raydist.train_loop import fit
     from raydist.trainer import Trainer, TrainerOptions
 
@@ -173,6 +174,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     device = torch.device("cuda", ctx.get_local_rank()) if payload["use_gpu"] else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        bind_device(device)  # every worker, before the mesh's groups: they split the bound communicator
     fatal = failures.recorded(payload["run_dir"], payload["start_time"])
     if fatal is not None:  # an earlier attempt failed in a way no restart fixes: end here, the driver says why
         print(f"worker {dist.get_rank()}: not training: {fatal['error']}", flush=True)

@@ -55,6 +55,53 @@ def test_to_device_on_cpu_is_the_same_tensor():
     assert y is x and not y.is_pinned()
 
 
+class _Backend:
+    def __init__(self, splits: bool):
+        self.supports_splitting, self.connected = splits, []
+
+    def eager_connect_single_device(self, device):
+        self.connected.append(device)
+
+
+class _DefaultGroup:
+    """A default process group created without device_id (as Ray Train creates it)."""
+
+    def __init__(self, splits: bool):
+        self.bound_device_id, self.backend = None, _Backend(splits)
+
+    def _get_backend(self, device):
+        return self.backend
+
+
+@pytest.fixture
+def default_group(monkeypatch):
+    def make(splits: bool = True) -> _DefaultGroup:
+        group = _DefaultGroup(splits)
+        monkeypatch.setattr(runtime.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(runtime.dist.distributed_c10d, "_get_default_group", lambda: group)
+        return group
+    return make
+
+
+def test_bind_device_connects_nccl_eagerly_once_as_device_id_would(default_group):
+    group, gpu = default_group(), torch.device("cuda", 1)
+    assert runtime.bind_device(gpu) is True
+    assert group.bound_device_id == gpu and group.backend.connected == [gpu]
+    assert runtime.bind_device(gpu) is False and group.backend.connected == [gpu]  # already bound
+
+
+def test_bind_device_leaves_cpu_ranks_and_backends_that_cannot_split(default_group):
+    group = default_group()
+    assert runtime.bind_device(torch.device("cpu")) is False and group.bound_device_id is None
+    gloo = default_group(splits=False)
+    assert runtime.bind_device(torch.device("cuda", 0)) is False
+    assert gloo.bound_device_id is None and gloo.backend.connected == []
+
+
+def test_bind_device_without_a_process_group_does_nothing():
+    assert runtime.bind_device(torch.device("cuda", 0)) is False
+
+
 class _HostTensor:
     """Records what `to_device` does with a host tensor bound for CUDA."""
 
