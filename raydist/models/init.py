@@ -121,30 +121,38 @@ def local_region(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]
 
 
 def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """(local shape, global offset) of a DTensor's local piece when it is one box of the full tensor."""
+    """(local shape, global offset) of the piece of `param` this rank holds when that piece is one box of the
+    full tensor (a plain tensor: all of it); None for a scalar or a DTensor piece that is not one box."""
+    if param.dim() == 0:
+        return None
+    if not hasattr(param, "device_mesh"):
+        return tuple(param.shape), (0,) * param.dim()
     offset, shape = local_region(param)
     return (shape, offset) if shape == tuple(param.to_local().shape) else None
+
+
+def _write_box(out: torch.Tensor, name: str, shape: tuple[int, ...], box, cfg, seed: int) -> torch.Tensor:
+    """`out` filled with the box `box` (from `_local_box`) of parameter `name`'s initial value."""
+    local_shape, offset = box
+    if 0 not in local_shape:
+        write_rows(out, name, shape, offset[0], tuple(offset[1:]), cfg, seed)
+    return out
 
 
 def local_value(name: str, param: torch.Tensor, cfg, seed: int) -> torch.Tensor:
     """The initial value of the piece of `name` that `param` holds on this rank (a plain tensor: all of it;
     a DTensor: its local shard), fp32 on the CPU."""
     shape = tuple(param.shape)
-    if not hasattr(param, "device_mesh"):
+    box = _local_box(param)
+    if box is not None:
+        return _write_box(torch.empty(box[0]), name, shape, box, cfg, seed)
+    if not hasattr(param, "device_mesh"):  # a scalar
         return full_value(name, shape, cfg, seed)
-    box = _local_box(param) if shape else None
-    if box is None:  # a placement whose local piece is not one box: cut the full value as DTensor does
-        from torch.distributed.tensor import distribute_tensor
+    # a placement whose local piece is not one box: cut the full value as DTensor does
+    from torch.distributed.tensor import distribute_tensor
 
-        full = full_value(name, shape, cfg, seed)
-        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-    local_shape, offset = box
-    if 0 in local_shape:
-        return torch.empty(local_shape)
-    rows = full_rows(name, shape, offset[0], offset[0] + local_shape[0], cfg, seed)
-    for dim in range(1, len(shape)):
-        rows = rows.narrow(dim, offset[dim], local_shape[dim])
-    return rows
+    full = full_value(name, shape, cfg, seed)
+    return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
 
 
 @torch.no_grad()
@@ -155,17 +163,12 @@ def init_weights(module: nn.Module, cfg, seed: int) -> None:
     for name, param in module.named_parameters():
         name = canonical_name(name, tied)
         target = param.to_local() if hasattr(param, "to_local") else param
-        shape = tuple(param.shape)
-        box = (tuple(target.shape), (0,) * len(shape)) if not hasattr(param, "device_mesh") else (
-            _local_box(param) if shape else None)
-        if box is not None and shape and target.dtype == torch.float32 and target.device.type == "cpu" \
-                and target.is_contiguous():
-            (local_shape, offset) = box  # written block by block, straight into this rank's storage
-            if 0 not in local_shape:
-                write_rows(target, name, shape, offset[0], tuple(offset[1:]), cfg, seed)
-            continue
-        value = local_value(name, param, cfg, seed)  # another dtype or device, or a piece that is not one box
-        target.copy_(value.to(dtype=target.dtype))
+        box = _local_box(param)
+        if box is not None and target.dtype == torch.float32 and target.device.type == "cpu" \
+                and target.is_contiguous():  # written block by block, straight into this rank's storage
+            _write_box(target, name, tuple(param.shape), box, cfg, seed)
+        else:  # another dtype or device, or a piece that is not one box
+            target.copy_(local_value(name, param, cfg, seed).to(dtype=target.dtype))
 
 
 @torch.no_grad()

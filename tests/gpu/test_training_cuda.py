@@ -227,22 +227,16 @@ def test_checkpoint_save_and_load_from_gpu_memory(tiny_data, tmp_path, blocking)
 def _bind_after_plain_init() -> tuple[bool, str, float]:
     import torch.distributed as dist
 
-    from raydist.runtime import bind_device
+    from raydist.runtime import bind_device, free_port
 
     dist.destroy_process_group()  # spawn's group was created with device_id; start again as Ray Train does
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     bound = bind_device(torch.device("cuda", 0))
     group = dist.new_group([0])  # split from the bound communicator
     x = torch.ones(4, device="cuda")
     dist.all_reduce(x, group=group)
     torch.cuda.synchronize()
     return bound, str(dist.distributed_c10d._get_default_group().bound_device_id), float(x.sum())
-
-
-def _port() -> int:
-    from raydist.runtime import free_port
-
-    return free_port()
 
 
 def test_bind_device_connects_a_plain_nccl_group_eagerly():
