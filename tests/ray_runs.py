@@ -14,11 +14,12 @@ from raydist.launcher import launch
 
 
 def jsonl(path) -> list[dict]:
-    """The records of a JSON-lines file ([] while it does not exist yet)."""
+    """The complete records of a JSON-lines file ([] while it does not exist yet). A run appends while a
+    test polls, so the last line may be half written: only lines that end in a newline are records."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def records(run_dir, name="metrics.jsonl") -> list[dict]:
