@@ -365,10 +365,11 @@ def _attach_replicas(trainer: Trainer, replicas, goodput: Goodput | None, events
 
 
 def _record_live_samples(run_dir: str, trainer: Trainer, stats: StepStats) -> None:
-    """Tests (TrainerOptions.record_samples): every replica appends the sample ids of each step it
-    committed, with its span and (rank, size) in that step's quorum, to RUN_DIR/samples/replica-<pid>.jsonl,
-    so a test can account for every sample of a run. A replica killed between a step's commit and this line
-    trained that step without recording it: the survivors' lines name the quorum it was part of."""
+    """Tests (TrainerOptions.record_samples): every worker of every replica appends the sample ids of each
+    step it committed, with its own span, its replica's span, (rank, size) in that step's quorum and
+    (dp rank, dp) inside its replica, to RUN_DIR/samples/replica-<pid>.jsonl, so a test can account for
+    every sample of a run. A worker killed between a step's commit and this line trained that step without
+    recording it: the survivors' lines name the quorum it was part of."""
     from raydist.metrics.logger import append_line
 
     if stats.sample_ids is None:
@@ -376,7 +377,8 @@ def _record_live_samples(run_dir: str, trainer: Trainer, stats: StepStats) -> No
     path = join(run_dir, "samples", f"replica-{os.getpid()}.jsonl")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     append_line(path, json.dumps({"step": trainer.step, "span": list(trainer.last_span),
-                                  "quorum": list(trainer.last_quorum),
+                                  "replica_span": list(trainer.last_replica_span), "quorum": list(trainer.last_quorum),
+                                  "shard": [trainer.mesh.dp_rank, trainer.layout.dp],
                                   "ids": [int(i) for i in stats.sample_ids]}))
 
 
