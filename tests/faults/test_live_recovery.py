@@ -21,6 +21,7 @@ from ray_runs import Background, jsonl, ray_4cpu, wait_for  # noqa: F401  (ray_4
 from raydist.testing import run_fit
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+EXACT_STEPS = 30  # the steps whose losses must equal the uninterrupted run's to 1e-4 (see the test)
 
 
 def small(data: str, root, *extra) -> Config:
@@ -120,14 +121,26 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     assert sorted((e["replica"], e["replica_rank"]) for e in relaunched) == [(replica, j) for j in range(shard)]
     assert not {e["pid"] for e in relaunched} & group
     assert abs(summary["final_loss"] - reference.losses[-1]) / reference.losses[-1] < 0.02
+    # Each step's loss is the uninterrupted run's up to summation order (only who computed which rows
+    # changed): 1e-4 over the first EXACT_STEPS, which hold the kill, any step redone and survivor's steps
+    # alone (asserted below). Later the reduction-order noise (1e-7 at first) grows through training,
+    # smoothly and unrelated to the events (3e-3 by step 65 in one run), so the final loss is held to 2%.
+    logged = {r["step"]: r["loss"] for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")}
+    # (a killed leader replica takes its last metrics lines still in its writer's queue with it)
+    unlogged = sorted(set(range(1, steps + 1)) - set(logged))
+    assert not unlogged or (replica == 0 and unlogged == list(range(unlogged[0], unlogged[-1] + 1))
+                            and len(unlogged) <= 3), unlogged
+    worst = max(abs(logged[s] - reference.losses[s - 1]) / reference.losses[s - 1] for s in logged if s <= EXACT_STEPS)
     # every sample of the uninterrupted run, step by step, trained exactly once
     assert_every_sample_trained_once(committed_steps(run_dir), reference.sample_ids, batch, shard, group)
     metrics = [r for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")]
     one_replica = [r["step"] for r in metrics if r["replicas"] == 1]
-    assert one_replica, "no step ran on the survivor alone"
-    times = {r["step"]: r["elapsed_s"] for r in metrics}
-    gaps = [times[s] - times[s - 1] for s in sorted(times) if s - 1 in times]
+    assert one_replica and min(one_replica) <= EXACT_STEPS, one_replica  # the survivor stepped alone
+    times = [r["elapsed_s"] for r in sorted(metrics, key=lambda r: r["step"])]  # (an unlogged step: in its gap)
+    gaps = [b - a for a, b in zip(times, times[1:])]
     print(f"\nlive recovery (dp_shard {shard}, replica {replica} rank {rank} killed): survivor's longest step gap "
           f"{max(gaps):.2f}s (median {sorted(gaps)[len(gaps) // 2]:.3f}s), time to rejoin "
           f"{joined[0]['time_to_rejoin_s']:.2f}s, steps on one replica {len(one_replica)}, "
-          f"steps retried {summary.get('replica_steps_retried')}")
+          f"steps retried {summary.get('replica_steps_retried')}, largest loss difference over steps 1-{EXACT_STEPS} "
+          f"{worst:.1e}")
+    assert worst <= 1e-4, worst
