@@ -112,8 +112,8 @@ class RunLogger:
             self.records += 1
             steps = max(self.interval_steps, 1)
             tokens_per_s = self.tokens_per_step * self.interval_steps / max(self.interval_time, 1e-9)
-            # (live recovery: the step's replicas share the work, each in a world of one)
-            achieved = tokens_per_s * self.flops_per_token / (stats.replicas or self.trainer.world_size)
+            # (live recovery: the step's replicas share the work, each over its own world of world_size workers)
+            achieved = tokens_per_s * self.flops_per_token / ((stats.replicas or 1) * self.trainer.world_size)
             rec.update(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm, tokens_per_s=round(tokens_per_s, 2),
                        step_time_s=round(self.interval_time / steps, 5),
                        data_wait_s=round(self.interval_wait / steps, 5),
@@ -232,7 +232,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None,
                       background=bookkeeping) if run_dir and rank0 else None
     ckpt = _Checkpoints(trainer, run_dir, events, goodput, session, log, tensorboard) if run_dir else None
-    replicas = trainer.replicas  # live recovery (raydist.elastic.live): this worker is one replica
+    replicas = trainer.replicas  # live recovery (raydist.elastic.live): this worker is in one replica
     lead = replicas.is_leader if replicas is not None else (lambda: True)
     if replicas is not None:
         for writer in (events, goodput):

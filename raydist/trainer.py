@@ -170,7 +170,7 @@ class Trainer:
         self.sample_log: list[np.ndarray] = []
         self.notes: dict = {}  # small JSON facts that survive restarts with the checkpoint (first_val_loss)
         self._unsettled: list[StepStats] = []  # steps whose loss is not yet reduced (`settle`)
-        # live recovery (raydist.elastic.live): this worker is one replica of a quorum; set before training
+        # live recovery (raydist.elastic.live): this worker is in one replica of a quorum; set before training
         self.replicas: Replicas | None = None
         self.retried_steps = 0  # live steps redone because a replica was lost inside them
         self._open_data()

@@ -115,6 +115,8 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     assert [e["replica"] for e in lost] == [replica] and [e["replica"] for e in joined] == [replica], (lost, joined)
     assert summary["replicas_lost"] == 1 and summary["replica_time_out_s"] > 0
     assert not any(e["kind"] == "restart" for e in events)
+    # durable checkpoints went on (written by the leader replica's workers): the last one is committed
+    assert (run_dir / "checkpoints" / f"step_{steps:08d}" / "COMMIT.json").exists()
     # Ray Train replaced the victim's whole replica group (every one of its workers, each launched twice) and
     # nothing else; the replacement took the live state: it started after the kill and loaded no checkpoint
     relaunched = [e for e in events if e["kind"] == "launch"][len(launches):]
