@@ -21,8 +21,9 @@ The recovery runs through `launch` as `raydist train` does (an embedded Ray with
 settings, raydist.ray_cluster). --compare runs it a second time, first, with the settings raydist had
 before (PREVIOUS_ENV), and prints both side by side.
 
-Live recovery, measured in the same run (`elastic.live_recovery`, dp_replicate 2: each worker one torchft
-replica): replica 1 is SIGKILLed; the survivor keeps stepping and Ray Train replaces only that worker:
+Live recovery, measured in the same run (`elastic.live_recovery`, dp_replicate 2, each replica one worker
+and, with --live-shards 1,2, also two workers with FSDP inside: 4 workers): the last worker of replica 1 is
+SIGKILLed; the surviving replica keeps stepping and Ray Train replaces only the victim's replica group:
 
     detection      kill -> the survivor's `replica_lost` (its quorum without the dead replica)
     survivor stall the longest gap between the survivor's consecutive steps from the kill on
@@ -35,7 +36,8 @@ one raw file per rank through fsspec to the same directory, best of --repeats ea
 what an asynchronous save stalls training (staging the state to host memory), also as a share of one
 training step of a GPT of --params parameters on a rank's share of the default workload's batch.
 
-    python benchmarks/recovery.py [--params 20e6] [--repeats 3] [--compare] [--skip-live] [--json]
+    python benchmarks/recovery.py [--params 20e6] [--repeats 3] [--compare] [--skip-live] [--live-shards 1,2]
+                                  [--json]
 """
 
 from __future__ import annotations
@@ -111,19 +113,23 @@ def recovery(data_path: str, root: str, name: str = "recovery", env: dict[str, s
             "resumed_step": restarted["step"], "steps_redone": restarted.get("steps_to_redo", 0)}
 
 
-def live_recovery(data_path: str, root: str, steps: int = 400) -> dict[str, float | None]:
+def live_recovery(data_path: str, root: str, steps: int = 400, shard: int = 1) -> dict[str, float | None]:
     import ray
 
     from raydist.launcher import launch
+    from raydist.ray_cluster import embedded_dashboard, train_env
 
     cfg = Config.load("workloads/gpt_tiny.toml", [f"data.path={data_path}", "data.reader=arrow", f"train.steps={steps}",
                                                   "train.eval_every=0", "train.log_every=1",
                                                   "checkpoint.every_steps=10", "checkpoint.async_save=false",
-                                                  f"checkpoint.storage={root}", "train.run_name=live",
-                                                  "parallel.dp_replicate=2", "elastic.live_recovery=true",
-                                                  "elastic.collective_timeout_s=60"])
-    run_dir = os.path.join(root, "live")
-    ray.init(address="local", num_cpus=4, logging_level="warning")
+                                                  f"checkpoint.storage={root}", f"train.run_name=live{shard}",
+                                                  "parallel.dp_replicate=2", f"parallel.dp_shard={shard}",
+                                                  f"ray.num_workers={2 * shard}", f"ray.cpus_per_worker={1 / shard}",
+                                                  "elastic.live_recovery=true", "elastic.collective_timeout_s=60"])
+    run_dir = os.path.join(root, f"live{shard}")
+    saved = dict(os.environ)
+    os.environ.update(train_env(embedded=True))  # as raydist's own embedded cluster (raydist.ray_cluster)
+    ray.init(address="local", num_cpus=4, logging_level="warning", **embedded_dashboard())
     try:
         done: list = []
         job = threading.Thread(target=lambda: done.append(launch(cfg, log=lambda *_: None)), daemon=True)
@@ -131,12 +137,14 @@ def live_recovery(data_path: str, root: str, steps: int = 400) -> dict[str, floa
         while not any(r["step"] >= 35 for r in _lines(os.path.join(run_dir, "metrics.jsonl"))):
             time.sleep(0.2)
         victim = next(e["pid"] for e in _lines(os.path.join(run_dir, "events.jsonl"))
-                      if e["kind"] == "launch" and e.get("replica") == 1)
+                      if e["kind"] == "launch" and e.get("replica") == 1 and e.get("replica_rank") == shard - 1)
         killed_at = time.time()
         os.kill(victim, signal.SIGKILL)
         job.join(900)
     finally:
         ray.shutdown()
+        os.environ.clear()
+        os.environ.update(saved)
     summary = done[0] if done else {}
     events = _lines(os.path.join(run_dir, "events.jsonl"))
     lost = next((e for e in events if e["kind"] == "replica_lost"), None)
@@ -242,6 +250,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-recovery", action="store_true", help="only the save throughput")
     parser.add_argument("--skip-live", action="store_true", help="no live-recovery measurement")
+    parser.add_argument("--live-shards", default="1,2",
+                        help="workers per replica (parallel.dp_shard) of the live-recovery runs, comma-separated")
     parser.add_argument("--skip-step", action="store_true",
                         help="do not time a training step of a model of --params parameters (the async stall's share)")
     parser.add_argument("--compare", action="store_true",
@@ -252,14 +262,16 @@ def main() -> None:
 
     cfg = Config.load("workloads/gpt_tiny.toml")
     cfg = ensure_data(cfg)
-    r = live = before = None
+    r = before = None
+    live: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_recovery:
             if args.compare:
                 before = recovery(cfg.data.path, tmp, "recovery_before", PREVIOUS_ENV)
             r = recovery(cfg.data.path, tmp)
             if not args.skip_live:
-                live = live_recovery(cfg.data.path, tmp)
+                for shard in (int(v) for v in args.live_shards.split(",")):
+                    live[shard] = live_recovery(cfg.data.path, tmp, shard=shard)
         t = spawn(_save_vs_raw, 2, int(args.params), os.path.join(tmp, "save"), args.repeats,
                   not args.skip_step)[0]
     if r is not None:
@@ -271,13 +283,15 @@ def main() -> None:
             indent = "    " if part in ("group down + spawn", "worker start", "entry") else "  "
             was = f"{before[part]:6.2f} s " if before is not None else ""
             print(f"{indent}{part:<{24 - len(indent)}} {was}{r[part]:6.2f} s")
-    if live is not None:
-        def secs(v):
-            return "n/a" if v is None else f"{v:.2f} s"
-        print(f"\nlive recovery (worker kill, dp_replicate 2): survivor stall {secs(live['survivor stall'])} "
-              f"(median step {secs(live['median step'])}), detection {secs(live['detection'])}, replacement back in "
-              f"the quorum after {secs(live['rejoin'])} (lost at step {live['lost_step']}, joined at step "
-              f"{live['joined_step']}); restarts {live['restarts']}, steps redone {live['steps_redone']}")
+    def secs(v):
+        return "n/a" if v is None else f"{v:.2f} s"
+
+    for shard, run in live.items():
+        print(f"\nlive recovery (worker kill, dp_replicate 2 x dp_shard {shard}): survivor stall "
+              f"{secs(run['survivor stall'])} (median step {secs(run['median step'])}), detection "
+              f"{secs(run['detection'])}, replacement back in the quorum after {secs(run['rejoin'])} (lost at step "
+              f"{run['lost_step']}, joined at step {run['joined_step']}); restarts {run['restarts']}, steps redone "
+              f"{run['steps_redone']}")
     mb = t["bytes"] / 2**20
     print(f"\ncheckpoint save of {mb:.0f} MiB (2 ranks): {t['save_s']:.2f} s = {mb / t['save_s']:.0f} MiB/s; "
           f"raw write of the same bytes {t['raw_s']:.2f} s = {mb / t['raw_s']:.0f} MiB/s; "
@@ -297,10 +311,11 @@ def main() -> None:
             if run is not None:
                 figures.update({f"{prefix}_{k.replace(' + ', '_').replace(' ', '_')}_s": round(run[k], 3)
                                 for k in PARTS + ("total",)})
-        if live is not None:
-            figures.update({f"live_{k.replace(' ', '_')}" + ("_s" if k in ("detection", "survivor stall", "median step",
-                                                                           "rejoin") else ""):
-                            (round(v, 3) if isinstance(v, float) else v) for k, v in live.items()})
+        for shard, run in live.items():  # dp_shard 1 keeps the earlier names (live_...), others live_shard<N>_...
+            prefix = "live_" if shard == 1 else f"live_shard{shard}_"
+            figures.update({prefix + k.replace(' ', '_') + ("_s" if k in ("detection", "survivor stall", "median step",
+                                                                         "rejoin") else ""):
+                            (round(v, 3) if isinstance(v, float) else v) for k, v in run.items()})
         print(json.dumps(figures))
 
 

@@ -342,25 +342,30 @@ class Config:
             self._validate_live_recovery()
 
     def _validate_live_recovery(self) -> None:
-        """Live recovery runs replicas of one worker each: Ray Train 2.60 builds replica groups of size 1
-        (its worker group's `replica_group_size=1`) and replaces only a failed one, so a replica with an
-        FSDP/TP/PP/CP mesh inside has no group to be replaced as a whole."""
+        """Live recovery runs replicas of dp_shard workers each (FSDP inside a replica, one worker without):
+        Ray Train replaces a failed replica group whole (raydist.elastic.replica_groups), and a replica's
+        share of each step is cut equally over its dp_shard ranks. TP/PP/CP inside a replica are not built
+        (the live step runs the data-parallel runner only)."""
         p = self.parallel
-        inner = {k: getattr(p, k) for k in ("dp_shard", "tp", "pp", "cp") if getattr(p, k) != 1}
+        inner = {k: getattr(p, k) for k in ("tp", "pp", "cp") if getattr(p, k) != 1}
         if p.auto or inner:
             got = "parallel.auto=true" if p.auto else ", ".join(f"parallel.{k}={v}" for k, v in inner.items())
-            raise ConfigError(f"elastic.live_recovery=true with {got}: Ray Train 2.60 replaces replica groups of one "
-                              "worker only, so live recovery needs replicas of one worker (parallel.dp_replicate=N, "
-                              "every other degree 1); set those degrees to 1 or elastic.live_recovery=false")
+            raise ConfigError(f"elastic.live_recovery=true with {got}: a live replica is dp_shard workers (FSDP) or "
+                              "one; set tp, pp and cp to 1 (and parallel.auto=false) or elastic.live_recovery=false")
+        if p.dp_shard < 1:
+            raise ConfigError(f"elastic.live_recovery=true needs an explicit parallel.dp_shard (got {p.dp_shard}): the "
+                              "workers of one replica; set parallel.dp_shard=1 for replicas of one worker")
         if p.dp_replicate < 2:
             raise ConfigError(f"elastic.live_recovery=true needs parallel.dp_replicate >= 2 replicas (got "
-                              f"{p.dp_replicate}); set parallel.dp_replicate to the worker count")
+                              f"{p.dp_replicate}); set parallel.dp_replicate to the replica count")
         if self.elastic_enabled:
             raise ConfigError(f"elastic.live_recovery=true with elastic.max_workers={self.elastic.max_workers}: live "
                               "recovery keeps a fixed replica count; set elastic.min_workers=0 and max_workers=0")
-        if self.ray.num_workers != p.dp_replicate:
-            raise ConfigError(f"elastic.live_recovery=true needs one worker per replica: ray.num_workers="
-                              f"{self.ray.num_workers} but parallel.dp_replicate={p.dp_replicate}; set them equal")
+        if self.ray.num_workers != p.dp_replicate * p.dp_shard:
+            raise ConfigError(f"elastic.live_recovery=true needs dp_replicate x dp_shard workers: ray.num_workers="
+                              f"{self.ray.num_workers} but parallel.dp_replicate={p.dp_replicate} x dp_shard="
+                              f"{p.dp_shard} = {p.dp_replicate * p.dp_shard}; set ray.num_workers="
+                              f"{p.dp_replicate * p.dp_shard}")
 
     @property
     def elastic_enabled(self) -> bool:

@@ -42,9 +42,10 @@ class ElasticConfig:
     again (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S). After a node loss an elastic run first asks again for
     its old size, since Ray's resource view still counts the lost node, and shrinks only after this wait."""
     live_recovery: bool = False
-    """Live recovery (torchft): each of the parallel.dp_replicate workers is a replica; when one dies the
-    others keep stepping and its replacement receives the live state from a peer (no restart, no reload).
-    Needs dp_replicate >= 2 with every other degree 1 (Ray Train replaces replica groups of one worker)."""
+    """Live recovery (torchft): each of the parallel.dp_replicate replicas is parallel.dp_shard workers (FSDP
+    inside it); when a worker dies the other replicas keep stepping, Ray Train replaces its whole replica and
+    the replacement receives the live state from a peer (no restart, no reload). Needs dp_replicate >= 2,
+    ray.num_workers = dp_replicate x dp_shard, tp = pp = cp = 1."""
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,9 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
         except ImportError:
             raise ConfigError("elastic.live_recovery=true needs torchft, which is not installed; "
                               "pip install 'raydist[live]' (or set elastic.live_recovery=false)") from None
+        from raydist.elastic.replica_groups import check_ray_version  # (importing it checks too)
+
+        check_ray_version()
     if cfg.model.init_from:  # names and shapes from the safetensors headers, before any worker starts
         from raydist.config import hf_dir_of
         from raydist.models.hf_load import check_checkpoint
@@ -141,13 +144,12 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
                "record_samples": record_samples}
     backend = dict(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s))
     if cfg.elastic.live_recovery:
-        # Ray Train runs torchft's Lighthouse and makes every worker a replica group of its own, replacing
-        # only a failed one (raydist.elastic.live)
-        from ray.train.v2.torch.torchft_config import TorchftConfig
-
+        # Ray Train runs torchft's Lighthouse and makes every dp_shard workers a replica group, replacing
+        # only a failed one whole (raydist.elastic.live, raydist.elastic.replica_groups)
         from raydist.elastic.live import LIGHTHOUSE_KWARGS
+        from raydist.elastic.replica_groups import ReplicaGroupsConfig
 
-        torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), **backend)
+        torch_config = ReplicaGroupsConfig(dict(LIGHTHOUSE_KWARGS), cfg.parallel.dp_shard, **backend)
     else:
         torch_config = TorchConfig(**backend)
     return TorchTrainer(

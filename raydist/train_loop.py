@@ -112,8 +112,8 @@ class RunLogger:
             self.records += 1
             steps = max(self.interval_steps, 1)
             tokens_per_s = self.tokens_per_step * self.interval_steps / max(self.interval_time, 1e-9)
-            # (live recovery: the step's replicas share the work, each in a world of one)
-            achieved = tokens_per_s * self.flops_per_token / (stats.replicas or self.trainer.world_size)
+            # (live recovery: the step's replicas share the work, each over its own world of world_size workers)
+            achieved = tokens_per_s * self.flops_per_token / ((stats.replicas or 1) * self.trainer.world_size)
             rec.update(loss=stats.loss, lr=stats.lr, grad_norm=stats.grad_norm, tokens_per_s=round(tokens_per_s, 2),
                        step_time_s=round(self.interval_time / steps, 5),
                        data_wait_s=round(self.interval_wait / steps, 5),
@@ -232,7 +232,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None,
                       background=bookkeeping) if run_dir and rank0 else None
     ckpt = _Checkpoints(trainer, run_dir, events, goodput, session, log, tensorboard) if run_dir else None
-    replicas = trainer.replicas  # live recovery (raydist.elastic.live): this worker is one replica
+    replicas = trainer.replicas  # live recovery (raydist.elastic.live): this worker is in one replica
     lead = replicas.is_leader if replicas is not None else (lambda: True)
     if replicas is not None:
         for writer in (events, goodput):
@@ -365,10 +365,11 @@ def _attach_replicas(trainer: Trainer, replicas, goodput: Goodput | None, events
 
 
 def _record_live_samples(run_dir: str, trainer: Trainer, stats: StepStats) -> None:
-    """Tests (TrainerOptions.record_samples): every replica appends the sample ids of each step it
-    committed, with its span and (rank, size) in that step's quorum, to RUN_DIR/samples/replica-<pid>.jsonl,
-    so a test can account for every sample of a run. A replica killed between a step's commit and this line
-    trained that step without recording it: the survivors' lines name the quorum it was part of."""
+    """Tests (TrainerOptions.record_samples): every worker of every replica appends the sample ids of each
+    step it committed, with its own span, its replica's span, (rank, size) in that step's quorum and
+    (dp rank, dp) inside its replica, to RUN_DIR/samples/replica-<pid>.jsonl, so a test can account for
+    every sample of a run. A worker killed between a step's commit and this line trained that step without
+    recording it: the survivors' lines name the quorum it was part of."""
     from raydist.metrics.logger import append_line
 
     if stats.sample_ids is None:
@@ -376,7 +377,8 @@ def _record_live_samples(run_dir: str, trainer: Trainer, stats: StepStats) -> No
     path = join(run_dir, "samples", f"replica-{os.getpid()}.jsonl")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     append_line(path, json.dumps({"step": trainer.step, "span": list(trainer.last_span),
-                                  "quorum": list(trainer.last_quorum),
+                                  "replica_span": list(trainer.last_replica_span), "quorum": list(trainer.last_quorum),
+                                  "shard": [trainer.mesh.dp_rank, trainer.layout.dp],
                                   "ids": [int(i) for i in stats.sample_ids]}))
 
 

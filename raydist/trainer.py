@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from raydist.checkpoint.compat import compat_record
 from raydist.checkpoint.state import AttributeState, ModelOptimizerState, RNGState, SchedulerState, Stateful
@@ -169,7 +170,7 @@ class Trainer:
         self.sample_log: list[np.ndarray] = []
         self.notes: dict = {}  # small JSON facts that survive restarts with the checkpoint (first_val_loss)
         self._unsettled: list[StepStats] = []  # steps whose loss is not yet reduced (`settle`)
-        # live recovery (raydist.elastic.live): this worker is one replica of a quorum; set before training
+        # live recovery (raydist.elastic.live): this worker is in one replica of a quorum; set before training
         self.replicas: Replicas | None = None
         self.retried_steps = 0  # live steps redone because a replica was lost inside them
         self._open_data()
@@ -308,20 +309,24 @@ class Trainer:
 
     def _live_step(self) -> StepStats:
         """One step as a replica of a torchft quorum (raydist.elastic.live): this replica's share of the global
-        batch, gradients and loss summed over the quorum weighted by rows / G, committed only if the whole
-        quorum finished; a step that fails is redone with the next quorum over the same [P, P + G)."""
-        g = self.layout.global_batch
+        batch, cut equally over its dp ranks, gradients and loss summed over the quorum weighted by the
+        replica's rows / G, committed only if the whole quorum finished; a step that fails is redone with the
+        next quorum over the same [P, P + G)."""
+        g, dp = self.layout.global_batch, self.layout.dp
         start = time.perf_counter()
         data_wait = 0.0
         while True:
             rank, count = self.replicas.begin_step()  # a replacement receives the live state here
-            span = live_slice(self.position, g, rank, count)
+            span = live_slice(self.position, g, rank, count, unit=dp)
+            mine = rank_slice(span[0], span[1] - span[0], self.mesh.dp_rank, dp)
             wait_start = time.perf_counter()
-            tokens, ids = self.next_batch(span, whole=False)
+            tokens, ids = self.next_batch(mine, whole=False)
             data_wait += time.perf_counter() - wait_start
-            rows = span[1] - span[0]
+            rows = mine[1] - mine[0]
             out = self.runner.step(tokens, micro_batch=micro_batch_for(rows, self.layout.micro_batch))
-            loss = self._reduce_over_replicas(out.loss, rows / g)
+            # this rank's mean loss -> the replica's (its dp ranks hold equal rows; FSDP averaged the gradients)
+            loss = self._reduce_over_replicas(self._data_mean(out.loss.detach().float().reshape(())),
+                                              (span[1] - span[0]) / g)
             grad_norm = self.runner.clip(self.cfg.train.grad_clip)
             if self.replicas.should_commit():
                 break
@@ -335,25 +340,29 @@ class Trainer:
         self.scheduler.step()
         self.step += 1
         self.position += g
-        self.last_span, self.last_quorum = span, (rank, count)
+        self.last_span, self.last_replica_span, self.last_quorum = mine, span, (rank, count)
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
         stats = StepStats(None, loss, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
         stats.replicas = count
         return stats
 
-    def _reduce_over_replicas(self, local_loss: torch.Tensor, weight: float) -> float:
+    def _reduce_over_replicas(self, replica_loss: torch.Tensor, weight: float) -> float:
         """Gradients and loss <- sum over the quorum of weight_r x (this replica's), weight_r = rows_r / G: the
-        mean over the global batch when replicas hold unequal shares. One flat all-reduce."""
+        mean over the global batch when replicas hold unequal shares. One flat all-reduce of this rank's
+        gradient shards (FSDP: the local shards of its DTensors; rank j of every replica holds the same ones)."""
         params = [p for p in self.pm.model.parameters() if p.requires_grad]
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
         flat = torch.cat([g.detach().float().reshape(-1) for g in grads] +
-                         [local_loss.detach().float().reshape(1)]) * weight
+                         [replica_loss.detach().float().reshape(1)]) * weight
         self.replicas.all_reduce_sum(flat)
         offset = 0
-        for param, grad in zip(params, grads):
+        for grad in grads:
             n = grad.numel()
-            param.grad = flat[offset:offset + n].view_as(grad).to(grad.dtype)
+            grad.copy_(flat[offset:offset + n].view_as(grad))
             offset += n
         return float(flat[-1])
 

@@ -1,21 +1,24 @@
-"""Live recovery: every worker is one replica of the model in a torchft quorum, and a lost replica is
-replaced while the others keep stepping.
+"""Live recovery: every replica of the model is one torchft replica group, and a lost replica is replaced
+while the others keep stepping.
 
 torchft (Meta, "torchft: fault tolerance for PyTorch", github.com/meta-pytorch/torchft) owns the protocol:
-a Lighthouse forms a quorum of the live replicas at every step, each replica's Manager reconfigures the
-cross-replica process group when the quorum changes, and a replica that is behind (a replacement)
-receives the live state from a peer over that process group (`PGTransport`) before it steps. Ray Train
-2.60 (`TorchftConfig`) runs the Lighthouse and replaces only the failed replica group. Each Ray Train
-worker is its own replica group of one worker (Ray 2.60 builds replica groups of size 1), so each
-worker's default process group has world size 1 and everything raydist does inside a replica (its
-layout, checkpoint group, bookkeeping) sees a world of one; the replicas meet only through the Manager.
+a Lighthouse forms a quorum of the live replica groups at every step, each worker's Manager reconfigures its
+cross-replica process group when the quorum changes, and a replica group that is behind (a replacement)
+receives the live state from a peer group over that process group (`PGTransport`) before it steps: rank j
+of the replacement from rank j of the peer, whose shards are the same ones. Ray Train 2.60 (`TorchftConfig`,
+with raydist.elastic.replica_groups for groups of several workers) runs the Lighthouse and replaces only the
+failed replica group. A replica is `parallel.dp_shard` workers (FSDP inside it, one worker without): the
+replica's own process group is its world, so everything raydist does inside a replica (its layout, mesh,
+checkpoint group, bookkeeping) sees that world; the replicas meet only through the Manager, as in
+TorchTitan's HSDP with torchft (shard inside a replica group, replicate across groups through torchft).
 
 One step, on every replica in the quorum (`Trainer.train_step` with `trainer.replicas` set):
 
-    rank, count = replicas.begin_step()      # the quorum; a replacement heals from a live peer here
-    [s, e) = live_slice(P, G, rank, count)    # this replica's share of the global batch [P, P + G)
-    forward/backward of its e - s rows        # local mean loss L_r and gradient g_r
-    all-reduce SUM of (e - s) / G * [g_r, L_r]  -> the mean over the whole global batch on every replica
+    rank, count = replicas.begin_step()             # the quorum; a replacement heals from a live peer here
+    [s, e) = live_slice(P, G, rank, count, d)        # this replica's share of the global batch [P, P + G)
+    dp rank i of its d takes [s + i (e-s)/d, ...)    # equal parts: FSDP averages its ranks' gradients
+    forward/backward -> the replica's mean loss L_r and gradient shards g_r (reduce-scattered over d)
+    all-reduce SUM of (e - s) / G * [g_r, L_r]       -> the mean over the whole global batch, per shard
     optimizer step only if replicas.should_commit(); else the step is redone with the next quorum
 
 The data policy is re-split, not skip: the global batch of a step is always [P, P + G), cut over however
@@ -45,17 +48,21 @@ REPLICA_ID_PREFIX = "raydist_replica_"
 LIGHTHOUSE_KWARGS = {"min_replicas": 1, "join_timeout_ms": 1000, "heartbeat_timeout_ms": 2000}
 
 
-def live_slice(position: int, global_batch: int, rank: int, count: int) -> tuple[int, int]:
+def live_slice(position: int, global_batch: int, rank: int, count: int, unit: int = 1) -> tuple[int, int]:
     """[start, stop) positions replica `rank` of `count` takes from the global batch at `position`: contiguous
-    slices in rank order covering [position, position + global_batch) exactly once; when count does not
-    divide the batch the first global_batch % count replicas take one row more."""
+    slices in rank order covering [position, position + global_batch) exactly once, each a whole number of
+    `unit` rows (a replica's dp ranks each take an equal part); when count does not divide the batch's
+    global_batch / unit units, the first (global_batch / unit) % count replicas take one unit more."""
     if not 0 <= rank < count:
         raise ValueError(f"replica rank {rank} is not in a quorum of {count}")
-    if count > global_batch:
-        raise ValueError(f"{count} replicas cannot share a global batch of {global_batch} samples")
-    base, extra = divmod(global_batch, count)
-    start = position + rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+    if unit < 1 or global_batch % unit:
+        raise ValueError(f"a global batch of {global_batch} samples is no whole number of {unit}-row units")
+    units = global_batch // unit
+    if count > units:
+        raise ValueError(f"{count} replicas cannot share a global batch of {global_batch} samples in units of {unit}")
+    base, extra = divmod(units, count)
+    start = rank * base + min(rank, extra)
+    return position + start * unit, position + (start + base + (1 if rank < extra else 0)) * unit
 
 
 def micro_batch_for(rows: int, limit: int) -> int:
@@ -65,13 +72,38 @@ def micro_batch_for(rows: int, limit: int) -> int:
 
 
 def replica_config(cfg: Config) -> Config:
-    """The config one replica trains with in its own world of one worker: the same run, dp_replicate 1."""
+    """The config one replica trains with in its own world of dp_shard workers: the same run, dp_replicate 1."""
     return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=1))
 
 
 def replica_index(replica_id: str) -> int:
     """`raydist_replica_3:<uuid>` (torchft appends a uuid per Manager) -> 3."""
     return int(replica_id.split(":")[0].rsplit("_", 1)[-1])
+
+
+def local_tensors(state: Any) -> Any:
+    """`state` with every DTensor replaced by its local shard. Rank j of a peer replica holds the same shards
+    as rank j here (same layout, same rank in the same mesh), and a plain tensor travels without its
+    DeviceMesh, whose process groups exist only in the sender."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, state)
+
+
+def shaped_like(received: Any, mine: Any) -> Any:
+    """A peer's `local_tensors` state made DTensors again wherever this rank's own state (`mine`, the same
+    structure) has one: the received shard on this rank's mesh and placements."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(mine, DTensor) and isinstance(received, torch.Tensor) and not isinstance(received, DTensor):
+        return DTensor.from_local(received.to(mine.device), mine.device_mesh, mine.placements, run_check=False,
+                                  shape=mine.shape, stride=mine.stride())
+    if isinstance(mine, dict) and isinstance(received, dict):
+        return {k: shaped_like(v, mine[k]) if k in mine else v for k, v in received.items()}
+    if isinstance(mine, (list, tuple)) and isinstance(received, (list, tuple)) and len(mine) == len(received):
+        return type(received)(shaped_like(r, m) for r, m in zip(received, mine))
+    return received
 
 
 class Replicas:
@@ -158,19 +190,23 @@ class _RecordingClient:
 
 
 class TorchftReplicas(Replicas):
-    """This worker's replica: a torchft Manager with a synchronous quorum (a replacement heals before the
-    step's forward, so the step's split already counts it), PGTransport for the live state, gloo on CPU
-    and NCCL on GPU for the cross-replica all-reduce. `parts()` gives the live state as raydist's stateful
-    parts (the checkpoint's model/optimizer, schedule, data position, RNG, notes; goodput and membership);
-    the lighthouse address comes from Ray Train ($TORCHFT_LIGHTHOUSE)."""
+    """This worker's place in its replica: a torchft Manager with a synchronous quorum (a replacement heals
+    before the step's forward, so the step's split already counts it), PGTransport for the live state, gloo
+    on CPU and NCCL on GPU for the cross-replica all-reduce. A replica of `workers` workers is one torchft
+    replica group: its Managers' `world_size` and `rank` are the replica's process group's, whose TCP store
+    (MASTER_ADDR/MASTER_PORT, from Ray Train) is where the group's Managers meet; the quorum, the commit
+    decision and healing are per replica group, and rank j's cross-replica group joins the rank-j workers of
+    every replica. `parts()` gives the live state as raydist's stateful parts (the checkpoint's
+    model/optimizer, schedule, data position, RNG, notes; goodput and membership); the lighthouse address
+    comes from Ray Train ($TORCHFT_LIGHTHOUSE)."""
 
     def __init__(self, replica: int, device: torch.device, timeout_s: float, parts: Callable[[], dict[str, Any]],
-                 group_size: int = 1):
+                 replicas: int = 1, rank: int = 0, workers: int = 1):
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
         from torchft.checkpointing.pg_transport import PGTransport
 
         self.replica, self.parts = replica, parts
-        self.group_size, self.start_wait_s = group_size, timeout_s  # see join()
+        self.replicas, self.start_wait_s = replicas, timeout_s  # see join()
         timeout = timedelta(seconds=timeout_s)
         pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
         transport = PGTransport(pg, timeout=timeout, device=device)
@@ -181,7 +217,7 @@ class TorchftReplicas(Replicas):
         self.manager = Manager(pg=pg, load_state_dict=self._load_state, state_dict=self._state,
                                min_replica_size=1, use_async_quorum=False, init_sync=False,
                                timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-                               world_size=1, rank=0, replica_id=f"{REPLICA_ID_PREFIX}{replica}",
+                               world_size=workers, rank=rank, replica_id=f"{REPLICA_ID_PREFIX}{replica}",
                                checkpoint_transport=transport)
         self._client = _RecordingClient(self.manager._client)
         self.manager._client = self._client
@@ -196,12 +232,12 @@ class TorchftReplicas(Replicas):
         return {**self.parts(), **self.extra_parts}
 
     def _state(self) -> dict[str, Any]:
-        return {name: part.state_dict() for name, part in self._all_parts().items()}
+        return {name: local_tensors(part.state_dict()) for name, part in self._all_parts().items()}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         for name, part in self._all_parts().items():
             if name in state:
-                part.load_state_dict(state[name])
+                part.load_state_dict(shaped_like(state[name], part.state_dict()))
         self.healed_at = int(state["data"]["step"])
 
     def set_step(self, step: int) -> None:
@@ -214,7 +250,7 @@ class TorchftReplicas(Replicas):
         """The first quorum, before any durable resume: True when a peer's live state was loaded (a
         replacement joining a running group), False at a start of the whole group.
 
-        At a start of the whole group every replica waits (at most start_wait_s) until all `group_size`
+        At a start of the whole group every replica waits (at most start_wait_s) until all `replicas`
         replicas are in the quorum before anyone steps. The Lighthouse forms a quorum of whoever asks
         (min_replicas 1, so that survivors never wait for a replacement), and a replica slower to build
         than its peers (seconds on a loaded machine) would otherwise find them already stepping alone: if
@@ -225,7 +261,7 @@ class TorchftReplicas(Replicas):
         deadline = time.monotonic() + self.start_wait_s
         while True:
             _, count = self.begin_step()
-            if self.healed_at is not None or count >= self.group_size or time.monotonic() >= deadline:
+            if self.healed_at is not None or count >= self.replicas or time.monotonic() >= deadline:
                 return self.healed_at is not None
             self._began = False  # ask the Lighthouse again: the step has not started
             time.sleep(0.1)

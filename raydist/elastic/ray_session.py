@@ -14,8 +14,9 @@ raydist adds here:
   the watchdog fires, the rank names the ranks that never arrived, writes every live rank's stack to
   RUN_DIR/logs/hang-<time>/ and a `hang` event, then fails so that Ray Train restarts the run.
 
-With `elastic.live_recovery` each worker is one replica in its own world of one (Ray Train's TorchftConfig
-builds a process group per replica group) and joins the others through torchft (raydist.elastic.live).
+With `elastic.live_recovery` each replica is a Ray Train replica group of `parallel.dp_shard` workers whose
+own process group is its world (raydist.elastic.replica_groups), and joins the others through torchft
+(raydist.elastic.live).
 Commits are then not reported to Ray Train: `ray.train.report` waits for every worker, so a survivor would
 block on it while a replica is being replaced. raydist's own checkpoints on storage are what a whole-group
 restart resumes from; Ray Train's checkpoint record is not used.
@@ -44,7 +45,8 @@ class RaySession(Session):
     def __init__(self, cfg: Config, run_dir: str, start_time: float, heartbeat_interval_s: float = 1.0):
         self.cfg, self.run_dir, self.start_time = cfg, run_dir, start_time
         self.live = cfg.elastic.live_recovery
-        self.replica = ray_world_rank() if self.live else None
+        self.identity = live_identity() if self.live else None  # this worker's replica and rank in it
+        self.replica = self.identity.replica if self.live else None
         self.rank = dist.get_rank()
         self.channel = ControlChannel(dist.distributed_c10d._get_default_store(), self.rank)
         e = cfg.elastic
@@ -55,7 +57,7 @@ class RaySession(Session):
                        "report": step_s}
         self.monitor: HangMonitor | None = None
         try:  # what each rank is doing, published for hang diagnosis (never a reason to fail training;
-            # live recovery's replicas are each a world of one and meet only through torchft: not monitored)
+            # live recovery's replicas meet only through torchft: not monitored)
             if self.live:
                 raise RuntimeError("not with live recovery")
             track_collectives()
@@ -91,9 +93,9 @@ class RaySession(Session):
 
     def start(self, cfg: Config) -> Layout | Idle:
         started = super().start(cfg)
-        if self.live:  # every worker is rank 0 of its own world: say which replica started, and where
+        if self.live:  # every worker says which replica (and rank in it) started, and where
             run_event(self.run_dir, self.start_time, "launch", world_size=dist.get_world_size(), replica=self.replica,
-                      host=socket.gethostname(), pid=os.getpid())
+                      replica_rank=self.identity.rank, host=socket.gethostname(), pid=os.getpid())
         elif self.rank == 0:  # the attempt's worker group is up (restart timing: detection -> restart -> load)
             run_event(self.run_dir, self.start_time, "launch", world_size=dist.get_world_size(), **self.timings)
         if isinstance(started, Idle):
@@ -165,13 +167,14 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
 
     cfg = Config.from_dict(payload["config"])
     live = cfg.elastic.live_recovery
-    if live:  # this worker is one replica: its own world of one trains the dp_replicate=1 layout
+    if live:  # this worker is in one replica: the replica's world trains the dp_replicate=1 layout
         cfg = replica_config(cfg)
-    ctx = ray.train.get_context()
+    # (live recovery: Ray's train context numbers a replacement replica's workers for groups of one)
+    local_rank = live_identity().local_rank if live else ray.train.get_context().get_local_rank()
     threads = max(1, int(cfg.ray.cpus_per_worker))
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-    device = torch.device("cuda", ctx.get_local_rank()) if payload["use_gpu"] else torch.device("cpu")
+    device = torch.device("cuda", local_rank) if payload["use_gpu"] else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
         bind_device(device)  # every worker, before the mesh's groups: they split the bound communicator
@@ -190,8 +193,9 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
         trainer = Trainer(cfg, device, started, TrainerOptions(start_time=payload["start_time"], defer_init=True,
                                                                record_samples=payload.get("record_samples", False)))
         if live:  # after the trainer is built: the quorum waits for a replica only once it can step
-            trainer.replicas = TorchftReplicas(session.replica, device, cfg.elastic.collective_timeout_s,
-                                               trainer.state_parts, group_size=ctx.get_world_size())
+            me = session.identity
+            trainer.replicas = TorchftReplicas(me.replica, device, cfg.elastic.collective_timeout_s, trainer.state_parts,
+                                               replicas=me.replicas, rank=me.rank, workers=me.size)
         try:
             fit(trainer, payload["run_dir"], session)
         finally:
@@ -202,11 +206,11 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
         raise
 
 
-def ray_world_rank() -> int:
-    """Ray Train's world rank of this worker (with replica groups of one worker: the replica's index)."""
-    import ray.train
+def live_identity():
+    """Live recovery: this worker's replica and rank in it, as raydist.elastic.replica_groups set them."""
+    from raydist.elastic.replica_groups import replica_identity
 
-    return ray.train.get_context().get_world_rank()
+    return replica_identity()
 
 
 def process_start_time() -> float | None:

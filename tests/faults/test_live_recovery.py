@@ -1,8 +1,10 @@
-"""Live recovery on a real local Ray cluster (gloo): two replicas of one worker each, one killed mid-run.
-The survivor keeps stepping, Ray Train replaces only the dead replica group, the replacement receives the
-live state from the survivor, and the run completes with no whole-group restart, no step redone, the
-uninterrupted run's loss and every one of its samples trained exactly once. The survivor's longest gap
-between steps and the time to rejoin are printed (recorded, not asserted: wall time on a shared machine)."""
+"""Live recovery on a real local Ray cluster (gloo): two replicas, of one worker each or of two workers with
+FSDP inside (dp_replicate 2 x dp_shard 2), one worker killed mid-run. The surviving replica keeps stepping,
+Ray Train replaces only the dead worker's replica group (both its workers), the replacement's ranks receive
+the live state from the survivor's same ranks, and the run completes with no whole-group restart, no step
+redone, the uninterrupted run's loss and every one of its samples trained exactly once. The survivor's
+longest gap between steps and the time to rejoin are printed (recorded, not asserted: wall time on a
+shared machine)."""
 
 from __future__ import annotations
 
@@ -13,11 +15,13 @@ from collections import defaultdict
 import pytest
 
 from raydist.config import Config
+from raydist.data.position import rank_slice
 from raydist.elastic.live import live_slice
 from ray_runs import Background, jsonl, ray_4cpu, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 from raydist.testing import run_fit
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+EXACT_STEPS = 30  # the steps whose losses must equal the uninterrupted run's to 1e-4 (see the test)
 
 
 def small(data: str, root, *extra) -> Config:
@@ -29,7 +33,8 @@ def small(data: str, root, *extra) -> Config:
 
 
 def committed_steps(run_dir) -> dict[int, list[dict]]:
-    """Every replica's committed steps ({"step", "span", "quorum": [rank, size], "ids", "pid"}), by step."""
+    """Every worker's committed steps ({"step", "span", "replica_span", "quorum": [rank, size],
+    "shard": [dp rank, dp], "ids", "pid"}), by step."""
     by_step: dict[int, list[dict]] = defaultdict(list)
     folder = os.path.join(run_dir, "samples")
     for name in os.listdir(folder):
@@ -39,37 +44,52 @@ def committed_steps(run_dir) -> dict[int, list[dict]]:
     return by_step
 
 
-def assert_every_sample_trained_once(by_step: dict[int, list[dict]], reference_ids, batch: int, victim_pid: int):
+def assert_every_sample_trained_once(by_step: dict[int, list[dict]], reference_ids, batch: int, shard: int,
+                                     victim_pids: set[int]):
     """Each step's quorum covered the uninterrupted run's global batch exactly once: every record's ids are
-    the reference's ids at its span, and the spans are the quorum's `live_slice`s. One share may lack its
-    record: the victim's, at the step right after its last recorded one (killed between that step's commit
-    and its line; the survivors' lines show it was in the quorum that committed the step)."""
-    victim_last = max((r["step"] for recs in by_step.values() for r in recs if r["pid"] == victim_pid), default=0)
+    the reference's ids at its span, its replica's span is the quorum's `live_slice` share for its rank,
+    and its own span is its dp rank's equal part of that share. A worker of the killed replica may lack its
+    record at the step right after its last recorded one (killed, by the kill or by Ray's replacement,
+    between that step's commit and its line; the survivors' lines show its replica was in the quorum that
+    committed the step)."""
+    last = {pid: max(s for s, recs in by_step.items() for r in recs if r["pid"] == pid) for pid in victim_pids
+            if any(r["pid"] == pid for recs in by_step.values() for r in recs)}
+    dp_rank = {r["pid"]: r["shard"][0] for recs in by_step.values() for r in recs}
     assert sorted(by_step) == list(range(1, len(reference_ids) + 1))
     for step, want in enumerate(reference_ids, start=1):
         want, first = [int(i) for i in want], (step - 1) * batch
         records = by_step[step]
         [size] = {r["quorum"][1] for r in records}
-        shares = {live_slice(first, batch, k, size): k for k in range(size)}
+        shares = {live_slice(first, batch, k, size, unit=shard): k for k in range(size)}
+        parts = {rank_slice(a, b - a, j, shard): (a, b, j) for a, b in shares for j in range(shard)}
         recorded = [tuple(r["span"]) for r in records]
-        assert len(set(recorded)) == len(recorded) and set(recorded) <= set(shares), (step, recorded, size)
+        assert len(set(recorded)) == len(recorded) and set(recorded) <= set(parts), (step, recorded, size)
         for r in records:
-            assert shares[tuple(r["span"])] == r["quorum"][0], (step, r)
+            assert shares[tuple(r["replica_span"])] == r["quorum"][0], (step, r)
+            assert parts[tuple(r["span"])] == (*r["replica_span"], r["shard"][0]) and r["shard"][1] == shard, (step, r)
             assert sorted(r["ids"]) == sorted(want[r["span"][0] - first:r["span"][1] - first]), (step, r)
-        missing = set(shares) - set(recorded)
-        assert not missing or (len(missing) == 1 and step == victim_last + 1), (step, sorted(missing))
+        missing = [parts[span] for span in set(parts) - set(recorded)]
+        assert len({(a, b) for a, b, _ in missing}) <= 1, (step, missing)  # one replica's share at most
+        for _, _, j in missing:
+            assert any(dp_rank.get(pid) == j and last_step == step - 1 for pid, last_step in last.items()), \
+                (step, missing, last)
 
 
 # The leader (replica 0: the quorum's rank 0, which writes the run's bookkeeping and durable checkpoints)
 # once ended in whole-group restarts: another local cluster's dashboard told Ray Train's placement-group
 # cleaner that this run's controller was dead (raydist.ray_cluster.embedded_dashboard), and a replica slow
 # to start left the leader stepping alone, so its death took the only live state (TorchftReplicas.join).
-@pytest.mark.parametrize("victim", [1, 0], ids=["follower", "leader"])
-def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_data, tmp_path, victim):
+# With FSDP inside (shard 2) the victims are a follower's second worker and the leader's first, which hosts
+# its replica's TCP store and torchft ManagerServer.
+@pytest.mark.parametrize("shard, victim", [(1, (1, 0)), (1, (0, 0)), (2, (1, 1)), (2, (0, 0))],
+                         ids=["follower", "leader", "fsdp-follower-rank1", "fsdp-leader-rank0"])
+def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_data, tmp_path, shard, victim):
     steps, batch = 120, 8
-    cfg = small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=live", "ray.num_workers=2",
-                "parallel.dp_replicate=2", "elastic.live_recovery=true", "elastic.max_failures=3",
-                "elastic.collective_timeout_s=30")
+    replica, rank = victim
+    cfg = small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=live", f"ray.num_workers={2 * shard}",
+                "parallel.dp_replicate=2", f"parallel.dp_shard={shard}", "elastic.live_recovery=true",
+                "elastic.max_failures=3", "elastic.collective_timeout_s=30",
+                f"ray.cpus_per_worker={1 / shard}")  # 4 workers fit the 4-CPU cluster beside the Lighthouse
     reference_cfg = small(tiny_data, tmp_path, f"train.steps={steps}", "ray.num_workers=1",
                           "parallel.dp_replicate=1")
     [reference] = run_fit(reference_cfg.to_dict(), 1, str(tmp_path / "reference"))
@@ -81,29 +101,48 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     before = [r["replicas"] for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")]
     assert before and set(before) == {2}, before
     launches = [e for e in jsonl(run_dir / "events.jsonl") if e["kind"] == "launch"]
-    pid = next(e["pid"] for e in launches if e.get("replica") == victim)
+    assert sorted((e["replica"], e["replica_rank"]) for e in launches) == [(r, j) for r in (0, 1) for j in range(shard)]
+    pid = next(e["pid"] for e in launches if (e["replica"], e["replica_rank"]) == victim)
+    group = {e["pid"] for e in launches if e["replica"] == replica}
     os.kill(pid, signal.SIGKILL)
-    summary = job.join(400)
+    summary = job.join(600)
     assert job.error is None, job.error
     assert summary["steps"] == steps
     assert summary["restarts"] == 0 and summary["steps_redone"] == 0, summary
     events = jsonl(run_dir / "events.jsonl")
     lost = [e for e in events if e["kind"] == "replica_lost"]
     joined = [e for e in events if e["kind"] == "replica_joined"]
-    assert [e["replica"] for e in lost] == [victim] and [e["replica"] for e in joined] == [victim], (lost, joined)
+    assert [e["replica"] for e in lost] == [replica] and [e["replica"] for e in joined] == [replica], (lost, joined)
     assert summary["replicas_lost"] == 1 and summary["replica_time_out_s"] > 0
     assert not any(e["kind"] == "restart" for e in events)
-    # the replacement took the live state: it started after the kill and loaded no checkpoint from storage
-    assert sum(e.get("replica") == victim for e in events if e["kind"] == "launch") == 2
+    # durable checkpoints went on (written by the leader replica's workers): the last one is committed
+    assert (run_dir / "checkpoints" / f"step_{steps:08d}" / "COMMIT.json").exists()
+    # Ray Train replaced the victim's whole replica group (every one of its workers, each launched twice) and
+    # nothing else; the replacement took the live state: it started after the kill and loaded no checkpoint
+    relaunched = [e for e in events if e["kind"] == "launch"][len(launches):]
+    assert sorted((e["replica"], e["replica_rank"]) for e in relaunched) == [(replica, j) for j in range(shard)]
+    assert not {e["pid"] for e in relaunched} & group
     assert abs(summary["final_loss"] - reference.losses[-1]) / reference.losses[-1] < 0.02
+    # Each step's loss is the uninterrupted run's up to summation order (only who computed which rows
+    # changed): 1e-4 over the first EXACT_STEPS, which hold the kill, any step redone and survivor's steps
+    # alone (asserted below). Later the reduction-order noise (1e-7 at first) grows through training,
+    # smoothly and unrelated to the events (3e-3 by step 65 in one run), so the final loss is held to 2%.
+    logged = {r["step"]: r["loss"] for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")}
+    # (a killed leader replica takes its last metrics lines still in its writer's queue with it)
+    unlogged = sorted(set(range(1, steps + 1)) - set(logged))
+    assert not unlogged or (replica == 0 and unlogged == list(range(unlogged[0], unlogged[-1] + 1))
+                            and len(unlogged) <= 3), unlogged
+    worst = max(abs(logged[s] - reference.losses[s - 1]) / reference.losses[s - 1] for s in logged if s <= EXACT_STEPS)
     # every sample of the uninterrupted run, step by step, trained exactly once
-    assert_every_sample_trained_once(committed_steps(run_dir), reference.sample_ids, batch, pid)
+    assert_every_sample_trained_once(committed_steps(run_dir), reference.sample_ids, batch, shard, group)
     metrics = [r for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")]
     one_replica = [r["step"] for r in metrics if r["replicas"] == 1]
-    assert one_replica, "no step ran on the survivor alone"
-    times = {r["step"]: r["elapsed_s"] for r in metrics}
-    gaps = [times[s] - times[s - 1] for s in sorted(times) if s - 1 in times]
-    print(f"\nlive recovery ({'leader' if victim == 0 else 'follower'} killed): survivor's longest step gap "
+    assert one_replica and min(one_replica) <= EXACT_STEPS, one_replica  # the survivor stepped alone
+    times = [r["elapsed_s"] for r in sorted(metrics, key=lambda r: r["step"])]  # (an unlogged step: in its gap)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    print(f"\nlive recovery (dp_shard {shard}, replica {replica} rank {rank} killed): survivor's longest step gap "
           f"{max(gaps):.2f}s (median {sorted(gaps)[len(gaps) // 2]:.3f}s), time to rejoin "
           f"{joined[0]['time_to_rejoin_s']:.2f}s, steps on one replica {len(one_replica)}, "
-          f"steps retried {summary.get('replica_steps_retried')}")
+          f"steps retried {summary.get('replica_steps_retried')}, largest loss difference over steps 1-{EXACT_STEPS} "
+          f"{worst:.1e}")
+    assert worst <= 1e-4, worst

@@ -35,7 +35,7 @@ def _replica(replica: int, lighthouse: str, group_size: int, wait_s: float, out)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHFT_LIGHTHOUSE=lighthouse)
     if replica == 1:
         time.sleep(LATE_S)
-    replicas = TorchftReplicas(replica, torch.device("cpu"), wait_s, dict, group_size=group_size)
+    replicas = TorchftReplicas(replica, torch.device("cpu"), wait_s, dict, replicas=group_size)
     asked = time.time()
     healed = replicas.join()
     _, count = replicas.begin_step()  # the first step's quorum is the one join formed
