@@ -82,18 +82,25 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
     return cfg
 
 
+def check_live_recovery(cfg: Config) -> None:
+    """Live recovery needs torchft; replicas of several workers also need the Ray whose worker-group internals
+    raydist.elastic.replica_groups relies on (replicas of one worker use Ray Train's own TorchftConfig)."""
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise ConfigError("elastic.live_recovery=true needs torchft, which is not installed; "
+                          "pip install 'raydist[live]' (or set elastic.live_recovery=false)") from None
+    if cfg.parallel.dp_shard > 1:
+        from raydist.elastic.replica_groups import check_ray_version  # (importing it checks too)
+
+        check_ray_version()
+
+
 def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     """All driver-side checks; returns where the run goes and how many workers it asks for."""
     cfg = ensure_data(cfg, log)
     if cfg.elastic.live_recovery:
-        try:
-            import torchft  # noqa: F401
-        except ImportError:
-            raise ConfigError("elastic.live_recovery=true needs torchft, which is not installed; "
-                              "pip install 'raydist[live]' (or set elastic.live_recovery=false)") from None
-        from raydist.elastic.replica_groups import check_ray_version  # (importing it checks too)
-
-        check_ray_version()
+        check_live_recovery(cfg)
     if cfg.model.init_from:  # names and shapes from the safetensors headers, before any worker starts
         from raydist.config import hf_dir_of
         from raydist.models.hf_load import check_checkpoint
@@ -147,9 +154,15 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
         # Ray Train runs torchft's Lighthouse and makes every dp_shard workers a replica group, replacing
         # only a failed one whole (raydist.elastic.live, raydist.elastic.replica_groups)
         from raydist.elastic.live import LIGHTHOUSE_KWARGS
-        from raydist.elastic.replica_groups import ReplicaGroupsConfig
 
-        torch_config = ReplicaGroupsConfig(dict(LIGHTHOUSE_KWARGS), cfg.parallel.dp_shard, **backend)
+        if cfg.parallel.dp_shard == 1:  # Ray's own replica groups of one worker
+            from ray.train.v2.torch.torchft_config import TorchftConfig
+
+            torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), **backend)
+        else:
+            from raydist.elastic.replica_groups import ReplicaGroupsConfig
+
+            torch_config = ReplicaGroupsConfig(dict(LIGHTHOUSE_KWARGS), cfg.parallel.dp_shard, **backend)
     else:
         torch_config = TorchConfig(**backend)
     return TorchTrainer(

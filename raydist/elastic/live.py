@@ -31,6 +31,7 @@ changes. Skipping a lost replica's rows would make the trained sample set depend
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -63,6 +64,40 @@ def live_slice(position: int, global_batch: int, rank: int, count: int, unit: in
     base, extra = divmod(units, count)
     start = rank * base + min(rank, extra)
     return position + start * unit, position + (start + base + (1 if rank < extra else 0)) * unit
+
+
+# A replica of several workers learns its place from raydist.elastic.replica_groups's backend, through these
+IDENTITY_ENV = {"replica": "RAYDIST_REPLICA", "rank": "RAYDIST_REPLICA_RANK", "replicas": "RAYDIST_REPLICAS",
+                "size": "RAYDIST_REPLICA_SIZE", "local_rank": "RAYDIST_REPLICA_LOCAL_RANK"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaIdentity:
+    """This worker's place: replica `replica` of `replicas`, rank `rank` of its `size` workers (its rank in
+    the replica's process group), `local_rank` among its group's workers on this node."""
+
+    replica: int
+    rank: int
+    replicas: int
+    size: int
+    local_rank: int
+
+
+def replica_identity(workers_per_replica: int) -> ReplicaIdentity:
+    """This Ray Train worker's place. Replicas of one worker are Ray Train's own replica groups
+    (`TorchftConfig`): the world rank Ray gives a worker, a replacement's included, is its replica. Replicas of
+    several workers were told their place by raydist.elastic.replica_groups's backend before the train
+    function started (Ray 2.60 numbers a replacement group's workers as if groups had one worker)."""
+    if workers_per_replica == 1:
+        import ray.train
+
+        ctx = ray.train.get_context()
+        return ReplicaIdentity(ctx.get_world_rank(), 0, ctx.get_world_size(), 1, ctx.get_local_rank())
+    missing = [name for name in IDENTITY_ENV.values() if name not in os.environ]
+    if missing:
+        raise RuntimeError(f"no replica identity ({', '.join(missing)} unset): this worker was not started by "
+                           "raydist.elastic.replica_groups.ReplicaGroupsConfig")
+    return ReplicaIdentity(**{field: int(os.environ[name]) for field, name in IDENTITY_ENV.items()})
 
 
 def micro_batch_for(rows: int, limit: int) -> int:

@@ -45,7 +45,7 @@ class RaySession(Session):
     def __init__(self, cfg: Config, run_dir: str, start_time: float, heartbeat_interval_s: float = 1.0):
         self.cfg, self.run_dir, self.start_time = cfg, run_dir, start_time
         self.live = cfg.elastic.live_recovery
-        self.identity = live_identity() if self.live else None  # this worker's replica and rank in it
+        self.identity = live_identity(cfg) if self.live else None  # this worker's replica and rank in it
         self.replica = self.identity.replica if self.live else None
         self.rank = dist.get_rank()
         self.channel = ControlChannel(dist.distributed_c10d._get_default_store(), self.rank)
@@ -170,7 +170,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     if live:  # this worker is in one replica: the replica's world trains the dp_replicate=1 layout
         cfg = replica_config(cfg)
     # (live recovery: Ray's train context numbers a replacement replica's workers for groups of one)
-    local_rank = live_identity().local_rank if live else ray.train.get_context().get_local_rank()
+    local_rank = live_identity(cfg).local_rank if live else ray.train.get_context().get_local_rank()
     threads = max(1, int(cfg.ray.cpus_per_worker))
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
@@ -206,11 +206,11 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
         raise
 
 
-def live_identity():
-    """Live recovery: this worker's replica and rank in it, as raydist.elastic.replica_groups set them."""
-    from raydist.elastic.replica_groups import replica_identity
+def live_identity(cfg: Config):
+    """Live recovery: this worker's replica and rank in it (raydist.elastic.live.replica_identity)."""
+    from raydist.elastic.live import replica_identity
 
-    return replica_identity()
+    return replica_identity(cfg.parallel.dp_shard)
 
 
 def process_start_time() -> float | None:

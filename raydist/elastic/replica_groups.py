@@ -44,11 +44,10 @@ from collections import defaultdict
 
 import ray
 
+from raydist.elastic.live import IDENTITY_ENV, ReplicaIdentity
 from raydist.errors import ConfigError
 
 SUPPORTED_RAY = "2.60."  # the internals above were read from Ray 2.60.0
-IDENTITY_ENV = {"replica": "RAYDIST_REPLICA", "rank": "RAYDIST_REPLICA_RANK", "replicas": "RAYDIST_REPLICAS",
-                "size": "RAYDIST_REPLICA_SIZE", "local_rank": "RAYDIST_REPLICA_LOCAL_RANK"}
 
 
 def check_ray_version(version: str | None = None) -> None:
@@ -64,27 +63,6 @@ check_ray_version()  # importing this module refuses another Ray before its inte
 
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup  # noqa: E402
 from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend  # noqa: E402
-
-
-@dataclasses.dataclass(frozen=True)
-class ReplicaIdentity:
-    """This worker's place: replica `replica` of `replicas`, rank `rank` of its `size` workers (its rank in
-    the replica's process group), `local_rank` among its group's workers on this node."""
-
-    replica: int
-    rank: int
-    replicas: int
-    size: int
-    local_rank: int
-
-
-def replica_identity() -> ReplicaIdentity:
-    """This worker's place, as the backend set it before the train function started."""
-    missing = [name for name in IDENTITY_ENV.values() if name not in os.environ]
-    if missing:
-        raise RuntimeError(f"no replica identity ({', '.join(missing)} unset): this worker was not started by "
-                           "raydist.elastic.replica_groups.ReplicaGroupsConfig")
-    return ReplicaIdentity(**{field: int(os.environ[name]) for field, name in IDENTITY_ENV.items()})
 
 
 def _set_identity(env: dict[str, str]) -> None:

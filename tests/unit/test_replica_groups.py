@@ -24,7 +24,8 @@ from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
 from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata, Worker  # noqa: E402
 from ray.train.v2.torch.torchft_config import _TorchftBackend  # noqa: E402
 
-from raydist.elastic.replica_groups import (IDENTITY_ENV, ReplicaGroupsConfig, ReplicaIdentity,  # noqa: E402
+from raydist.elastic.live import IDENTITY_ENV, ReplicaIdentity  # noqa: E402
+from raydist.elastic.replica_groups import (ReplicaGroupsConfig,  # noqa: E402
                                             check_ray_version, identities, regroup)
 from raydist.errors import ConfigError  # noqa: E402
 
@@ -211,3 +212,17 @@ def test_regroup_refuses_a_count_that_is_no_multiple_of_the_group_size(started):
     wg, _, _ = started
     with pytest.raises(ValueError, match="4 workers do not form replica groups of 3"):
         regroup(wg, 3)
+
+
+def test_only_replicas_of_several_workers_need_ray_2_60(monkeypatch):
+    from raydist.config import Config
+    from raydist.launcher import check_live_recovery
+
+    def live(dp_shard):
+        return Config.load("workloads/gpt_tiny.toml", ["elastic.live_recovery=true", "parallel.dp_replicate=2",
+                                                       f"parallel.dp_shard={dp_shard}", f"ray.num_workers={2 * dp_shard}"])
+
+    monkeypatch.setattr(ray, "__version__", "2.61.0")
+    check_live_recovery(live(1))  # Ray Train's own TorchftConfig: any Ray
+    with pytest.raises(ConfigError, match="2.61.0"):
+        check_live_recovery(live(2))
