@@ -6,7 +6,9 @@ tb, split as in a zero-bubble schedule (Qi, Wan, Huang, Lin, "Zero Bubble Pipeli
 y = SleepInput(x) * w: SleepInput's backward is the input path and sleeps tb - tw; the multiply's
 backward sleeps tw only when autograd will accumulate w's gradient in that backward
 (`torch._C._will_engine_execute_node` on a view of w), so an unsplit backward sleeps tb, a B (input gradient only)
-tb - tw and a W tw, whichever executor asks. A sleeping process leaves its core free, so the 2 CPU
+tb - tw and a W tw, whichever executor asks. The first stage makes its input a leaf that requires a
+gradient when it arrives without one (as torch.distributed.pipelining passes it), so its backward costs
+tb too (torch's split schedules then run it whole in the first stage's W). A sleeping process leaves its core free, so the 2 CPU
 cores of a dev machine do not distort it. With P = 4 ranks and M micro-batches the ideal step is
 
     1F1B / GPipe:        (M + P - 1) (tf + tb)
@@ -93,6 +95,12 @@ class SleepStage(nn.Module):
         self.forward_s, self.input_s, self.weight_s = forward_s, backward_s - weight_s, weight_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and not x.requires_grad:
+            # The first stage's input needs no gradient (token ids in a model; torch.distributed.pipelining
+            # passes it as given). Its backward still costs tb: the layers' input path runs to reach the
+            # earlier layers' weights. Without this, autograd would drop _SleepInput's node there and that
+            # side's first stage would sleep tw instead of tb, 20 ms less per micro-batch than the ideal.
+            x = x.detach().requires_grad_()
         h = _SleepInput.apply(x, self.forward_s, self.input_s)
         # a view: a node between w and its accumulator, which autograd.grad (torch's W) can be asked about
         weight = self.weight.view_as(self.weight)
