@@ -155,7 +155,7 @@ def test_cli_bad_input(capsys):
 
 
 def _peak_unreleased_sends(schedule: Schedule, rank: int) -> int:
-    from raydist.schedule.executor import send_release_points
+    from raydist.schedule.transfers import send_release_points
 
     release, live, peak = send_release_points(schedule, rank), set(), 0
     for k, action in enumerate(schedule.actions[rank]):
