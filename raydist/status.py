@@ -155,7 +155,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict[str, Any]:
     tokens_per_s = speed[-1]["tokens_per_s"] if speed else None
     eta_s = None
     if state == "running" and steps and speed and speed[-1].get("step_time_s"):
-        eta_s = round(max(0, steps - step) * speed[-1]["step_time_s"], 1)
+        eta_s = round(max(0, steps - step) * speed[-1]["step_time_s"], 3)
     restarts = progress.get("restarts")
     if restarts is None:
         restarts = sum(e.get("kind") == "restart" for e in events)

@@ -29,6 +29,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 from torch import nn
 
 from raydist.errors import ConfigError
@@ -164,8 +165,8 @@ class TiedEmbeddingSync:
                 param.grad = torch.zeros_like(param)
             mine = _local(param.grad)
             theirs = torch.empty_like(mine)
-            ops = [dist.P2POp(dist.isend, mine.contiguous(), group=self.group, group_peer=self.peer),
-                   dist.P2POp(dist.irecv, theirs, group=self.group, group_peer=self.peer)]
+            ops = [dist.P2POp(c10d.isend, mine.contiguous(), group=self.group, group_peer=self.peer),
+                   dist.P2POp(c10d.irecv, theirs, group=self.group, group_peer=self.peer)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
             mine.add_(theirs)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from raydist.schedule.actions import Action, Schedule, Transfer
 
@@ -106,8 +107,11 @@ class StepTransfers:
     def _issue(self, ops: list[dist.P2POp]) -> list:
         if self.coalesce:
             return dist.batch_isend_irecv(ops)
-        return [op.op(op.tensor, group=op.group, tag=op.tag,
-                      **{"group_dst" if op.op is dist.isend else "group_src": op.group_peer}) for op in ops]
+        # by name: P2POp holds c10d's own isend/irecv while dist's names may be a wrapper (an audit, a
+        # communication counter); calling through dist's names keeps those wrappers seeing every transfer
+        return [dist.isend(op.tensor, group=op.group, tag=op.tag, group_dst=op.group_peer)
+                if op.op.__name__ == "isend" else
+                dist.irecv(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer) for op in ops]
 
     def post(self, send_index: int | None, tensor: torch.Tensor | None, recv_index: int | None) -> None:
         """The send produced by action `send_index` (first), and the receive for action `recv_index`
@@ -118,14 +122,14 @@ class StepTransfers:
             if transfers.send.local:
                 self.mailbox[transfers.send] = tensor
             else:
-                send_op = dist.P2POp(dist.isend, tensor.contiguous(), group=self.group,
+                send_op = dist.P2POp(c10d.isend, tensor.contiguous(), group=self.group,
                                      group_peer=transfers.send.dst_rank, tag=transfers.send_tag)
                 ops.append(send_op)
         if recv_index is not None and recv_index not in self.posted_recv:
             transfers = self.plan.of_action[recv_index]
             if not transfers.recv.local:
                 buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.device)
-                recv_op = dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=transfers.recv.src_rank,
+                recv_op = dist.P2POp(c10d.irecv, buffer, group=self.group, group_peer=transfers.recv.src_rank,
                                      tag=transfers.recv_tag)
                 ops.append(recv_op)
             self.posted_recv[recv_index] = recv_op

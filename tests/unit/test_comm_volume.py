@@ -39,3 +39,16 @@ def test_ddp_and_fsdp_volumes(tiny_data):
     # all-gather every unit in forward, the blocks again in backward (the root stays gathered)
     assert fsdp["all_gather"] == 0.5 * (2 * total - root)
     assert fsdp["reduce_scatter"] == 0.5 * total
+
+
+def test_pipeline_transfers_are_counted(tiny_data):
+    """Pipeline stages send through P2POp built on c10d's isend/irecv: a counter wrapping dist's names
+    (as `CommCounter.patch` does) neither breaks the step nor misses a send."""
+    raw = tiny_config(tiny_data, parallel={"pp": 2, "dp_replicate": 1, "dp_shard": 1})
+    cfg = Config.from_dict(raw)
+    micro_batches = cfg.train.global_batch // cfg.train.micro_batch
+    activation = cfg.train.micro_batch * cfg.data.seq_len * cfg.model.d_model * 4
+    tied = 4 * param_counts(cfg.model)["embedding"]  # the tied embedding's gradient, swapped by the two ends
+    for sent in spawn(_count, 2, raw):
+        # stage 0 sends each micro-batch's activations forward, stage 1 each input gradient back
+        assert sent["send"] == micro_batches * activation + tied
