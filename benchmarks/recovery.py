@@ -9,17 +9,20 @@ step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metr
                   split by rank 0's new process (its `launch` event says when it started and when
                   raydist's train function was entered):
       group down + spawn  -> the new worker process started (the controller's next poll sees the error,
-                             removes the group and its placement group, places a new one, forks workers)
+                             removes the group and its placement group, places a new one, forks workers);
+                             `spare` when the process was a warm spare started before the kill
+                             (elastic.warm_spares): its time is then all in `worker start`
       worker start        -> raydist's train function entered (import ray, Ray Train's worker actor and
                              train context, which import torch; the gloo process group; unpickling the
-                             train function, which imports its module raydist.elastic.ray_session)
+                             train function, which imports its module raydist.elastic.ray_session; a
+                             spare imported all of these before the kill)
       entry               -> the `launch` event (raydist's imports, session, layout broadcast)
     load       -> the `restart` event (Trainer built: mesh, model, data; checkpoint verified and loaded)
     first step -> the first step completed after it
 
 The recovery runs through `launch` as `raydist train` does (an embedded Ray with raydist's Ray Train
 settings, raydist.ray_cluster). --compare runs it a second time, first, with the settings raydist had
-before (PREVIOUS_ENV), and prints both side by side.
+before (PREVIOUS: no warm spare processes), and prints both side by side.
 
 Live recovery, measured in the same run (`elastic.live_recovery`, dp_replicate 2: each worker one torchft
 replica): replica 1 is SIGKILLed; the survivor keeps stepping and Ray Train replaces only that worker:
@@ -62,23 +65,23 @@ def _lines(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-# raydist's Ray Train settings before issue 17's restart work (raydist.ray_cluster has the current ones)
-PREVIOUS_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
+# raydist's settings before warm spare processes (raydist.elastic.warm)
+PREVIOUS = ["elastic.warm_spares=false"]
 PARTS = ("detection", "restart", "group down + spawn", "worker start", "entry", "load", "first step")
 
 
-def recovery(data_path: str, root: str, name: str = "recovery", env: dict[str, str] | None = None) -> dict:
-    """One kill-and-restart run through `launch` (its embedded Ray); `env` overrides raydist's Ray Train
-    settings for this run only."""
+def recovery(data_path: str, root: str, name: str = "recovery", overrides: list[str] = ()) -> dict:
+    """One kill-and-restart run through `launch` (its embedded Ray); `overrides` are --set settings for this
+    run only."""
     from raydist.launcher import launch
 
     cfg = Config.load("workloads/gpt_tiny.toml", [f"data.path={data_path}", "data.reader=arrow", "train.steps=150",
                                                   "train.eval_every=0", "train.log_every=1",
                                                   "checkpoint.every_steps=10", "checkpoint.async_save=false",
-                                                  f"checkpoint.storage={root}", f"train.run_name={name}"])
+                                                  f"checkpoint.storage={root}", f"train.run_name={name}",
+                                                  *overrides])
     run_dir = os.path.join(root, name)
     saved = dict(os.environ)
-    os.environ.update(env or {})
     try:
         errors: list = []
         job = threading.Thread(target=lambda: errors.append(launch(cfg, log=lambda *_: None)), daemon=True)
@@ -105,8 +108,11 @@ def recovery(data_path: str, root: str, name: str = "recovery", env: dict[str, s
     first_step = next(r for r in _lines(os.path.join(run_dir, "metrics.jsonl"))
                       if r.get("attempt") == 2 and r["step"] > restarted["step"])
     first_step_time = restarted["time"] + (first_step["elapsed_s"] - restarted["elapsed_s"])
-    return {"detection": error - killed_at, "restart": launched - error, "group down + spawn": spawned - error,
-            "worker start": entered - spawned, "entry": launched - entered, "load": restarted["time"] - launched,
+    spare = spawned < killed_at  # a warm spare process took rank 0's actor
+    return {"detection": error - killed_at, "restart": launched - error,
+            "group down + spawn": float("nan") if spare else spawned - error,
+            "worker start": entered - (error if spare else spawned), "entry": launched - entered,
+            "load": restarted["time"] - launched, "spare": spare,
             "first step": first_step_time - restarted["time"], "total": first_step_time - killed_at,
             "resumed_step": restarted["step"], "steps_redone": restarted.get("steps_to_redo", 0)}
 
@@ -256,7 +262,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_recovery:
             if args.compare:
-                before = recovery(cfg.data.path, tmp, "recovery_before", PREVIOUS_ENV)
+                before = recovery(cfg.data.path, tmp, "recovery_before", PREVIOUS)
             r = recovery(cfg.data.path, tmp)
             if not args.skip_live:
                 live = live_recovery(cfg.data.path, tmp)
@@ -266,11 +272,14 @@ def main() -> None:
         print(f"\nworker kill -> first step after restart: {r['total']:.1f} s "
               f"(resumed at step {r['resumed_step']}, {r['steps_redone']} steps to redo)")
         if before is not None:
-            print(f"  {'':<22} {'before':>7} {'now':>7}   (before: {PREVIOUS_ENV})")
+            print(f"  {'':<22} {'before':>7} {'now':>7}   (before: {' '.join(PREVIOUS)})")
+
+        def secs(run, part):
+            return "   spare " if part == "group down + spawn" and run["spare"] else f"{run[part]:6.2f} s "
         for part in PARTS + ("total",):
             indent = "    " if part in ("group down + spawn", "worker start", "entry") else "  "
-            was = f"{before[part]:6.2f} s " if before is not None else ""
-            print(f"{indent}{part:<{24 - len(indent)}} {was}{r[part]:6.2f} s")
+            was = secs(before, part) if before is not None else ""
+            print(f"{indent}{part:<{24 - len(indent)}} {was}{secs(r, part)}")
     if live is not None:
         def secs(v):
             return "n/a" if v is None else f"{v:.2f} s"
@@ -296,7 +305,8 @@ def main() -> None:
         for prefix, run in (("recovery", r), ("recovery_before", before)):
             if run is not None:
                 figures.update({f"{prefix}_{k.replace(' + ', '_').replace(' ', '_')}_s": round(run[k], 3)
-                                for k in PARTS + ("total",)})
+                                for k in PARTS + ("total",) if run[k] == run[k]})  # (NaN: a spare)
+                figures[f"{prefix}_spare"] = run["spare"]
         if live is not None:
             figures.update({f"live_{k.replace(' ', '_')}" + ("_s" if k in ("detection", "survivor stall", "median step",
                                                                            "rejoin") else ""):

@@ -130,6 +130,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raydist.elastic import warm
     from raydist.elastic.ray_session import ray_worker_entry
 
     cfg = lp.cfg
@@ -156,7 +157,8 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
         torch_config=torch_config,
         scaling_config=scaling,
         run_config=RunConfig(name=lp.run_name, storage_path=cfg.checkpoint.storage,
-                             failure_config=FailureConfig(max_failures=cfg.elastic.max_failures)),
+                             failure_config=FailureConfig(max_failures=cfg.elastic.max_failures),
+                             worker_runtime_env=warm.worker_runtime_env() if cfg.elastic.warm_spares else {}),
     )
 
 

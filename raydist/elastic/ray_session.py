@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from raydist.config import Config
-from raydist.elastic import failures
+from raydist.elastic import failures, warm
 from raydist.elastic.control import ControlChannel, Watchdog
 from raydist.elastic.session import Idle, Session
 from raydist.hang import ACTIONS, HangMonitor, is_hang, track_collectives
@@ -70,6 +70,22 @@ class RaySession(Session):
         self._last_beat = 0.0
         self._diagnosed = False
         self.timings: dict[str, float | None] = {}  # this worker process's start, the train function's entry
+        self._spares_asked = False
+
+    def _fill_spares(self) -> None:
+        """Local rank 0 of each node: warm spare processes for the next restart's workers on this node
+        (raydist.elastic.warm), asked for off the training thread."""
+        self._spares_asked = True
+        if not self.cfg.elastic.warm_spares:
+            return
+        import threading
+
+        import ray.train
+
+        ctx = ray.train.get_context()
+        if ctx.get_local_rank() == 0:
+            threading.Thread(target=warm.request_spares, args=(ctx.get_local_world_size(),), daemon=True,
+                             name="raydist-spares").start()
 
     def _diagnose(self, trigger: str, error: BaseException | None = None) -> None:
         if self.monitor is None or self._diagnosed:
@@ -107,6 +123,8 @@ class RaySession(Session):
     def heartbeat(self, step: int) -> None:
         if self.watchdog is not None:
             self.watchdog.beat()
+        if not self._spares_asked:  # after the first step: the spares' imports do not slow this start
+            self._fill_spares()
         now = time.monotonic()
         if now - self._last_beat >= self.heartbeat_interval_s:  # a store write: not every step
             self.channel.heartbeat(step)
@@ -148,6 +166,7 @@ class RaySession(Session):
         import ray.train
 
         ACTIONS.enter("idle")  # (hang diagnosis leaves idle workers out)
+        self._fill_spares()
         self.channel.follow(lambda m: ray.train.report(m["metrics"], checkpoint=None),
                             self.cfg.elastic.collective_timeout_s)
 
@@ -180,7 +199,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
         print(f"worker {dist.get_rank()}: not training: {fatal['error']}", flush=True)
         return
     session = RaySession(cfg, payload["run_dir"], payload["start_time"])
-    session.timings = {"process_started": process_start_time(), "entered": entered}
+    session.timings = {"process_started": process_start_time(), "entered": entered, "preloaded": warm.preloaded_at}
     try:
         started = session.start(cfg)
         if isinstance(started, Idle):

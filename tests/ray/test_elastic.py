@@ -12,6 +12,7 @@ import time
 import pytest
 
 from raydist.config import Config
+from raydist.elastic import warm
 from raydist.launcher import launch
 from ray_runs import Background, ray_4cpu, records, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 
@@ -39,6 +40,9 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     job = Background(small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=killed",
                            "elastic.max_failures=3"))
     wait_for(lambda: any(r["step"] >= 24 for r in records(run_dir)), 240, "step 24")
+    # the first attempt's rank 0 asked for a warm spare process per worker (raydist.elastic.warm)
+    spares = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(
+        warm.spare_pids(ray_4cpu.get_runtime_context().get_job_id(), ready_only=True)), 120, "two warm spares")
     kill_time = time.time()
     os.kill(worker_pids(run_dir)[-1], signal.SIGKILL)  # a training worker dies mid-run
     summary = job.join(300)
@@ -53,10 +57,12 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     assert killed_at >= max(r["step"] for r in records(run_dir) if r["attempt"] == 1)
     assert summary["steps_redone"] <= killed_at - committed_before_kill  # at most the steps since the commit
     assert abs(summary["final_loss"] - reference["final_loss"]) / reference["final_loss"] < 1e-3
-    # the restarted group's `launch` says where the restart went: a new process, started after the kill,
-    # entered raydist's train function, then the group was up (benchmarks/recovery.py splits the time so)
+    # the restarted workers are the spares, started before the kill, which imported torch, Ray Train and
+    # raydist before the train function was entered; the restarted group's `launch` says where the restart went (benchmarks/recovery.py splits the time so)
+    assert sorted(w["pid"] for w in events[restart]["workers"]) == spares
     relaunch = next(e for e in events if e["kind"] == "launch" and e["time"] > kill_time)
-    assert kill_time < relaunch["process_started"] <= relaunch["entered"] <= relaunch["time"], (kill_time, relaunch)
+    assert relaunch["process_started"] < kill_time < relaunch["entered"] <= relaunch["time"], (kill_time, relaunch)
+    assert relaunch["process_started"] < relaunch["preloaded"] < relaunch["entered"]
 
 
 def test_node_loss_shrinks_and_node_join_grows_the_run(tiny_data, tmp_path):
