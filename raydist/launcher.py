@@ -127,6 +127,7 @@ from raydist.ray_cluster import (RAY_TRAIN_ENV, connect_ray, resolve_use_gpu, wa
 
 
 def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False):
+    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -139,7 +140,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
     if cfg.elastic_enabled:
         scaling.elastic_resize_monitor_interval_s = cfg.elastic.resize_check_interval_s
     payload = {"config": cfg.to_dict(), "run_dir": lp.run_dir, "use_gpu": use_gpu, "start_time": start_time,
-               "record_samples": record_samples}
+               "record_samples": record_samples, "driver_node": ray.get_runtime_context().get_node_id()}
     backend = dict(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s))
     if cfg.elastic.live_recovery:
         # Ray Train runs torchft's Lighthouse and makes every worker a replica group of its own, replacing

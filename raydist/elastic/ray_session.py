@@ -71,6 +71,7 @@ class RaySession(Session):
         self._diagnosed = False
         self.timings: dict[str, float | None] = {}  # this worker process's start, the train function's entry
         self._spares_asked = False
+        self.driver_node: str | None = None  # the node the driver (and so Ray Train's controller) runs on
 
     def _fill_spares(self) -> None:
         """Local rank 0 of each node: warm spare processes for the next restart's workers on this node
@@ -80,12 +81,14 @@ class RaySession(Session):
             return
         import threading
 
+        import ray
         import ray.train
 
         ctx = ray.train.get_context()
-        if ctx.get_local_rank() == 0:
-            threading.Thread(target=warm.request_spares, args=(ctx.get_local_world_size(),), daemon=True,
-                             name="raydist-spares").start()
+        if ctx.get_local_rank() == 0:  # the controller's actors run on the driver's node
+            on_driver_node = ray.get_runtime_context().get_node_id() == self.driver_node
+            threading.Thread(target=warm.request_spares, daemon=True, name="raydist-spares",
+                             args=(ctx.get_local_world_size(), warm.CONTROLLER_ACTORS if on_driver_node else 0)).start()
 
     def _diagnose(self, trigger: str, error: BaseException | None = None) -> None:
         if self.monitor is None or self._diagnosed:
@@ -200,6 +203,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
         return
     session = RaySession(cfg, payload["run_dir"], payload["start_time"])
     session.timings = {"process_started": process_start_time(), "entered": entered, "preloaded": warm.preloaded_at}
+    session.driver_node = payload.get("driver_node")
     try:
         started = session.start(cfg)
         if isinstance(started, Idle):
@@ -228,10 +232,11 @@ def ray_world_rank() -> int:
     return ray.train.get_context().get_world_rank()
 
 
-def process_start_time() -> float | None:
-    """When this process started (wall time, 10 ms resolution), from /proc; None where there is none."""
+def process_start_time(pid: int | str = "self") -> float | None:
+    """When this process (or `pid`) started (wall time, 10 ms resolution), from /proc; None where there is
+    none."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks since boot
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])  # seconds since boot, same clock
