@@ -22,7 +22,10 @@ step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metr
 
 The recovery runs through `launch` as `raydist train` does (an embedded Ray with raydist's Ray Train
 settings, raydist.ray_cluster). --compare runs it a second time, first, with the settings raydist had
-before (PREVIOUS: no warm spare processes), and prints both side by side.
+before (PREVIOUS: no warm spare processes), and prints both side by side. What the spares cost is shown
+beside: the first attempt's steps 2-30 (the spares are asked for after step 1, and start and import while
+those steps train) and each spare's memory at the kill, resident and proportional (PSS: shared pages
+divided among the processes sharing them).
 
 Live recovery, measured in the same run (`elastic.live_recovery`, dp_replicate 2: each worker one torchft
 replica): replica 1 is SIGKILLed; the survivor keeps stepping and Ray Train replaces only that worker:
@@ -89,6 +92,7 @@ def recovery(data_path: str, root: str, name: str = "recovery", overrides: list[
         while not any(r["step"] >= 35 for r in _lines(os.path.join(run_dir, "metrics.jsonl"))):
             time.sleep(0.2)
         starts = [e for e in _lines(os.path.join(run_dir, "events.jsonl")) if e["kind"] == "start"]
+        spares = _spares()  # (what the kill finds ready)
         killed_at = time.time()
         os.kill(starts[-1]["workers"][-1]["pid"], signal.SIGKILL)
         job.join(600)
@@ -109,12 +113,40 @@ def recovery(data_path: str, root: str, name: str = "recovery", overrides: list[
                       if r.get("attempt") == 2 and r["step"] > restarted["step"])
     first_step_time = restarted["time"] + (first_step["elapsed_s"] - restarted["elapsed_s"])
     spare = spawned < killed_at  # a warm spare process took rank 0's actor
+    first_attempt = {r["step"]: r["elapsed_s"] for r in _lines(os.path.join(run_dir, "metrics.jsonl"))
+                     if r.get("attempt") == 1}
     return {"detection": error - killed_at, "restart": launched - error,
             "group down + spawn": float("nan") if spare else spawned - error,
             "worker start": entered - (error if spare else spawned), "entry": launched - entered,
             "load": restarted["time"] - launched, "spare": spare,
             "first step": first_step_time - restarted["time"], "total": first_step_time - killed_at,
+            "steps 2-30": first_attempt[30] - first_attempt[1], **spares,
             "resumed_step": restarted["step"], "steps_redone": restarted.get("steps_to_redo", 0)}
+
+
+def _spares() -> dict:
+    """The warm spare processes (raydist.elastic.warm) of the embedded cluster this process runs, idle and
+    ready, and their memory: resident (RSS) and proportional (PSS: shared pages divided among the processes
+    sharing them), per process."""
+    import ray
+
+    from raydist.elastic import warm
+
+    def stat(pid, name):
+        with open(f"/proc/{pid}/{name}") as f:
+            return f.read()
+
+    raylet = next((pid for pid in filter(str.isdigit, os.listdir("/proc")) if stat(pid, "stat").split(")")[0]
+                   .endswith("(raylet") and stat(pid, "stat").split(")")[1].split()[1] == str(os.getpid())), None)
+    job = ray.get_runtime_context().get_job_id()
+    out = {}
+    for kind, controller in (("worker", False), ("controller", True)):
+        pids = warm.spare_pids(job, raylet, controller=controller, ready_only=True) if raylet else []
+        kib = {k: [int(line.split()[1]) for pid in pids for line in stat(pid, f).splitlines() if line.startswith(k)]
+               for k, f in (("VmRSS:", "status"), ("Pss:", "smaps_rollup"))}
+        out.update({f"{kind} spares": len(pids), f"{kind} spare rss MiB": sum(kib["VmRSS:"]) / 1024 / max(len(pids), 1),
+                    f"{kind} spare pss MiB": sum(kib["Pss:"]) / 1024 / max(len(pids), 1)})
+    return out
 
 
 def live_recovery(data_path: str, root: str, steps: int = 400) -> dict[str, float | None]:
@@ -280,6 +312,11 @@ def main() -> None:
             indent = "    " if part in ("group down + spawn", "worker start", "entry") else "  "
             was = secs(before, part) if before is not None else ""
             print(f"{indent}{part:<{24 - len(indent)}} {was}{secs(r, part)}")
+        print(f"  the first attempt's steps 2-30 (the spares start and import meanwhile): "
+              + (f"before {before['steps 2-30']:.2f} s, " if before is not None else "") + f"now {r['steps 2-30']:.2f} s")
+        for kind in ("worker", "controller"):
+            print(f"  {kind} spares ready at the kill: {r[f'{kind} spares']}, each {r[f'{kind} spare rss MiB']:.0f} MiB "
+                  f"resident ({r[f'{kind} spare pss MiB']:.0f} MiB proportional)")
     if live is not None:
         def secs(v):
             return "n/a" if v is None else f"{v:.2f} s"
@@ -307,6 +344,10 @@ def main() -> None:
                 figures.update({f"{prefix}_{k.replace(' + ', '_').replace(' ', '_')}_s": round(run[k], 3)
                                 for k in PARTS + ("total",) if run[k] == run[k]})  # (NaN: a spare)
                 figures[f"{prefix}_spare"] = run["spare"]
+                figures.update({f"{prefix}_{k.replace(' ', '_').replace('-', '_')}": round(run[k], 3) if isinstance(
+                    run[k], float) else run[k] for k in ("steps 2-30", "worker spares", "worker spare rss MiB",
+                                                         "worker spare pss MiB", "controller spares",
+                                                         "controller spare rss MiB", "controller spare pss MiB")})
         if live is not None:
             figures.update({f"live_{k.replace(' ', '_')}" + ("_s" if k in ("detection", "survivor stall", "median step",
                                                                            "rejoin") else ""):
