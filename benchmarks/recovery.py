@@ -9,17 +9,23 @@ step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metr
                   split by rank 0's new process (its `launch` event says when it started and when
                   raydist's train function was entered):
       group down + spawn  -> the new worker process started (the controller's next poll sees the error,
-                             removes the group and its placement group, places a new one, forks workers)
+                             removes the group and its placement group, places a new one, forks workers);
+                             `spare` when the process was a warm spare started before the kill
+                             (elastic.warm_spares): its time is then all in `worker start`
       worker start        -> raydist's train function entered (import ray, Ray Train's worker actor and
                              train context, which import torch; the gloo process group; unpickling the
-                             train function, which imports its module raydist.elastic.ray_session)
+                             train function, which imports its module raydist.elastic.ray_session; a
+                             spare imported all of these before the kill)
       entry               -> the `launch` event (raydist's imports, session, layout broadcast)
     load       -> the `restart` event (Trainer built: mesh, model, data; checkpoint verified and loaded)
     first step -> the first step completed after it
 
 The recovery runs through `launch` as `raydist train` does (an embedded Ray with raydist's Ray Train
 settings, raydist.ray_cluster). --compare runs it a second time, first, with the settings raydist had
-before (PREVIOUS_ENV), and prints both side by side.
+before (PREVIOUS: no warm spare processes), and prints both side by side. What the spares cost is shown
+beside: the first attempt's steps 2-30 (the spares are asked for after step 1, and start and import while
+those steps train) and each spare's memory at the kill, resident and proportional (PSS: shared pages
+divided among the processes sharing them).
 
 Live recovery, measured in the same run (`elastic.live_recovery`, dp_replicate 2, each replica one worker
 and, with --live-shards 1,2, also two workers with FSDP inside: 4 workers): the last worker of replica 1 is
@@ -64,23 +70,23 @@ def _lines(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-# raydist's Ray Train settings before issue 17's restart work (raydist.ray_cluster has the current ones)
-PREVIOUS_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1"}
+# raydist's settings before warm spare processes (raydist.elastic.warm)
+PREVIOUS = ["elastic.warm_spares=false"]
 PARTS = ("detection", "restart", "group down + spawn", "worker start", "entry", "load", "first step")
 
 
-def recovery(data_path: str, root: str, name: str = "recovery", env: dict[str, str] | None = None) -> dict:
-    """One kill-and-restart run through `launch` (its embedded Ray); `env` overrides raydist's Ray Train
-    settings for this run only."""
+def recovery(data_path: str, root: str, name: str = "recovery", overrides: list[str] = ()) -> dict:
+    """One kill-and-restart run through `launch` (its embedded Ray); `overrides` are --set settings for this
+    run only."""
     from raydist.launcher import launch
 
     cfg = Config.load("workloads/gpt_tiny.toml", [f"data.path={data_path}", "data.reader=arrow", "train.steps=150",
                                                   "train.eval_every=0", "train.log_every=1",
                                                   "checkpoint.every_steps=10", "checkpoint.async_save=false",
-                                                  f"checkpoint.storage={root}", f"train.run_name={name}"])
+                                                  f"checkpoint.storage={root}", f"train.run_name={name}",
+                                                  *overrides])
     run_dir = os.path.join(root, name)
     saved = dict(os.environ)
-    os.environ.update(env or {})
     try:
         errors: list = []
         job = threading.Thread(target=lambda: errors.append(launch(cfg, log=lambda *_: None)), daemon=True)
@@ -88,6 +94,7 @@ def recovery(data_path: str, root: str, name: str = "recovery", env: dict[str, s
         while not any(r["step"] >= 35 for r in _lines(os.path.join(run_dir, "metrics.jsonl"))):
             time.sleep(0.2)
         starts = [e for e in _lines(os.path.join(run_dir, "events.jsonl")) if e["kind"] == "start"]
+        spares = _spares()  # (what the kill finds ready)
         killed_at = time.time()
         os.kill(starts[-1]["workers"][-1]["pid"], signal.SIGKILL)
         job.join(600)
@@ -107,10 +114,41 @@ def recovery(data_path: str, root: str, name: str = "recovery", env: dict[str, s
     first_step = next(r for r in _lines(os.path.join(run_dir, "metrics.jsonl"))
                       if r.get("attempt") == 2 and r["step"] > restarted["step"])
     first_step_time = restarted["time"] + (first_step["elapsed_s"] - restarted["elapsed_s"])
-    return {"detection": error - killed_at, "restart": launched - error, "group down + spawn": spawned - error,
-            "worker start": entered - spawned, "entry": launched - entered, "load": restarted["time"] - launched,
+    spare = spawned < killed_at  # a warm spare process took rank 0's actor
+    first_attempt = {r["step"]: r["elapsed_s"] for r in _lines(os.path.join(run_dir, "metrics.jsonl"))
+                     if r.get("attempt") == 1}
+    return {"detection": error - killed_at, "restart": launched - error,
+            "group down + spawn": float("nan") if spare else spawned - error,
+            "worker start": entered - (error if spare else spawned), "entry": launched - entered,
+            "load": restarted["time"] - launched, "spare": spare,
             "first step": first_step_time - restarted["time"], "total": first_step_time - killed_at,
+            "steps 2-30": first_attempt[30] - first_attempt[1], **spares,
             "resumed_step": restarted["step"], "steps_redone": restarted.get("steps_to_redo", 0)}
+
+
+def _spares() -> dict:
+    """The warm spare processes (raydist.elastic.warm) of the embedded cluster this process runs, idle and
+    ready, and their memory: resident (RSS) and proportional (PSS: shared pages divided among the processes
+    sharing them), per process."""
+    import ray
+
+    from raydist.elastic import warm
+
+    def stat(pid, name):
+        with open(f"/proc/{pid}/{name}") as f:
+            return f.read()
+
+    raylet = next((pid for pid in filter(str.isdigit, os.listdir("/proc")) if stat(pid, "stat").split(")")[0]
+                   .endswith("(raylet") and stat(pid, "stat").split(")")[1].split()[1] == str(os.getpid())), None)
+    job = ray.get_runtime_context().get_job_id()
+    out = {}
+    for kind, controller in (("worker", False), ("controller", True)):
+        pids = warm.spare_pids(job, raylet, controller=controller, ready_only=True) if raylet else []
+        kib = {k: [int(line.split()[1]) for pid in pids for line in stat(pid, f).splitlines() if line.startswith(k)]
+               for k, f in (("VmRSS:", "status"), ("Pss:", "smaps_rollup"))}
+        out.update({f"{kind} spares": len(pids), f"{kind} spare rss MiB": sum(kib["VmRSS:"]) / 1024 / max(len(pids), 1),
+                    f"{kind} spare pss MiB": sum(kib["Pss:"]) / 1024 / max(len(pids), 1)})
+    return out
 
 
 def live_recovery(data_path: str, root: str, steps: int = 400, shard: int = 1) -> dict[str, float | None]:
@@ -267,7 +305,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_recovery:
             if args.compare:
-                before = recovery(cfg.data.path, tmp, "recovery_before", PREVIOUS_ENV)
+                before = recovery(cfg.data.path, tmp, "recovery_before", PREVIOUS)
             r = recovery(cfg.data.path, tmp)
             if not args.skip_live:
                 for shard in (int(v) for v in args.live_shards.split(",")):
@@ -278,20 +316,29 @@ def main() -> None:
         print(f"\nworker kill -> first step after restart: {r['total']:.1f} s "
               f"(resumed at step {r['resumed_step']}, {r['steps_redone']} steps to redo)")
         if before is not None:
-            print(f"  {'':<22} {'before':>7} {'now':>7}   (before: {PREVIOUS_ENV})")
+            print(f"  {'':<22} {'before':>7} {'now':>7}   (before: {' '.join(PREVIOUS)})")
+
+        def secs(run, part):
+            return "   spare " if part == "group down + spawn" and run["spare"] else f"{run[part]:6.2f} s "
         for part in PARTS + ("total",):
             indent = "    " if part in ("group down + spawn", "worker start", "entry") else "  "
-            was = f"{before[part]:6.2f} s " if before is not None else ""
-            print(f"{indent}{part:<{24 - len(indent)}} {was}{r[part]:6.2f} s")
-    def secs(v):
+            was = secs(before, part) if before is not None else ""
+            print(f"{indent}{part:<{24 - len(indent)}} {was}{secs(r, part)}")
+        print(f"  the first attempt's steps 2-30 (the spares start and import meanwhile): "
+              + (f"before {before['steps 2-30']:.2f} s, " if before is not None else "") + f"now {r['steps 2-30']:.2f} s")
+        for kind in ("worker", "controller"):
+            print(f"  {kind} spares ready at the kill: {r[f'{kind} spares']}, each {r[f'{kind} spare rss MiB']:.0f} MiB "
+                  f"resident ({r[f'{kind} spare pss MiB']:.0f} MiB proportional)")
+
+    def seconds(v):
         return "n/a" if v is None else f"{v:.2f} s"
 
     for shard, run in live.items():
         print(f"\nlive recovery (worker kill, dp_replicate 2 x dp_shard {shard}): survivor stall "
-              f"{secs(run['survivor stall'])} (median step {secs(run['median step'])}), detection "
-              f"{secs(run['detection'])}, replacement back in the quorum after {secs(run['rejoin'])} (lost at step "
-              f"{run['lost_step']}, joined at step {run['joined_step']}); restarts {run['restarts']}, steps redone "
-              f"{run['steps_redone']}")
+              f"{seconds(run['survivor stall'])} (median step {seconds(run['median step'])}), detection "
+              f"{seconds(run['detection'])}, replacement back in the quorum after {seconds(run['rejoin'])} (lost at "
+              f"step {run['lost_step']}, joined at step {run['joined_step']}); restarts {run['restarts']}, steps "
+              f"redone {run['steps_redone']}")
     mb = t["bytes"] / 2**20
     print(f"\ncheckpoint save of {mb:.0f} MiB (2 ranks): {t['save_s']:.2f} s = {mb / t['save_s']:.0f} MiB/s; "
           f"raw write of the same bytes {t['raw_s']:.2f} s = {mb / t['raw_s']:.0f} MiB/s; "
@@ -310,7 +357,12 @@ def main() -> None:
         for prefix, run in (("recovery", r), ("recovery_before", before)):
             if run is not None:
                 figures.update({f"{prefix}_{k.replace(' + ', '_').replace(' ', '_')}_s": round(run[k], 3)
-                                for k in PARTS + ("total",)})
+                                for k in PARTS + ("total",) if run[k] == run[k]})  # (NaN: a spare)
+                figures[f"{prefix}_spare"] = run["spare"]
+                figures.update({f"{prefix}_{k.replace(' ', '_').replace('-', '_')}": round(run[k], 3) if isinstance(
+                    run[k], float) else run[k] for k in ("steps 2-30", "worker spares", "worker spare rss MiB",
+                                                         "worker spare pss MiB", "controller spares",
+                                                         "controller spare rss MiB", "controller spare pss MiB")})
         for shard, run in live.items():  # dp_shard 1 keeps the earlier names (live_...), others live_shard<N>_...
             prefix = "live_" if shard == 1 else f"live_shard{shard}_"
             figures.update({prefix + k.replace(' ', '_') + ("_s" if k in ("detection", "survivor stall", "median step",

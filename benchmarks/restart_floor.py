@@ -1,12 +1,16 @@
-"""Ray's own floor under a worker-group restart on this machine, with nothing of raydist in it.
+"""Ray's own floor under a worker-group restart on this machine, with nothing of raydist's training in it.
 
     actors      2 trivial Ray actors created at once, each importing torch in its constructor: creation ->
                 both ready (a fresh Python process each, `import ray`, `import torch`)
     ray train   a trivial 2-worker Ray Train V2 TorchTrainer (gloo) whose rank 1 exits mid-run while rank 0
                 waits in a barrier: the exit -> the train function entered again on the restarted group
                 (split at the new rank 0 process's start), and -> every new worker entered
+    warm        the same restart with raydist's warm spares (raydist.elastic.warm): rank 0 asks for them,
+                rank 1 exits once they are idle (started, imports done); the restarted group's processes
+                are the spares, started before the exit
 
-Both on an embedded local Ray started with raydist's Ray Train settings (raydist.ray_cluster.train_env),
+All on an embedded local Ray started with raydist's Ray Train settings (raydist.ray_cluster.train_env) and
+the job's setup hook (raydist.elastic.warm.job_runtime_env: it imports nothing in the cold runs' workers),
 4 logical CPUs as `raydist train` starts it on this machine.
 
     python benchmarks/restart_floor.py [--repeats 2] [--json]
@@ -21,6 +25,8 @@ import os
 import statistics
 import tempfile
 import time
+
+import ray
 
 
 def _process_start_time() -> float:  # (a copy of raydist.elastic.ray_session's: nothing of raydist here)
@@ -54,6 +60,26 @@ def actors(repeats: int) -> list[float]:
     return times
 
 
+def _cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return sum(int(v) for v in f.read().rsplit(")", 1)[1].split()[11:13])  # utime + stime
+
+
+def _wait_for_idle_spares(wanted: int) -> None:
+    """Until `wanted` spares of each kind are started and used no CPU for a second (their imports done)."""
+    from raydist.elastic import warm
+
+    job = ray.get_runtime_context().get_job_id()
+    while True:
+        pids = [warm.spare_pids(job, controller=c, ready_only=True) for c in (False, True)]
+        if all(len(p) >= wanted for p in pids):
+            before = {pid: _cpu_ticks(pid) for p in pids for pid in p}
+            time.sleep(1)
+            if all(_cpu_ticks(pid) == ticks for pid, ticks in before.items()):
+                return
+        time.sleep(0.2)
+
+
 def _train_fn(config: dict) -> None:
     import ray.train
     import torch.distributed as dist
@@ -64,7 +90,15 @@ def _train_fn(config: dict) -> None:
         json.dump({"rank": rank, "entered": entered, "started": _process_start_time()}, f)
     if os.path.exists(os.path.join(d, "exited")):
         return  # the restarted group: done
+    if rank == 0 and config["warm"]:
+        from raydist.elastic import warm
+
+        warm.request_spares(2, warm.CONTROLLER_ACTORS)
+        _wait_for_idle_spares(2)
+        open(os.path.join(d, "spares_ready"), "w").close()
     if rank == 1:
+        while config["warm"] and not os.path.exists(os.path.join(d, "spares_ready")):
+            time.sleep(0.1)
         time.sleep(3)
         with open(os.path.join(d, "exited"), "w") as f:
             f.write(repr(time.time()))
@@ -74,15 +108,18 @@ def _train_fn(config: dict) -> None:
         time.sleep(0.05)
 
 
-def ray_train_restart(root: str) -> dict[str, float]:
+def ray_train_restart(root: str, warm_spares: bool = False) -> dict[str, float]:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raydist.elastic import warm
+
     d = tempfile.mkdtemp(dir=root)
-    TorchTrainer(_train_fn, train_loop_config={"dir": d}, torch_config=TorchConfig(backend="gloo"),
+    TorchTrainer(_train_fn, train_loop_config={"dir": d, "warm": warm_spares}, torch_config=TorchConfig(backend="gloo"),
                  scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
                  run_config=RunConfig(name=os.path.basename(d), storage_path=root,
-                                      failure_config=FailureConfig(max_failures=1))).fit()
+                                      failure_config=FailureConfig(max_failures=1),
+                                      worker_runtime_env=warm.worker_runtime_env() if warm_spares else {})).fit()
     with open(os.path.join(d, "exited")) as f:
         exited = float(f.read())
     entries = []
@@ -101,17 +138,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
-    import ray
-
+    from raydist.elastic import warm
     from raydist.ray_cluster import embedded_dashboard, train_env
 
     saved = dict(os.environ)
     os.environ.update(train_env(embedded=True))
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 4), logging_level="warning", **embedded_dashboard())
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 4), logging_level="warning",
+             runtime_env=warm.job_runtime_env(), **embedded_dashboard())
     try:
         started = actors(args.repeats)
         with tempfile.TemporaryDirectory() as root:
             restarts = [ray_train_restart(root) for _ in range(args.repeats)]
+            warm_restarts = [ray_train_restart(root, warm_spares=True) for _ in range(args.repeats)]
     finally:
         ray.shutdown()
         os.environ.clear()
@@ -121,10 +159,15 @@ def main() -> None:
     print("trivial 2-worker Ray Train restart (gloo), a worker's exit ->")
     for key in restarts[0]:
         print(f"  {key:<50} {', '.join(f'{r[key]:.2f}' for r in restarts)} s")
+    key, ahead = "exit -> all new workers in their train function", "exit -> new rank 0 process"
+    print(f"  {key + ', warm spares':<50} {', '.join(f'{r[key]:.2f}' for r in warm_restarts)} s (their processes "
+          f"started {', '.join(f'{-r[ahead]:.1f}' for r in warm_restarts)} s before the exit)")
     if args.json:
         figures = {"actors_torch_ready_s": round(statistics.median(started), 3)}
         figures.update({"ray_train_" + k.replace("->", "to").replace(" ", "_"): round(statistics.median(
             r[k] for r in restarts), 3) for k in restarts[0]})
+        figures["ray_train_warm_exit_to_all_new_workers_in_their_train_function"] = round(statistics.median(
+            r[key] for r in warm_restarts), 3)
         print(json.dumps(figures))
 
 

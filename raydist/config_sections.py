@@ -41,6 +41,11 @@ class ElasticConfig:
     """How long Ray Train waits for a new worker group's resources and processes before it decides its size
     again (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S). After a node loss an elastic run first asks again for
     its old size, since Ray's resource view still counts the lost node, and shrinks only after this wait."""
+    warm_spares: bool = True
+    """Keep one idle, started worker process per worker (Python with Ray, Ray Train, torch and raydist
+    imported) on each node, so that a restarted worker group starts in them instead of new processes
+    (raydist.elastic.warm; costs one idle process's memory per worker). Preloading needs the job's runtime
+    env: under `ray job submit` add {"worker_process_setup_hook": "raydist.elastic.warm.preload"} to it."""
     live_recovery: bool = False
     """Live recovery (torchft): each of the parallel.dp_replicate replicas is parallel.dp_shard workers (FSDP
     inside it); when a worker dies the other replicas keep stepping, Ray Train replaces its whole replica and

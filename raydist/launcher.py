@@ -137,9 +137,11 @@ from raydist.ray_cluster import (RAY_TRAIN_ENV, connect_ray, resolve_use_gpu, wa
 
 
 def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False):
+    import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raydist.elastic import warm
     from raydist.elastic.ray_session import ray_worker_entry
 
     cfg = lp.cfg
@@ -148,7 +150,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
     if cfg.elastic_enabled:
         scaling.elastic_resize_monitor_interval_s = cfg.elastic.resize_check_interval_s
     payload = {"config": cfg.to_dict(), "run_dir": lp.run_dir, "use_gpu": use_gpu, "start_time": start_time,
-               "record_samples": record_samples}
+               "record_samples": record_samples, "driver_node": ray.get_runtime_context().get_node_id()}
     backend = dict(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s))
     if cfg.elastic.live_recovery:
         # Ray Train runs torchft's Lighthouse and makes every dp_shard workers a replica group, replacing
@@ -171,7 +173,8 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
         torch_config=torch_config,
         scaling_config=scaling,
         run_config=RunConfig(name=lp.run_name, storage_path=cfg.checkpoint.storage,
-                             failure_config=FailureConfig(max_failures=cfg.elastic.max_failures)),
+                             failure_config=FailureConfig(max_failures=cfg.elastic.max_failures),
+                             worker_runtime_env=warm.worker_runtime_env() if cfg.elastic.warm_spares else {}),
     )
 
 

@@ -8,6 +8,7 @@ import time
 from typing import Callable
 
 from raydist.config import Config, ConfigError
+from raydist.elastic import warm
 
 
 # Ray Train V2 settings (ray/train/v2/_internal/constants.py); a value the user set in the environment wins.
@@ -80,8 +81,13 @@ def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
     # An embedded cluster's processes inherit the driver's environment, and Ray Train hands the driver's
     # RAY_TRAIN_* variables to its controller (a submitted job keeps the runtime env it was submitted with)
     os.environ.update(env)
+    # warm spares: Ray runs the job's worker_process_setup_hook in every new worker process (a submitted
+    # job keeps the runtime env it was submitted with: see ElasticConfig.warm_spares)
+    hook = warm.job_runtime_env() if cfg.elastic.warm_spares else {}
     if address and not os.environ.get("RAY_JOB_ID"):
-        kwargs["runtime_env"] = {"env_vars": env}
+        kwargs["runtime_env"] = {"env_vars": env, **hook}
+    elif not address and hook:
+        kwargs["runtime_env"] = hook
     if address:
         ray.init(address=address, **kwargs)
         return False

@@ -61,12 +61,15 @@ class Background:
 def ray_4cpu(monkeypatch):
     import ray
 
+    from raydist.elastic import warm
     from raydist.ray_cluster import embedded_dashboard, train_env
 
-    # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one, and
-    # its processes inherit raydist's Ray Train settings (the controller's ones only reach it this way)
+    # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one, its
+    # processes inherit raydist's Ray Train settings (the controller's ones only reach it this way), and its
+    # job preloads warm spare processes
     for key, value in train_env(embedded=True).items():
         monkeypatch.setenv(key, value)
-    ray.init(address="local", num_cpus=4, logging_level="warning", **embedded_dashboard())
+    ray.init(address="local", num_cpus=4, logging_level="warning", runtime_env=warm.job_runtime_env(),
+             **embedded_dashboard())
     yield ray
     ray.shutdown()

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from raydist.config import Config
-from raydist.elastic import failures
+from raydist.elastic import failures, warm
 from raydist.elastic.control import ControlChannel, Watchdog
 from raydist.elastic.session import Idle, Session
 from raydist.hang import ACTIONS, HangMonitor, is_hang, track_collectives
@@ -72,6 +72,25 @@ class RaySession(Session):
         self._last_beat = 0.0
         self._diagnosed = False
         self.timings: dict[str, float | None] = {}  # this worker process's start, the train function's entry
+        self._spares_asked = False
+        self.driver_node: str | None = None  # the node the driver (and so Ray Train's controller) runs on
+
+    def _fill_spares(self) -> None:
+        """Local rank 0 of each node: warm spare processes for the next restart's workers on this node
+        (raydist.elastic.warm), asked for off the training thread."""
+        self._spares_asked = True
+        if not self.cfg.elastic.warm_spares:
+            return
+        import threading
+
+        import ray
+        import ray.train
+
+        ctx = ray.train.get_context()
+        if ctx.get_local_rank() == 0:  # the controller's actors run on the driver's node
+            on_driver_node = ray.get_runtime_context().get_node_id() == self.driver_node
+            threading.Thread(target=warm.request_spares, daemon=True, name="raydist-spares",
+                             args=(ctx.get_local_world_size(), warm.CONTROLLER_ACTORS if on_driver_node else 0)).start()
 
     def _diagnose(self, trigger: str, error: BaseException | None = None) -> None:
         if self.monitor is None or self._diagnosed:
@@ -109,6 +128,8 @@ class RaySession(Session):
     def heartbeat(self, step: int) -> None:
         if self.watchdog is not None:
             self.watchdog.beat()
+        if not self._spares_asked:  # after the first step: the spares' imports do not slow this start
+            self._fill_spares()
         now = time.monotonic()
         if now - self._last_beat >= self.heartbeat_interval_s:  # a store write: not every step
             self.channel.heartbeat(step)
@@ -150,6 +171,7 @@ class RaySession(Session):
         import ray.train
 
         ACTIONS.enter("idle")  # (hang diagnosis leaves idle workers out)
+        self._fill_spares()
         self.channel.follow(lambda m: ray.train.report(m["metrics"], checkpoint=None),
                             self.cfg.elastic.collective_timeout_s)
 
@@ -183,7 +205,8 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
         print(f"worker {dist.get_rank()}: not training: {fatal['error']}", flush=True)
         return
     session = RaySession(cfg, payload["run_dir"], payload["start_time"])
-    session.timings = {"process_started": process_start_time(), "entered": entered}
+    session.timings = {"process_started": process_start_time(), "entered": entered, "preloaded": warm.preloaded_at}
+    session.driver_node = payload.get("driver_node")
     try:
         started = session.start(cfg)
         if isinstance(started, Idle):
@@ -213,10 +236,11 @@ def live_identity(cfg: Config):
     return replica_identity(cfg.parallel.dp_shard)
 
 
-def process_start_time() -> float | None:
-    """When this process started (wall time, 10 ms resolution), from /proc; None where there is none."""
+def process_start_time(pid: int | str = "self") -> float | None:
+    """When this process (or `pid`) started (wall time, 10 ms resolution), from /proc; None where there is
+    none."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks since boot
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])  # seconds since boot, same clock

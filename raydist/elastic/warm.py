@@ -1,0 +1,208 @@
+"""Warm spare processes, so that a restarted Ray Train worker group starts in processes that already run Ray
+with Ray Train, torch and raydist imported.
+
+A Ray Train restart replaces every worker actor, and an actor is hosted by a fresh Python process: importing
+`ray.train` (which pulls in pandas and Ray Data) and torch takes seconds of a restart, all of it on the
+critical path. Ray's raylet keeps idle worker processes in a pool and hands a new actor one whose job,
+language and runtime env (its hash) match, provided the process never hosted anything
+(ray-project/ray src/ray/raylet/worker_pool.cc: `FindAndPopIdleWorker`, `WorkerFitForLease`; a process that
+ran a task or an actor never hosts another actor). This module fills that pool ahead of a failure:
+
+- every Ray Train worker's runtime env carries SPARE_ENV_VAR (through `RunConfig.worker_runtime_env`, which
+  Ray Train merges into the controller's runtime env for each worker actor). It marks the processes to
+  preload, and it keeps the workers' spares apart from the controller's own: at every worker group start
+  the controller also creates, with its own runtime env and on its own node, a SynchronizationActor and a
+  DatasetManager (CONTROLLER_ACTORS), whose cold starts otherwise compete for the cores with the workers';
+- the job's `worker_process_setup_hook` (a job-level runtime env field: Ray runs it in every worker process
+  of the job after the process connects and before it takes work; ray/_private/workers/default_worker.py)
+  is `preload`: in a process with SPARE_ENV_VAR it imports what a raydist Ray Train worker imports, in a
+  process with the controller's runtime env (CONTROLLER_ENV_VAR) the modules of the controller's actors, in
+  any other process nothing;
+- after a worker group's first step, local rank 0 of each node asks its raylet to start idle processes with
+  the workers' exact runtime env, one per worker on the node, and on the controller's node two with the
+  controller's runtime env, less those already idle there (`request_spares`: the raylet's PrestartWorkers
+  RPC, `NodeManagerService.PrestartWorkers` in src/ray/protobuf/node_manager.proto, Ray >= 2.40; no public
+  Python API calls it in Ray 2.60).
+
+The RPC and the controller's runtime env are Ray internals, so the path is optional: it is taken only on a
+Ray version it was checked against (SUPPORTED_RAY), any failure is one warning line, and a restart then
+starts cold processes as before. tests/ray/test_warm_spares.py fails if Ray stops placing actors in such
+spares, tests/ray/test_elastic.py if a restarted Ray Train group starts a new process. The spares cost
+memory (an idle process per worker with torch imported, two with Ray Train) and belong to the job: Ray
+ends them with the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+SPARE_ENV_VAR = "RAYDIST_SPARE_WORKER"
+# Ray Train 2.60 sets it in its controller's runtime env (DataParallelTrainer._initialize_and_run_controller),
+# which the controller's own actors inherit; the job's other processes do not have it
+CONTROLLER_ENV_VAR = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"
+CONTROLLER_ACTORS = 2  # SynchronizationActor and DatasetManager, started with every worker group
+HOOK = "raydist.elastic.warm.preload"
+# A spare is protected from Ray's idle-worker reaper this long (after it, only idle processes beyond the
+# node's free CPUs are reaped); the job's end ends it anyway.
+KEEP_ALIVE_S = 7 * 24 * 3600
+SUPPORTED_RAY = ((2, 40), (2, 61))  # [first, last) minor versions the PrestartWorkers request was checked on
+
+# What a raydist Ray Train worker imports, in order; the last ones lazily, on its way to the first step:
+# ray.train.torch (TorchConfig, unpickled on every worker), raydist's train function module and all it
+# imports, torch._dynamo (imported by torch the first time a module is built on the meta device: 0.55 s),
+# TensorBoard's writer (rank 0 opens one at every start), Ray Tune (`ray.train.get_context()` asks whether
+# it runs in a Tune session, first in Ray Train's own process-group setup: 0.3 s), torch's profiler
+PRELOAD = ("torch", "torch.distributed", "ray.train", "ray.train.torch", "raydist.elastic.ray_session",
+           "raydist.train_loop", "raydist.trainer", "torch._dynamo")
+PRELOAD_OPTIONAL = ("torch.utils.tensorboard", "ray.tune.trainable.trainable_fn_utils", "torch.profiler")
+PRELOAD_CONTROLLER = ("ray.train.v2._internal.execution.checkpoint.sync_actor",
+                      "ray.train.v2._internal.data_integration.dataset_manager")
+
+preloaded_at: float | None = None  # when `preload` finished in this process (None: it did not run)
+
+
+def preload() -> None:
+    """The job's worker_process_setup_hook (see the module docstring). Never raises: Ray ends a worker whose
+    hook fails."""
+    global preloaded_at
+    if os.environ.get(SPARE_ENV_VAR):
+        required, optional = PRELOAD, PRELOAD_OPTIONAL
+    elif CONTROLLER_ENV_VAR in os.environ:
+        required, optional = (), PRELOAD_CONTROLLER
+    else:
+        return
+    import importlib
+
+    try:
+        for name in required:
+            importlib.import_module(name)
+    except Exception as exc:  # a cold import later fails with the real error where it matters
+        print(f"warning: raydist could not preload a spare worker ({type(exc).__name__}: {exc})", flush=True)
+        return
+    for name in optional:
+        try:
+            importlib.import_module(name)
+        except Exception:  # not installed, or moved by a Ray upgrade: nothing to preload
+            pass
+    preloaded_at = time.time()
+
+
+def job_runtime_env() -> dict:
+    """The job-level runtime env fields that make every new worker process of the job run `preload`."""
+    return {"worker_process_setup_hook": HOOK}
+
+
+def worker_runtime_env() -> dict:
+    """RunConfig.worker_runtime_env: marks Ray Train's worker processes (see the module docstring)."""
+    return {"env_vars": {SPARE_ENV_VAR: "1"}}
+
+
+def controller_runtime_env(worker_env: str) -> str | None:
+    """The Ray Train controller's runtime env, from one of its workers' (`worker_env`, exactly as the worker
+    process got it), or None if the worker's is not marked.
+
+    The controller creates each worker actor with its worker env, {"env_vars": the variables Ray Train hands
+    on (already in the controller's own env) + SPARE_ENV_VAR}, which Ray merges into the controller's env
+    (the core worker's MergeRuntimeEnv: JSON with sorted keys and no spaces); the controller's own actors
+    inherit its env unchanged. So the controller's is the worker's without the marker's entry."""
+    entry = f'"{SPARE_ENV_VAR}":"1"'
+    for cut in (entry + ",", "," + entry):
+        if cut in worker_env:
+            return worker_env.replace(cut, "", 1)
+    return None
+
+
+def ray_supported(version: str) -> bool:
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return False
+    return SUPPORTED_RAY[0] <= (major, minor) < SUPPORTED_RAY[1]
+
+
+def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = False, ready_only: bool = False,
+               proc: str = "/proc") -> list[int]:
+    """This job's spare processes on this node that host nothing yet: processes of the raylet `raylet_pid`
+    (this process's own by default) whose environment has RAY_JOB_ID=`job_id` (the raylet sets both for the
+    job's workers; a job id alone is not unique: every cluster's first job is 01000000) and SPARE_ENV_VAR
+    (workers' spares) or, with `controller`, CONTROLLER_ENV_VAR without SPARE_ENV_VAR (the controller's),
+    named `ray::IDLE` (Ray names a process after what it hosts) or, unless `ready_only`, still starting (its
+    python command line). [] where there is no /proc."""
+    found = []
+    try:
+        pids = [p for p in os.listdir(proc) if p.isdigit()]
+    except OSError:
+        return found
+    raylet_pid = raylet_pid or os.environ.get("RAY_RAYLET_PID", "")
+    job, spare = f"RAY_JOB_ID={job_id}".encode(), f"{SPARE_ENV_VAR}=".encode()
+    raylet = f"RAY_RAYLET_PID={raylet_pid}".encode()
+    for pid in pids:
+        try:
+            with open(f"{proc}/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0]
+            if title.startswith(b"ray::") and not title.startswith(b"ray::IDLE"):
+                continue  # hosts a task or an actor
+            if ready_only and not title.startswith(b"ray::IDLE"):
+                continue
+            with open(f"{proc}/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        marked = any(v.startswith(spare) for v in env)
+        if controller:
+            marked = not marked and any(v.startswith(f"{CONTROLLER_ENV_VAR}=".encode()) for v in env)
+        if marked and job in env and raylet in env:
+            found.append(int(pid))
+    return sorted(found)
+
+
+def request_spares(workers: int, controller_actors: int = 0, log=print) -> int:
+    """From a Ray Train worker process: asks this node's raylet for idle processes with this process's
+    runtime env until `workers` are idle or starting here, and with the controller's until
+    `controller_actors` are. Returns how many it asked for (0 when enough are there, or when it could not
+    ask: one warning line then)."""
+    try:
+        import ray
+
+        if not ray_supported(ray.__version__):
+            log(f"warning: warm spare workers are off: Ray {ray.__version__} is outside the versions they were "
+                f"checked on ({SUPPORTED_RAY[0][0]}.{SUPPORTED_RAY[0][1]} to before "
+                f"{SUPPORTED_RAY[1][0]}.{SUPPORTED_RAY[1][1]}); restarts start cold processes")
+            return 0
+        from ray._private.grpc_utils import init_grpc_channel
+        from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
+        from ray.core.generated.runtime_environment_pb2 import RuntimeEnvInfo
+
+        worker = ray._private.worker.global_worker
+        job_id = worker.current_job_id
+        # the runtime env exactly as this process got it: the raylet matches an actor to an idle process by
+        # the hash of this string
+        runtime_env = worker.core_worker.get_current_runtime_env()
+        if not os.environ.get("RAY_RAYLET_PID"):  # (set by the raylet in every worker it starts)
+            raise RuntimeError("RAY_RAYLET_PID is not set: this is not a Ray worker process")
+        wanted = [(runtime_env, workers - len(spare_pids(job_id.hex())))]
+        if worker.core_worker.get_job_config().runtime_env_info.serialized_runtime_env in ("", "{}"):
+            # the job has no runtime env (no setup hook either): the driver's own serialization of the
+            # controller's env is then used as it is, not Ray's merge that controller_runtime_env undoes
+            controller_actors = 0
+        if controller_actors:
+            controller_env = controller_runtime_env(runtime_env)
+            if controller_env is None:
+                raise ValueError(f"this process's runtime env has no {SPARE_ENV_VAR}: {runtime_env[:200]}")
+            wanted.append((controller_env, controller_actors - len(spare_pids(job_id.hex(), controller=True))))
+        wanted = [(env, n) for env, n in wanted if n > 0]
+        if not wanted:
+            return 0
+        address = f"{worker.node.node_ip_address}:{worker.node.node_manager_port}"
+        stub = node_manager_pb2_grpc.NodeManagerServiceStub(init_grpc_channel(address))
+        for env, n in wanted:
+            stub.PrestartWorkers(node_manager_pb2.PrestartWorkersRequest(
+                language=common_pb2.PYTHON, job_id=job_id.binary(), num_workers=n,
+                runtime_env_info=RuntimeEnvInfo(serialized_runtime_env=env),
+                keep_alive_duration_secs=KEEP_ALIVE_S), timeout=10)
+        return sum(n for _, n in wanted)
+    except Exception as exc:
+        log(f"warning: could not start warm spare workers ({type(exc).__name__}: {str(exc)[:200]}); "
+            "a restart starts cold processes")
+        return 0

@@ -1,0 +1,113 @@
+"""Warm spare worker processes (raydist.elastic.warm) on a real local Ray: the Ray behaviour they rely on.
+
+If a Ray upgrade changes how the raylet prestarts processes or matches an actor to an idle one, these tests
+fail (restarts would then quietly start cold processes again)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from raydist.elastic import warm
+from ray_runs import wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+@pytest.fixture
+def ray_hooked():
+    """A local Ray whose job runs raydist's setup hook, as raydist's embedded cluster does."""
+    import ray
+
+    from raydist.ray_cluster import embedded_dashboard
+
+    ray.init(address="local", num_cpus=4, logging_level="warning", runtime_env=warm.job_runtime_env(),
+             **embedded_dashboard())
+    yield ray
+    ray.shutdown()
+
+
+def probe_class(ray):
+    @ray.remote(num_cpus=1)
+    class Probe:
+        def ask(self, workers, controller_actors=0):
+            return warm.request_spares(workers, controller_actors)
+
+        def state(self):
+            from raydist.elastic.ray_session import process_start_time
+
+            return {"pid": os.getpid(), "started": process_start_time(), "preloaded": warm.preloaded_at,
+                    "modules": set(sys.modules) & {*warm.PRELOAD, *warm.PRELOAD_CONTROLLER},
+                    "raylet": os.environ["RAY_RAYLET_PID"]}
+
+    return Probe
+
+
+def two_spares(job, raylet):
+    return wait_for(lambda: (lambda p: p if len(p) == 2 else None)(warm.spare_pids(job, raylet, ready_only=True)),
+                    120, "two idle spares")
+
+
+def test_an_actor_with_the_workers_runtime_env_starts_in_a_preloaded_spare(ray_hooked):
+    ray = ray_hooked
+    Probe = probe_class(ray)
+    job = ray.get_runtime_context().get_job_id()
+    first = Probe.options(runtime_env=warm.worker_runtime_env()).remote()
+    raylet = ray.get(first.state.remote())["raylet"]
+    assert ray.get(first.ask.remote(2)) == 2
+    spares = two_spares(job, raylet)
+    assert ray.get(first.ask.remote(2)) == 0  # enough are there: no more are started
+    time.sleep(1)
+    assert warm.spare_pids(job, raylet) == spares
+    # an actor without the workers' marker takes none
+    other = ray.get(Probe.remote().state.remote())
+    assert other["pid"] not in spares and other["preloaded"] is None
+    ray.kill(first)
+    created = time.time()
+    probes = [Probe.options(runtime_env=warm.worker_runtime_env()).remote() for _ in range(2)]
+    states = ray.get([p.state.remote() for p in probes])
+    assert sorted(s["pid"] for s in states) == spares, (states, spares)
+    for state in states:  # the process was there before the actor, its imports done by the hook before it
+        assert state["started"] < created and state["preloaded"] is not None  # took the actor
+        assert state["modules"] >= set(warm.PRELOAD)
+    assert warm.spare_pids(job, raylet) == []
+
+
+def test_a_controllers_own_actors_start_in_spares_asked_for_by_its_worker(ray_hooked):
+    """As Ray Train's: the controller has its own runtime env, creates its workers with the marked worker env
+    (which Ray merges into its own) and its SynchronizationActor and DatasetManager with its env."""
+    ray = ray_hooked
+    Probe = probe_class(ray)
+
+    @ray.remote(num_cpus=0)
+    class Controller:  # (runs in a worker: only what raydist and Ray provide, nothing of this test module)
+        def run(self):
+            worker = Probe.options(runtime_env=warm.worker_runtime_env()).remote()
+            assert ray.get(worker.ask.remote(0, warm.CONTROLLER_ACTORS)) == 2  # two with the controller's env
+            job, deadline = ray.get_runtime_context().get_job_id(), time.monotonic() + 120
+            while len(spares := warm.spare_pids(job, controller=True, ready_only=True)) < 2:
+                assert time.monotonic() < deadline, "timed out waiting for two idle spares"
+                time.sleep(0.1)
+            created = time.time()
+            own = [Probe.remote() for _ in range(2)]
+            return spares, created, ray.get([p.state.remote() for p in own])
+
+    controller = Controller.options(runtime_env={"env_vars": {warm.CONTROLLER_ENV_VAR: "0"}}).remote()
+    spares, created, states = ray.get(controller.run.remote())
+    assert sorted(s["pid"] for s in states) == spares, (states, spares)
+    for state in states:
+        assert state["started"] < created and state["preloaded"] is not None
+        assert state["modules"] >= set(warm.PRELOAD_CONTROLLER) and "raydist.trainer" not in state["modules"]
+
+
+def test_the_prestart_request_has_the_fields_raydist_sets():
+    from ray.core.generated import node_manager_pb2
+
+    fields = set(node_manager_pb2.PrestartWorkersRequest.DESCRIPTOR.fields_by_name)
+    assert {"language", "job_id", "runtime_env_info", "keep_alive_duration_secs", "num_workers"} <= fields
+    import ray
+
+    assert warm.ray_supported(ray.__version__)

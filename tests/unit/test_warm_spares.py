@@ -1,0 +1,110 @@
+"""Warm spares without a cluster: which processes count as this job's spares, the Ray version gate, the hook
+in processes that host no Ray Train worker, and where the settings reach Ray (tests/ray/test_warm_spares.py
+has the raylet's side)."""
+
+from __future__ import annotations
+
+import pytest
+
+from raydist.config import Config
+from raydist.elastic import warm
+
+
+def fake_proc(root, processes):
+    for pid, (title, env) in processes.items():
+        d = root / str(pid)
+        d.mkdir()
+        (d / "cmdline").write_bytes(title.encode() + b"\0--flag\0")
+        (d / "environ").write_bytes(b"\0".join(f"{k}={v}".encode() for k, v in env.items()) + b"\0")
+    (root / "self").mkdir()
+    return str(root)
+
+
+def test_spares_are_this_jobs_marked_processes_that_host_nothing_yet(tmp_path):
+    job = {"RAY_JOB_ID": "01000000", "RAY_RAYLET_PID": "7"}
+    mark, ctl = {**job, warm.SPARE_ENV_VAR: "1"}, {**job, warm.CONTROLLER_ENV_VAR: "0"}
+    proc = fake_proc(tmp_path, {
+        11: ("ray::IDLE", mark),                                    # idle, ready
+        12: ("/venv/bin/python", mark),                             # still starting
+        13: ("ray::RayTrainWorker.run_train_fn", mark),             # hosts a worker
+        14: ("ray::IDLE", job),                                     # another idle process of the job
+        15: ("ray::IDLE", {warm.SPARE_ENV_VAR: "1", "RAY_JOB_ID": "02000000"}),  # another job's spare
+        16: ("ray::IDLE", ctl),                                     # a spare of the controller's env
+        17: ("ray::SynchronizationActor", ctl),                     # hosts the controller's actor
+        18: ("ray::IDLE", {**mark, warm.CONTROLLER_ENV_VAR: "0"}),  # a worker's spare (workers have both)
+        19: ("ray::IDLE", {**mark, "RAY_RAYLET_PID": "8"}),         # another cluster's, whose first job too
+    })
+    assert warm.spare_pids("01000000", "7", proc=proc) == [11, 12, 18]
+    assert warm.spare_pids("01000000", "7", ready_only=True, proc=proc) == [11, 18]
+    assert warm.spare_pids("01000000", "7", controller=True, proc=proc) == [16]
+    assert warm.spare_pids("01000000", "7", proc=str(tmp_path / "none")) == []
+
+
+def test_the_controllers_runtime_env_is_a_workers_without_the_marker():
+    controller = '{"env_vars":{"A":"1","RAY_TRAIN_X":"0"},"worker_process_setup_hook":"h"}'
+    for worker in ('{"env_vars":{"A":"1","RAYDIST_SPARE_WORKER":"1","RAY_TRAIN_X":"0"},"worker_process_setup_hook":"h"}',
+                   '{"env_vars":{"RAYDIST_SPARE_WORKER":"1","A":"1","RAY_TRAIN_X":"0"},"worker_process_setup_hook":"h"}'):
+        assert warm.controller_runtime_env(worker) == controller
+    assert warm.controller_runtime_env(controller) is None
+
+
+def test_the_version_gate():
+    assert warm.ray_supported("2.60.0")
+    assert not warm.ray_supported("2.39.1") and not warm.ray_supported("3.0.0") and not warm.ray_supported("x")
+
+
+def test_an_unchecked_ray_version_asks_for_nothing_and_says_so(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "__version__", "9.1.0")
+    lines = []
+    assert warm.request_spares(2, log=lines.append) == 0
+    assert len(lines) == 1 and "Ray 9.1.0" in lines[0] and "cold" in lines[0]
+
+
+def test_a_failed_request_is_one_warning_not_an_error(monkeypatch):
+    monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
+    lines = []  # no Ray worker in this process: the request cannot be made
+    assert warm.request_spares(2, log=lines.append) == 0
+    assert len(lines) == 1 and lines[0].startswith("warning: could not start warm spare workers")
+
+
+def test_the_hook_preloads_only_in_a_workers_or_the_controllers_processes(monkeypatch):
+    import sys
+
+    monkeypatch.delenv(warm.SPARE_ENV_VAR, raising=False)
+    monkeypatch.delenv(warm.CONTROLLER_ENV_VAR, raising=False)
+    monkeypatch.setattr(warm, "preloaded_at", None)
+    warm.preload()
+    assert warm.preloaded_at is None
+    monkeypatch.setenv(warm.CONTROLLER_ENV_VAR, "0")
+    warm.preload()
+    assert warm.preloaded_at is not None and set(warm.PRELOAD_CONTROLLER) <= set(sys.modules)
+    monkeypatch.setattr(warm, "preloaded_at", None)
+    monkeypatch.setenv(warm.SPARE_ENV_VAR, "1")
+    warm.preload()
+    assert warm.preloaded_at is not None and set(warm.PRELOAD) <= set(sys.modules)
+
+
+def test_the_hook_is_the_module_function_ray_loads():
+    from ray._common.utils import load_class
+
+    assert load_class(warm.HOOK) is warm.preload
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_the_setting_reaches_the_job_and_the_workers_runtime_env(monkeypatch, on):
+    import ray
+
+    from raydist import ray_cluster
+
+    cfg = Config.load(None, [f"elastic.warm_spares={str(on).lower()}"])
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.delenv("RAY_JOB_ID", raising=False)
+    ray_cluster.connect_ray(cfg, None, 2)  # embedded
+    ray_cluster.connect_ray(cfg, "127.0.0.1:6379", 2)  # joined by this driver: its env vars too
+    assert calls[0].get("runtime_env") == (warm.job_runtime_env() if on else None)
+    assert ("worker_process_setup_hook" in calls[1]["runtime_env"]) is on
+    assert "env_vars" in calls[1]["runtime_env"]
