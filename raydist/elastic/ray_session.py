@@ -24,6 +24,7 @@ restart resumes from; Ray Train's checkpoint record is not used.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -72,14 +73,15 @@ class RaySession(Session):
         self._last_beat = 0.0
         self._diagnosed = False
         self.timings: dict[str, float | None] = {}  # this worker process's start, the train function's entry
-        self._spares_asked = False
+        self._spares_due = 0.0  # time.monotonic() of the next spares top-up (inf: none)
+        self._spares_thread = None
         self.driver_node: str | None = None  # the node the driver (and so Ray Train's controller) runs on
 
     def _fill_spares(self) -> None:
         """Local rank 0 of each node: warm spare processes for the next restart's workers on this node
-        (raydist.elastic.warm), asked for off the training thread."""
-        self._spares_asked = True
-        if not self.cfg.elastic.warm_spares:
+        (raydist.elastic.warm), asked for off the training thread, and topped up every warm.TOP_UP_S."""
+        self._spares_due = math.inf
+        if not self.cfg.elastic.warm_spares or (self._spares_thread is not None and self._spares_thread.is_alive()):
             return
         import threading
 
@@ -87,10 +89,17 @@ class RaySession(Session):
         import ray.train
 
         ctx = ray.train.get_context()
-        if ctx.get_local_rank() == 0:  # the controller's actors run on the driver's node
-            on_driver_node = ray.get_runtime_context().get_node_id() == self.driver_node
-            threading.Thread(target=warm.request_spares, daemon=True, name="raydist-spares",
-                             args=(ctx.get_local_world_size(), warm.CONTROLLER_ACTORS if on_driver_node else 0)).start()
+        if ctx.get_local_rank() != 0:
+            return
+        on_driver_node = ray.get_runtime_context().get_node_id() == self.driver_node  # the controller's node
+        args = (ctx.get_local_world_size(), warm.CONTROLLER_ACTORS if on_driver_node else 0)
+
+        def ask() -> None:
+            if warm.request_spares(*args) is not None:  # (None: it cannot ask, and said so once)
+                self._spares_due = time.monotonic() + warm.TOP_UP_S
+
+        self._spares_thread = threading.Thread(target=ask, daemon=True, name="raydist-spares")
+        self._spares_thread.start()
 
     def _diagnose(self, trigger: str, error: BaseException | None = None) -> None:
         if self.monitor is None or self._diagnosed:
@@ -128,9 +137,9 @@ class RaySession(Session):
     def heartbeat(self, step: int) -> None:
         if self.watchdog is not None:
             self.watchdog.beat()
-        if not self._spares_asked:  # after the first step: the spares' imports do not slow this start
-            self._fill_spares()
         now = time.monotonic()
+        if now >= self._spares_due:  # from the first step on: the spares' imports do not slow this start
+            self._fill_spares()
         if now - self._last_beat >= self.heartbeat_interval_s:  # a store write: not every step
             self.channel.heartbeat(step)
             self._last_beat = now

@@ -26,7 +26,7 @@ ran a task or an actor never hosts another actor). This module fills that pool a
 
 The RPC and the controller's runtime env are Ray internals, so the path is optional: it is taken only on a
 Ray version it was checked against (SUPPORTED_RAY), any failure is one warning line, and a restart then
-starts cold processes as before. tests/ray/test_warm_spares.py fails if Ray stops placing actors in such
+starts cold processes as before. tests/ray/test_warm_spares_on_ray.py fails if Ray stops placing actors in such
 spares, tests/ray/test_elastic.py if a restarted Ray Train group starts a new process. The spares cost
 memory (an idle process per worker with torch imported, two with Ray Train) and belong to the job: Ray
 ends them with the driver.
@@ -47,6 +47,10 @@ HOOK = "raydist.elastic.warm.preload"
 # node's free CPUs are reaped); the job's end ends it anyway.
 KEEP_ALIVE_S = 7 * 24 * 3600
 SUPPORTED_RAY = ((2, 40), (2, 61))  # [first, last) minor versions the PrestartWorkers request was checked on
+# How often local rank 0 tops its spares up: an actor of the job that starts after the first request can
+# take a spare (Ray Data's _AutoscalingCoordinatorActor, a singleton started once, has the controller's
+# runtime env); a top-up is a /proc scan, and an RPC only when a spare is missing.
+TOP_UP_S = 10.0
 
 # What a raydist Ray Train worker imports, in order; the last ones lazily, on its way to the first step:
 # ray.train.torch (TorchConfig, unpickled on every worker), raydist's train function module and all it
@@ -160,8 +164,8 @@ def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = Fa
 def request_spares(workers: int, controller_actors: int = 0, log=print) -> int:
     """From a Ray Train worker process: asks this node's raylet for idle processes with this process's
     runtime env until `workers` are idle or starting here, and with the controller's until
-    `controller_actors` are. Returns how many it asked for (0 when enough are there, or when it could not
-    ask: one warning line then)."""
+    `controller_actors` are. Returns how many it asked for (0 when enough are there), or None when it could
+    not ask (one warning line then; asking again would fail the same way)."""
     try:
         import ray
 
@@ -169,7 +173,7 @@ def request_spares(workers: int, controller_actors: int = 0, log=print) -> int:
             log(f"warning: warm spare workers are off: Ray {ray.__version__} is outside the versions they were "
                 f"checked on ({SUPPORTED_RAY[0][0]}.{SUPPORTED_RAY[0][1]} to before "
                 f"{SUPPORTED_RAY[1][0]}.{SUPPORTED_RAY[1][1]}); restarts start cold processes")
-            return 0
+            return None
         from ray._private.grpc_utils import init_grpc_channel
         from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
         from ray.core.generated.runtime_environment_pb2 import RuntimeEnvInfo
@@ -205,4 +209,4 @@ def request_spares(workers: int, controller_actors: int = 0, log=print) -> int:
     except Exception as exc:
         log(f"warning: could not start warm spare workers ({type(exc).__name__}: {str(exc)[:200]}); "
             "a restart starts cold processes")
-        return 0
+        return None

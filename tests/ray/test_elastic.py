@@ -13,7 +13,6 @@ import pytest
 
 from raydist.config import Config
 from raydist.elastic import warm
-from raydist.elastic.ray_session import process_start_time
 from raydist.launcher import launch
 from ray_runs import Background, ray_4cpu, records, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 
@@ -26,23 +25,6 @@ def small(tiny_data, run_root, *extra):
         "model.ffn_hidden=128", "train.global_batch=8", "train.micro_batch=2", "train.eval_every=0",
         "train.log_every=2", "checkpoint.every_steps=10", "checkpoint.async_save=false",
         f"checkpoint.storage={run_root}", "ray.max_pending_s=60", "elastic.collective_timeout_s=60", *extra])
-
-
-def processes_hosting(actor_class, raylet_pid):
-    """Pids of the processes of the raylet `raylet_pid` that host an actor of `actor_class` (Ray names a
-    process `ray::<class>`, or `ray::<class>.<method>` while it runs one)."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                title = f.read().split(b"\0")[0].decode()
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if title.split(".")[0] == f"ray::{actor_class}" and f"RAY_RAYLET_PID={raylet_pid}".encode() in env:
-            pids.append(int(pid))
-    return pids
 
 
 def worker_pids(run_dir):
@@ -58,22 +40,16 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     job = Background(small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=killed",
                            "elastic.max_failures=3"))
     wait_for(lambda: any(r["step"] >= 24 for r in records(run_dir)), 240, "step 24")
-    # the first attempt's rank 0 asked for warm spare processes (raydist.elastic.warm): one per worker and two
-    # for the Ray Train controller's own actors
+    # the first attempt's rank 0 asked for warm spare processes (raydist.elastic.warm): one per worker (the
+    # two it also asks for the controller's own actors are not waited for: actors the controller starts and
+    # ends during a run, at checkpoints, take them and the top-up replaces them, so their count at any moment
+    # is a race; tests/ray/test_warm_spares_on_ray.py shows a controller's actors land in them)
     job_id = ray_4cpu.get_runtime_context().get_job_id()
     raylet = ray_4cpu.get(ray_4cpu.remote(lambda: os.environ["RAY_RAYLET_PID"]).remote())
     spares = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(
         warm.spare_pids(job_id, raylet, ready_only=True)), 120, "two warm spares")
-    wait_for(lambda: len(warm.spare_pids(job_id, raylet, controller=True, ready_only=True)) == 2, 120,
-             "two spares for the controller's actors")
     kill_time = time.time()
     os.kill(worker_pids(run_dir)[-1], signal.SIGKILL)  # a training worker dies mid-run
-    wait_for(lambda: any(e["kind"] == "restart" for e in records(run_dir, "events.jsonl")), 120, "the restart")
-    # the restarted group's SynchronizationActor and DatasetManager, which Ray Train's controller starts with
-    # every group, are in processes started before the kill too: the restart started no new process
-    for name in ("SynchronizationActor", "DatasetManager"):
-        hosts = processes_hosting(name, raylet)
-        assert hosts and all(process_start_time(pid) < kill_time for pid in hosts), (name, hosts, kill_time)
     summary = job.join(300)
     assert job.error is None, job.error
     assert summary["steps"] == steps and summary["restarts"] == 1

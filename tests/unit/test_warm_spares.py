@@ -1,5 +1,5 @@
 """Warm spares without a cluster: which processes count as this job's spares, the Ray version gate, the hook
-in processes that host no Ray Train worker, and where the settings reach Ray (tests/ray/test_warm_spares.py
+in processes that host no Ray Train worker, and where the settings reach Ray (tests/ray/test_warm_spares_on_ray.py
 has the raylet's side)."""
 
 from __future__ import annotations
@@ -58,14 +58,14 @@ def test_an_unchecked_ray_version_asks_for_nothing_and_says_so(monkeypatch):
 
     monkeypatch.setattr(ray, "__version__", "9.1.0")
     lines = []
-    assert warm.request_spares(2, log=lines.append) == 0
+    assert warm.request_spares(2, log=lines.append) is None
     assert len(lines) == 1 and "Ray 9.1.0" in lines[0] and "cold" in lines[0]
 
 
 def test_a_failed_request_is_one_warning_not_an_error(monkeypatch):
     monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
     lines = []  # no Ray worker in this process: the request cannot be made
-    assert warm.request_spares(2, log=lines.append) == 0
+    assert warm.request_spares(2, log=lines.append) is None
     assert len(lines) == 1 and lines[0].startswith("warning: could not start warm spare workers")
 
 
