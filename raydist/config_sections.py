@@ -42,10 +42,11 @@ class ElasticConfig:
     again (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S). After a node loss an elastic run first asks again for
     its old size, since Ray's resource view still counts the lost node, and shrinks only after this wait."""
     live_recovery: bool = False
-    """Live recovery (torchft): each of the parallel.dp_replicate replicas is parallel.dp_shard workers (FSDP
-    inside it); when a worker dies the other replicas keep stepping, Ray Train replaces its whole replica and
-    the replacement receives the live state from a peer (no restart, no reload). Needs dp_replicate >= 2,
-    ray.num_workers = dp_replicate x dp_shard, tp = pp = cp = 1."""
+    """Live recovery (torchft): each of the parallel.dp_replicate replicas is dp_shard x cp x tp x pp workers
+    with its own mesh (FSDP, CP, TP and PP inside it); when a worker dies the other replicas keep stepping,
+    Ray Train replaces its whole replica and the replacement receives the live state from a peer (no
+    restart, no reload). Needs dp_replicate >= 2, explicit degrees (no parallel.auto) and ray.num_workers =
+    dp_replicate x dp_shard x cp x tp x pp."""
 
 
 @dataclass(frozen=True)
