@@ -90,8 +90,9 @@ def check_live_recovery(cfg: Config) -> None:
     except ImportError:
         raise ConfigError("elastic.live_recovery=true needs torchft, which is not installed; "
                           "pip install 'raydist[live]' (or set elastic.live_recovery=false)") from None
-    from raydist.elastic.live import workers_per_replica
+    from raydist.elastic.live import replica_config, workers_per_replica
 
+    replica_config(cfg)  # (under a pipeline its replicas run the whole run's micro-batches: that layout must exist)
     if workers_per_replica(cfg) > 1:
         from raydist.elastic.replica_groups import check_ray_version  # (importing it checks too)
 

@@ -116,17 +116,22 @@ def workers_per_replica(cfg: Config) -> int:
 
 def replica_config(cfg: Config) -> Config:
     """The config one replica trains with in its own world of `workers_per_replica` workers: the same run with
-    dp_replicate 1 and the whole run's micro-batch size (`train.micro_batch`; with a pipeline
-    `parallel.num_microbatches` = the whole run's M x dp_replicate, so that the replica's layout, which holds
-    the whole global batch, cuts it into micro-batches of the whole run's size). A live step then gives each
-    rank the micro-batches of the whole run's layout whenever every replica is in the quorum, and more of
-    the same size when fewer are (Trainer._live_step)."""
+    dp_replicate 1. Without a pipeline a live step picks each step's micro-batch from the rows it got, up to
+    the layout's (`micro_batch_for`), and the whole run's layout need not exist (3 replicas may share a
+    global batch of 8). A pipeline runs whole micro-batches of the whole run's size: the replica's layout,
+    which holds the whole global batch, gets `train.micro_batch` = the whole run's and
+    `parallel.num_microbatches` = the whole run's M x dp_replicate, so that a step gives each rank the whole
+    run's micro-batches when every replica is in the quorum and more of the same size when fewer are
+    (Trainer._live_step); the whole run's layout must then be valid (a ConfigError otherwise)."""
     from raydist.elastic.policy import plan_layout
 
     p = cfg.parallel
+    one = dataclasses.replace(p, dp_replicate=1)
+    if p.pp == 1:
+        return dataclasses.replace(cfg, parallel=one)
     whole = plan_layout(cfg, p.dp_replicate * workers_per_replica(cfg))
-    microbatches = whole.num_microbatches * p.dp_replicate if whole.pp > 1 else p.num_microbatches
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp_replicate=1, num_microbatches=microbatches),
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(one, num_microbatches=whole.num_microbatches *
+                                                                 p.dp_replicate),
                                train=dataclasses.replace(cfg.train, micro_batch=whole.micro_batch))
 
 
