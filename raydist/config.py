@@ -354,8 +354,8 @@ class Config:
         for key in ("dp_shard", "cp", "tp", "pp"):
             value = getattr(p, key)
             if value < 1:
-                raise ConfigError(f"elastic.live_recovery=true needs an explicit parallel.{key} (got {value}): a degree "
-                                  f"of one replica's mesh; set parallel.{key} >= 1")
+                raise ConfigError(f"elastic.live_recovery=true needs an explicit parallel.{key} (got {value}): a "
+                                  f"degree of one replica's mesh; set parallel.{key} >= 1")
         if p.dp_replicate < 2:
             raise ConfigError(f"elastic.live_recovery=true needs parallel.dp_replicate >= 2 replicas (got "
                               f"{p.dp_replicate}); set parallel.dp_replicate to the replica count")

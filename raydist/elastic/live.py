@@ -8,9 +8,10 @@ receives the live state from a peer group over that process group (`PGTransport`
 of the replacement from rank j of the peer, whose shards are the same ones. Ray Train 2.60 (`TorchftConfig`,
 with raydist.elastic.replica_groups for groups of several workers) runs the Lighthouse and replaces only the
 failed replica group. A replica is dp_shard x cp x tp x pp workers with its own mesh (FSDP, CP, TP and PP
-inside it; one worker when every degree is 1): the replica's own process group is its world, so everything raydist does inside a replica (its layout, mesh,
-checkpoint group, bookkeeping) sees that world; the replicas meet only through the Manager, as in
-TorchTitan's HSDP with torchft (shard inside a replica group, replicate across groups through torchft).
+inside it; one worker when every degree is 1): the replica's own process group is its world, so
+everything raydist does inside a replica (its layout, mesh, checkpoint group, bookkeeping) sees that world;
+the replicas meet only through the Manager, as in TorchTitan's HSDP with torchft (shard inside a replica
+group, replicate across groups through torchft).
 
 One step, on every replica in the quorum (`Trainer.train_step` with `trainer.replicas` set):
 

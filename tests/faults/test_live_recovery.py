@@ -1,10 +1,10 @@
 """Live recovery on a real local Ray cluster (gloo): two replicas, of one worker each or of two workers with
 FSDP inside (dp_replicate 2 x dp_shard 2) or TP inside (dp_replicate 2 x tp 2), one worker killed mid-run.
 The surviving replica keeps stepping, Ray Train replaces only the dead worker's replica group (both its
-workers), the replacement's ranks receive the live state from the survivor's same ranks, and the run completes with no whole-group restart, no step
-redone, the uninterrupted run's loss and every one of its samples trained exactly once. The survivor's
-longest gap between steps and the time to rejoin are printed (recorded, not asserted: wall time on a
-shared machine)."""
+workers), the replacement's ranks receive the live state from the survivor's same ranks, and the run
+completes with no whole-group restart, no step redone, the uninterrupted run's loss and every one of its
+samples trained exactly once. The survivor's longest gap between steps and the time to rejoin are printed
+(recorded, not asserted: wall time on a shared machine)."""
 
 from __future__ import annotations
 
@@ -105,7 +105,8 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     before = [r["replicas"] for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")]
     assert before and set(before) == {2}, before
     launches = [e for e in jsonl(run_dir / "events.jsonl") if e["kind"] == "launch"]
-    assert sorted((e["replica"], e["replica_rank"]) for e in launches) == [(r, j) for r in (0, 1) for j in range(workers)]
+    assert sorted((e["replica"], e["replica_rank"]) for e in launches) == [(r, j) for r in (0, 1)
+                                                                             for j in range(workers)]
     pid = next(e["pid"] for e in launches if (e["replica"], e["replica_rank"]) == victim)
     group = {e["pid"] for e in launches if e["replica"] == replica}
     os.kill(pid, signal.SIGKILL)
@@ -144,7 +145,8 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     assert one_replica and min(one_replica) <= EXACT_STEPS, one_replica  # the survivor stepped alone
     times = [r["elapsed_s"] for r in sorted(metrics, key=lambda r: r["step"])]  # (an unlogged step: in its gap)
     gaps = [b - a for a, b in zip(times, times[1:])]
-    print(f"\nlive recovery ({inside or 'one worker'} inside, replica {replica} rank {rank} killed): survivor's longest step gap "
+    print(f"\nlive recovery ({inside or 'one worker'} inside, replica {replica} rank {rank} killed): survivor's "
+          f"longest step gap "
           f"{max(gaps):.2f}s (median {sorted(gaps)[len(gaps) // 2]:.3f}s), time to rejoin "
           f"{joined[0]['time_to_rejoin_s']:.2f}s, steps on one replica {len(one_replica)}, "
           f"steps retried {summary.get('replica_steps_retried')}, largest loss difference over steps 1-{EXACT_STEPS} "
