@@ -342,30 +342,32 @@ class Config:
             self._validate_live_recovery()
 
     def _validate_live_recovery(self) -> None:
-        """Live recovery runs replicas of dp_shard workers each (FSDP inside a replica, one worker without):
-        Ray Train replaces a failed replica group whole (raydist.elastic.replica_groups), and a replica's
-        share of each step is cut equally over its dp_shard ranks. TP/PP/CP inside a replica are not built
-        (the live step runs the data-parallel runner only)."""
+        """Live recovery runs replicas of dp_shard x cp x tp x pp workers each, every replica its own mesh (FSDP,
+        CP, TP and PP inside it): Ray Train replaces a failed replica group whole (raydist.elastic.replica_groups),
+        and a replica's share of each step is cut equally over its dp_shard ranks. A replica's degrees are
+        fixed: no planner (parallel.auto), none filled from the world size (-1)."""
         p = self.parallel
-        inner = {k: getattr(p, k) for k in ("tp", "pp", "cp") if getattr(p, k) != 1}
-        if p.auto or inner:
-            got = "parallel.auto=true" if p.auto else ", ".join(f"parallel.{k}={v}" for k, v in inner.items())
-            raise ConfigError(f"elastic.live_recovery=true with {got}: a live replica is dp_shard workers (FSDP) or "
-                              "one; set tp, pp and cp to 1 (and parallel.auto=false) or elastic.live_recovery=false")
-        if p.dp_shard < 1:
-            raise ConfigError(f"elastic.live_recovery=true needs an explicit parallel.dp_shard (got {p.dp_shard}): the "
-                              "workers of one replica; set parallel.dp_shard=1 for replicas of one worker")
+        if p.auto:
+            raise ConfigError("elastic.live_recovery=true with parallel.auto=true: a live replica's mesh is fixed; set "
+                              "parallel.auto=false with dp_shard, tp, cp and pp for one replica, or "
+                              "elastic.live_recovery=false")
+        for key in ("dp_shard", "cp", "tp", "pp"):
+            value = getattr(p, key)
+            if value < 1:
+                raise ConfigError(f"elastic.live_recovery=true needs an explicit parallel.{key} (got {value}): a "
+                                  f"degree of one replica's mesh; set parallel.{key} >= 1")
         if p.dp_replicate < 2:
             raise ConfigError(f"elastic.live_recovery=true needs parallel.dp_replicate >= 2 replicas (got "
                               f"{p.dp_replicate}); set parallel.dp_replicate to the replica count")
         if self.elastic_enabled:
             raise ConfigError(f"elastic.live_recovery=true with elastic.max_workers={self.elastic.max_workers}: live "
                               "recovery keeps a fixed replica count; set elastic.min_workers=0 and max_workers=0")
-        if self.ray.num_workers != p.dp_replicate * p.dp_shard:
-            raise ConfigError(f"elastic.live_recovery=true needs dp_replicate x dp_shard workers: ray.num_workers="
-                              f"{self.ray.num_workers} but parallel.dp_replicate={p.dp_replicate} x dp_shard="
-                              f"{p.dp_shard} = {p.dp_replicate * p.dp_shard}; set ray.num_workers="
-                              f"{p.dp_replicate * p.dp_shard}")
+        per_replica = p.dp_shard * p.cp * p.tp * p.pp
+        if self.ray.num_workers != p.dp_replicate * per_replica:
+            raise ConfigError(f"elastic.live_recovery=true needs dp_replicate x (dp_shard x cp x tp x pp) workers: "
+                              f"ray.num_workers={self.ray.num_workers} but parallel.dp_replicate={p.dp_replicate} x "
+                              f"({p.dp_shard} x {p.cp} x {p.tp} x {p.pp}) = {p.dp_replicate * per_replica}; set "
+                              f"ray.num_workers={p.dp_replicate * per_replica}")
 
     @property
     def elastic_enabled(self) -> bool:

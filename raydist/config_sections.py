@@ -47,10 +47,11 @@ class ElasticConfig:
     (raydist.elastic.warm; costs one idle process's memory per worker). Preloading needs the job's runtime
     env: under `ray job submit` add {"worker_process_setup_hook": "raydist.elastic.warm.preload"} to it."""
     live_recovery: bool = False
-    """Live recovery (torchft): each of the parallel.dp_replicate replicas is parallel.dp_shard workers (FSDP
-    inside it); when a worker dies the other replicas keep stepping, Ray Train replaces its whole replica and
-    the replacement receives the live state from a peer (no restart, no reload). Needs dp_replicate >= 2,
-    ray.num_workers = dp_replicate x dp_shard, tp = pp = cp = 1."""
+    """Live recovery (torchft): each of the parallel.dp_replicate replicas is dp_shard x cp x tp x pp workers
+    with its own mesh (FSDP, CP, TP and PP inside it); when a worker dies the other replicas keep stepping,
+    Ray Train replaces its whole replica and the replacement receives the live state from a peer (no
+    restart, no reload). Needs dp_replicate >= 2, explicit degrees (no parallel.auto) and ray.num_workers =
+    dp_replicate x dp_shard x cp x tp x pp."""
 
 
 @dataclass(frozen=True)

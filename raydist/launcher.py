@@ -90,7 +90,10 @@ def check_live_recovery(cfg: Config) -> None:
     except ImportError:
         raise ConfigError("elastic.live_recovery=true needs torchft, which is not installed; "
                           "pip install 'raydist[live]' (or set elastic.live_recovery=false)") from None
-    if cfg.parallel.dp_shard > 1:
+    from raydist.elastic.live import replica_config, workers_per_replica
+
+    replica_config(cfg)  # (under a pipeline its replicas run the whole run's micro-batches: that layout must exist)
+    if workers_per_replica(cfg) > 1:
         from raydist.elastic.replica_groups import check_ray_version  # (importing it checks too)
 
         check_ray_version()
@@ -153,18 +156,18 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
                "record_samples": record_samples, "driver_node": ray.get_runtime_context().get_node_id()}
     backend = dict(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s))
     if cfg.elastic.live_recovery:
-        # Ray Train runs torchft's Lighthouse and makes every dp_shard workers a replica group, replacing
-        # only a failed one whole (raydist.elastic.live, raydist.elastic.replica_groups)
-        from raydist.elastic.live import LIGHTHOUSE_KWARGS
+        # Ray Train runs torchft's Lighthouse and makes every replica's dp_shard x cp x tp x pp workers a replica
+        # group, replacing only a failed one whole (raydist.elastic.live, raydist.elastic.replica_groups)
+        from raydist.elastic.live import LIGHTHOUSE_KWARGS, workers_per_replica
 
-        if cfg.parallel.dp_shard == 1:  # Ray's own replica groups of one worker
+        if workers_per_replica(cfg) == 1:  # Ray's own replica groups of one worker
             from ray.train.v2.torch.torchft_config import TorchftConfig
 
             torch_config = TorchftConfig(lighthouse_kwargs=dict(LIGHTHOUSE_KWARGS), **backend)
         else:
             from raydist.elastic.replica_groups import ReplicaGroupsConfig
 
-            torch_config = ReplicaGroupsConfig(dict(LIGHTHOUSE_KWARGS), cfg.parallel.dp_shard, **backend)
+            torch_config = ReplicaGroupsConfig(dict(LIGHTHOUSE_KWARGS), workers_per_replica(cfg), **backend)
     else:
         torch_config = TorchConfig(**backend)
     return TorchTrainer(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ from raydist.mesh import Mesh
 from raydist.parallel import ParallelModel
 from raydist.parallel.clip import clip_grad_norm
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
+
+if TYPE_CHECKING:
+    from raydist.schedule.executor import PipelineExecutor
 
 
 @dataclass
@@ -80,6 +83,8 @@ def _local(tokens: torch.Tensor | LocalBatch, needs: BatchNeeds) -> LocalBatch:
 
 
 class AccumulationRunner:
+    rows_multiple = 1  # any number of rows: `step` takes the micro-batch that divides them (live recovery)
+
     def __init__(self, pm: ParallelModel, layout: Layout, device: torch.device, needs: BatchNeeds,
                  masked: bool = False, dp_cp_group=None):
         self.pm, self.layout, self.device = pm, layout, device
@@ -179,66 +184,96 @@ class PipelineRunner:
     def __init__(self, pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, needs: BatchNeeds,
                  masked: bool = False):
         from raydist.schedule import make_schedule
-        from raydist.schedule.executor import PipelineExecutor
 
         self.pm, self.layout, self.device = pm, layout, device
         self.needs = needs  # inputs on the rank holding the first stage, targets on the one holding the last
         self.masked = masked
         self.mask_scale = MaskScale(masked, mesh.dp_cp.get_group() if masked else None, device)
         self.group = mesh["pp"].get_group()
-        schedule = make_schedule(layout.pp_schedule, layout.pp, layout.num_microbatches, layout.virtual_stages)
+        self.pp_rank = mesh.local_rank("pp")
         self.tied = TiedEmbeddingSync(pm.chunks, self.group)
-        dp = pm.data_parallel
         # between stages: this rank's part of the sequence (T / cp; a tp-th of that under sequence parallelism)
-        seq_len = pm.model.max_seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
-        before, after = dp.pipeline_hooks(pm.modules, schedule.split_backward)
-        self.executor = PipelineExecutor(
-            pm.modules, schedule, mesh.local_rank("pp"), self.group,
-            activation_shape=(layout.micro_batch, seq_len, pm.model.cfg.d_model),
-            loss_fn=self._loss if masked else pm.loss_fn, device=device, activation_dtype=dp.activation_dtype,
-            before_backward=before, after_backward=after)
+        self.seq_len = pm.model.max_seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
+        self.hooks = pm.data_parallel.pipeline_hooks(pm.modules, make_schedule(
+            layout.pp_schedule, layout.pp, layout.num_microbatches, layout.virtual_stages).split_backward)
+        self._executors: dict[tuple[int, int], PipelineExecutor] = {}
+        self._executor(layout.micro_batch, layout.num_microbatches)  # the layout's own, checked now
+
+    @property
+    def rows_multiple(self) -> int:
+        """A dp rank's rows must be a multiple of this for `step(micro_batch=layout.micro_batch)`: whole
+        micro-batches, and a count interleaved 1F1B can run (a multiple of pp). Live recovery's replicas take
+        whole multiples of it, at least the whole run's M micro-batches per rank (zero-bubble schedules need
+        M >= pp, which the layout already has)."""
+        return self.layout.micro_batch * (self.layout.pp if self.layout.pp_schedule == "interleaved" else 1)
+
+    def _executor(self, micro_batch: int, num_microbatches: int) -> "PipelineExecutor":
+        """The executor of the layout's schedule for M = num_microbatches micro-batches of micro_batch rows,
+        built once per shape (a live replica's share of the global batch changes M with the quorum)."""
+        from raydist.schedule import make_schedule
+        from raydist.schedule.executor import PipelineExecutor
+
+        key = (micro_batch, num_microbatches)
+        if key not in self._executors:
+            layout, pm = self.layout, self.pm
+            schedule = make_schedule(layout.pp_schedule, layout.pp, num_microbatches, layout.virtual_stages)
+            before, after = self.hooks
+            self._executors[key] = PipelineExecutor(
+                pm.modules, schedule, self.pp_rank, self.group,
+                activation_shape=(micro_batch, self.seq_len, pm.model.cfg.d_model),
+                loss_fn=self._loss if self.masked else pm.loss_fn, device=self.device,
+                activation_dtype=pm.data_parallel.activation_dtype, before_backward=before, after_backward=after)
+        return self._executors[key]
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch of masked data (the executor divides it by M)."""
         return self.pm.loss_fn(logits, targets) * self.mask_scale.value
 
-    def _split(self, tokens: torch.Tensor | LocalBatch) -> tuple[list[torch.Tensor] | None,
-                                                                  list[torch.Tensor] | None, torch.Tensor | None]:
-        """M micro-batches of inputs (the first stage's rank; None elsewhere) and of targets (the last
-        stage's; IGNORE targets for masked data), this rank's sequence shard of them under context
-        parallelism, and the shard's positions (the same for every micro-batch and every stage)."""
+    def _split(self, tokens: torch.Tensor | LocalBatch, micro_batch: int | None = None
+               ) -> tuple["PipelineExecutor", list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor | None]:
+        """The executor for this batch's M = rows / micro_batch (the layout's), M micro-batches of inputs (the
+        first stage's rank; None elsewhere) and of targets (the last stage's; IGNORE targets for masked
+        data), this rank's sequence shard of them under context parallelism, and the shard's positions (the
+        same for every micro-batch and every stage)."""
         batch = _local(tokens, self.needs)
+        micro = micro_batch or self.layout.micro_batch
+        if batch.count % micro:
+            raise ValueError(f"{batch.count} rows are no whole number of {micro}-row micro-batches")
+        executor = self._executor(micro, batch.count // micro)
         if self.needs.targets:
             self.mask_scale.update(batch)
-        parts = batch.chunk(self.layout.num_microbatches)
+        parts = batch.split(micro)
         inputs = [p.inputs(self.masked) for p in parts] if self.needs.inputs else None
         targets = [p.targets(self.masked) for p in parts] if self.needs.targets else None
-        return inputs, targets, batch.positions(self.device)
+        return executor, inputs, targets, batch.positions(self.device)
 
-    def step(self, tokens: torch.Tensor | LocalBatch, record_timeline: bool = False) -> StepOutput:
-        inputs, targets, positions = self._split(tokens)
+    def step(self, tokens: torch.Tensor | LocalBatch, record_timeline: bool = False,
+             micro_batch: int | None = None) -> StepOutput:
+        """`micro_batch`: as the AccumulationRunner's (live recovery), a divisor of the rows; the schedule
+        then runs rows / micro_batch micro-batches."""
+        executor, inputs, targets, positions = self._split(tokens, micro_batch)
         with self.pm.data_parallel.autocast(self.device.type):
-            stats = self.executor.step(inputs, targets, record_timeline=record_timeline, positions=positions)
+            stats = executor.step(inputs, targets, record_timeline=record_timeline, positions=positions)
         self.tied()
         out = StepOutput(torch.tensor(stats.loss, device=self.device), self._timings(stats),
                          compute_s=lambda: stats.busy_s)
         if record_timeline:
-            out.timeline = self._gather_timeline()
+            out.timeline = self._gather_timeline(executor)
         return out
 
     def evaluate(self, tokens: torch.Tensor | LocalBatch) -> torch.Tensor:
-        inputs, targets, positions = self._split(tokens)
+        executor, inputs, targets, positions = self._split(tokens)
         with self.pm.data_parallel.autocast(self.device.type):
-            return torch.tensor(self.executor.evaluate(inputs, targets, positions), device=self.device)
+            return torch.tensor(executor.evaluate(inputs, targets, positions), device=self.device)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_pipeline(self.pm.chunks, max_norm, self.group)
 
-    def _gather_timeline(self) -> list[dict]:
+    def _gather_timeline(self, executor) -> list[dict]:
         """The step's actions with their start and end (seconds from the step's start) on every pipeline
         rank, for the report; a collective over the pipeline group."""
         gathered: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, self.executor.timeline, group=self.group)
+        dist.all_gather_object(gathered, executor.timeline, group=self.group)
         return [{"rank": r, **a} for r, actions in enumerate(gathered) for a in actions]
 
     def _timings(self, stats) -> dict:

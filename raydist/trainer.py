@@ -317,14 +317,17 @@ class Trainer:
         data_wait = 0.0
         while True:
             rank, count = self.replicas.begin_step()  # a replacement receives the live state here
-            span = live_slice(self.position, g, rank, count, unit=dp)
+            # whole units: every dp rank an equal part, a whole number of the runner's rows (a pipeline's
+            # micro-batches); tp, cp and pp peers share their dp rank's rows as in the other step
+            span = live_slice(self.position, g, rank, count, unit=dp * self.runner.rows_multiple)
             mine = rank_slice(span[0], span[1] - span[0], self.mesh.dp_rank, dp)
             wait_start = time.perf_counter()
             tokens, ids = self.next_batch(mine, whole=False)
             data_wait += time.perf_counter() - wait_start
             rows = mine[1] - mine[0]
             out = self.runner.step(tokens, micro_batch=micro_batch_for(rows, self.layout.micro_batch))
-            # this rank's mean loss -> the replica's (its dp ranks hold equal rows; FSDP averaged the gradients)
+            # this rank's mean loss -> the replica's (its dp x cp ranks hold equal shares of its tokens, and the
+            # data-parallel strategy averaged their gradients)
             loss = self._reduce_over_replicas(self._data_mean(out.loss.detach().float().reshape(())),
                                               (span[1] - span[0]) / g)
             grad_norm = self.runner.clip(self.cfg.train.grad_clip)

@@ -7,16 +7,19 @@ cross-replica process group when the quorum changes, and a replica group that is
 receives the live state from a peer group over that process group (`PGTransport`) before it steps: rank j
 of the replacement from rank j of the peer, whose shards are the same ones. Ray Train 2.60 (`TorchftConfig`,
 with raydist.elastic.replica_groups for groups of several workers) runs the Lighthouse and replaces only the
-failed replica group. A replica is `parallel.dp_shard` workers (FSDP inside it, one worker without): the
-replica's own process group is its world, so everything raydist does inside a replica (its layout, mesh,
-checkpoint group, bookkeeping) sees that world; the replicas meet only through the Manager, as in
-TorchTitan's HSDP with torchft (shard inside a replica group, replicate across groups through torchft).
+failed replica group. A replica is dp_shard x cp x tp x pp workers with its own mesh (FSDP, CP, TP and PP
+inside it; one worker when every degree is 1): the replica's own process group is its world, so
+everything raydist does inside a replica (its layout, mesh, checkpoint group, bookkeeping) sees that world;
+the replicas meet only through the Manager, as in TorchTitan's HSDP with torchft (shard inside a replica
+group, replicate across groups through torchft).
 
 One step, on every replica in the quorum (`Trainer.train_step` with `trainer.replicas` set):
 
     rank, count = replicas.begin_step()             # the quorum; a replacement heals from a live peer here
-    [s, e) = live_slice(P, G, rank, count, d)        # this replica's share of the global batch [P, P + G)
+    [s, e) = live_slice(P, G, rank, count, d u)      # this replica's share of the global batch [P, P + G),
+                                                     # u = runner.rows_multiple (pipeline micro-batches)
     dp rank i of its d takes [s + i (e-s)/d, ...)    # equal parts: FSDP averages its ranks' gradients
+                                                     # (its tp/cp/pp peers share them, as in any step)
     forward/backward -> the replica's mean loss L_r and gradient shards g_r (reduce-scattered over d)
     all-reduce SUM of (e - s) / G * [g_r, L_r]       -> the mean over the whole global batch, per shard
     optimizer step only if replicas.should_commit(); else the step is redone with the next quorum
@@ -106,9 +109,31 @@ def micro_batch_for(rows: int, limit: int) -> int:
     return max(d for d in range(1, min(rows, max(limit, 1)) + 1) if rows % d == 0)
 
 
+def workers_per_replica(cfg: Config) -> int:
+    """The workers of one replica: its own mesh of dp_shard x cp x tp x pp ranks."""
+    p = cfg.parallel
+    return p.dp_shard * p.cp * p.tp * p.pp
+
+
 def replica_config(cfg: Config) -> Config:
-    """The config one replica trains with in its own world of dp_shard workers: the same run, dp_replicate 1."""
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp_replicate=1))
+    """The config one replica trains with in its own world of `workers_per_replica` workers: the same run with
+    dp_replicate 1. Without a pipeline a live step picks each step's micro-batch from the rows it got, up to
+    the layout's (`micro_batch_for`), and the whole run's layout need not exist (3 replicas may share a
+    global batch of 8). A pipeline runs whole micro-batches of the whole run's size: the replica's layout,
+    which holds the whole global batch, gets `train.micro_batch` = the whole run's and
+    `parallel.num_microbatches` = the whole run's M x dp_replicate, so that a step gives each rank the whole
+    run's micro-batches when every replica is in the quorum and more of the same size when fewer are
+    (Trainer._live_step); the whole run's layout must then be valid (a ConfigError otherwise)."""
+    from raydist.elastic.policy import plan_layout
+
+    p = cfg.parallel
+    one = dataclasses.replace(p, dp_replicate=1)
+    if p.pp == 1:
+        return dataclasses.replace(cfg, parallel=one)
+    whole = plan_layout(cfg, p.dp_replicate * workers_per_replica(cfg))
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(one, num_microbatches=whole.num_microbatches *
+                                                                 p.dp_replicate),
+                               train=dataclasses.replace(cfg.train, micro_batch=whole.micro_batch))
 
 
 def replica_index(replica_id: str) -> int:

@@ -14,8 +14,8 @@ raydist adds here:
   the watchdog fires, the rank names the ranks that never arrived, writes every live rank's stack to
   RUN_DIR/logs/hang-<time>/ and a `hang` event, then fails so that Ray Train restarts the run.
 
-With `elastic.live_recovery` each replica is a Ray Train replica group of `parallel.dp_shard` workers whose
-own process group is its world (raydist.elastic.replica_groups), and joins the others through torchft
+With `elastic.live_recovery` each replica is a Ray Train replica group of dp_shard x cp x tp x pp workers
+whose own process group is its world (raydist.elastic.replica_groups), and joins the others through torchft
 (raydist.elastic.live).
 Commits are then not reported to Ray Train: `ray.train.report` waits for every worker, so a survivor would
 block on it while a replica is being replaced. raydist's own checkpoints on storage are what a whole-group
@@ -240,9 +240,9 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
 
 def live_identity(cfg: Config):
     """Live recovery: this worker's replica and rank in it (raydist.elastic.live.replica_identity)."""
-    from raydist.elastic.live import replica_identity
+    from raydist.elastic.live import replica_identity, workers_per_replica
 
-    return replica_identity(cfg.parallel.dp_shard)
+    return replica_identity(workers_per_replica(cfg))
 
 
 def process_start_time(pid: int | str = "self") -> float | None:

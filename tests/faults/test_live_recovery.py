@@ -1,10 +1,10 @@
 """Live recovery on a real local Ray cluster (gloo): two replicas, of one worker each or of two workers with
-FSDP inside (dp_replicate 2 x dp_shard 2), one worker killed mid-run. The surviving replica keeps stepping,
-Ray Train replaces only the dead worker's replica group (both its workers), the replacement's ranks receive
-the live state from the survivor's same ranks, and the run completes with no whole-group restart, no step
-redone, the uninterrupted run's loss and every one of its samples trained exactly once. The survivor's
-longest gap between steps and the time to rejoin are printed (recorded, not asserted: wall time on a
-shared machine)."""
+FSDP inside (dp_replicate 2 x dp_shard 2) or TP inside (dp_replicate 2 x tp 2), one worker killed mid-run.
+The surviving replica keeps stepping, Ray Train replaces only the dead worker's replica group (both its
+workers), the replacement's ranks receive the live state from the survivor's same ranks, and the run
+completes with no whole-group restart, no step redone, the uninterrupted run's loss and every one of its
+samples trained exactly once. The survivor's longest gap between steps and the time to rejoin are printed
+(recorded, not asserted: wall time on a shared machine)."""
 
 from __future__ import annotations
 
@@ -80,16 +80,20 @@ def assert_every_sample_trained_once(by_step: dict[int, list[dict]], reference_i
 # cleaner that this run's controller was dead (raydist.ray_cluster.embedded_dashboard), and a replica slow
 # to start left the leader stepping alone, so its death took the only live state (TorchftReplicas.join).
 # With FSDP inside (shard 2) the victims are a follower's second worker and the leader's first, which hosts
-# its replica's TCP store and torchft ManagerServer.
-@pytest.mark.parametrize("shard, victim", [(1, (1, 0)), (1, (0, 0)), (2, (1, 1)), (2, (0, 0))],
-                         ids=["follower", "leader", "fsdp-follower-rank1", "fsdp-leader-rank0"])
-def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_data, tmp_path, shard, victim):
+# its replica's TCP store and torchft ManagerServer. With TP inside, a follower's second worker: no batch
+# leader (its tp peer reads the rows), its shards of every matrix held by no one else in its replica.
+@pytest.mark.parametrize("inside, victim", [({}, (1, 0)), ({}, (0, 0)), ({"dp_shard": 2}, (1, 1)),
+                                            ({"dp_shard": 2}, (0, 0)), ({"tp": 2}, (1, 1))],
+                         ids=["follower", "leader", "fsdp-follower-rank1", "fsdp-leader-rank0", "tp-follower-rank1"])
+def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_data, tmp_path, inside, victim):
     steps, batch = 120, 8
     replica, rank = victim
-    cfg = small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=live", f"ray.num_workers={2 * shard}",
-                "parallel.dp_replicate=2", f"parallel.dp_shard={shard}", "elastic.live_recovery=true",
-                "elastic.max_failures=3", "elastic.collective_timeout_s=30",
-                f"ray.cpus_per_worker={1 / shard}")  # 4 workers fit the 4-CPU cluster beside the Lighthouse
+    shard = inside.get("dp_shard", 1)  # a replica's dp ranks
+    workers = shard * inside.get("tp", 1)  # a replica's workers
+    cfg = small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=live", f"ray.num_workers={2 * workers}",
+                "parallel.dp_replicate=2", *[f"parallel.{k}={v}" for k, v in inside.items()],
+                "elastic.live_recovery=true", "elastic.max_failures=3", "elastic.collective_timeout_s=30",
+                f"ray.cpus_per_worker={1 / workers}")  # 4 workers fit the 4-CPU cluster beside the Lighthouse
     reference_cfg = small(tiny_data, tmp_path, f"train.steps={steps}", "ray.num_workers=1",
                           "parallel.dp_replicate=1")
     [reference] = run_fit(reference_cfg.to_dict(), 1, str(tmp_path / "reference"))
@@ -101,7 +105,8 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     before = [r["replicas"] for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")]
     assert before and set(before) == {2}, before
     launches = [e for e in jsonl(run_dir / "events.jsonl") if e["kind"] == "launch"]
-    assert sorted((e["replica"], e["replica_rank"]) for e in launches) == [(r, j) for r in (0, 1) for j in range(shard)]
+    assert sorted((e["replica"], e["replica_rank"]) for e in launches) == [(r, j) for r in (0, 1)
+                                                                             for j in range(workers)]
     pid = next(e["pid"] for e in launches if (e["replica"], e["replica_rank"]) == victim)
     group = {e["pid"] for e in launches if e["replica"] == replica}
     os.kill(pid, signal.SIGKILL)
@@ -120,7 +125,7 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     # Ray Train replaced the victim's whole replica group (every one of its workers, each launched twice) and
     # nothing else; the replacement took the live state: it started after the kill and loaded no checkpoint
     relaunched = [e for e in events if e["kind"] == "launch"][len(launches):]
-    assert sorted((e["replica"], e["replica_rank"]) for e in relaunched) == [(replica, j) for j in range(shard)]
+    assert sorted((e["replica"], e["replica_rank"]) for e in relaunched) == [(replica, j) for j in range(workers)]
     assert not {e["pid"] for e in relaunched} & group
     assert abs(summary["final_loss"] - reference.losses[-1]) / reference.losses[-1] < 0.02
     # Each step's loss is the uninterrupted run's up to summation order (only who computed which rows
@@ -133,14 +138,15 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     assert not unlogged or (replica == 0 and unlogged == list(range(unlogged[0], unlogged[-1] + 1))
                             and len(unlogged) <= 3), unlogged
     worst = max(abs(logged[s] - reference.losses[s - 1]) / reference.losses[s - 1] for s in logged if s <= EXACT_STEPS)
-    # every sample of the uninterrupted run, step by step, trained exactly once
+    # every sample of the uninterrupted run, step by step, trained exactly once (batch leaders record them)
     assert_every_sample_trained_once(committed_steps(run_dir), reference.sample_ids, batch, shard, group)
     metrics = [r for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")]
     one_replica = [r["step"] for r in metrics if r["replicas"] == 1]
     assert one_replica and min(one_replica) <= EXACT_STEPS, one_replica  # the survivor stepped alone
     times = [r["elapsed_s"] for r in sorted(metrics, key=lambda r: r["step"])]  # (an unlogged step: in its gap)
     gaps = [b - a for a, b in zip(times, times[1:])]
-    print(f"\nlive recovery (dp_shard {shard}, replica {replica} rank {rank} killed): survivor's longest step gap "
+    print(f"\nlive recovery ({inside or 'one worker'} inside, replica {replica} rank {rank} killed): survivor's "
+          f"longest step gap "
           f"{max(gaps):.2f}s (median {sorted(gaps)[len(gaps) // 2]:.3f}s), time to rejoin "
           f"{joined[0]['time_to_rejoin_s']:.2f}s, steps on one replica {len(one_replica)}, "
           f"steps retried {summary.get('replica_steps_retried')}, largest loss difference over steps 1-{EXACT_STEPS} "

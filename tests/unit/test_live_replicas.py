@@ -1,0 +1,238 @@
+"""Live recovery with a mesh inside each replica, under plain torch.distributed (no Ray): two replicas of two
+workers each (FSDP: dp_shard 2; TP: tp 2; CP: cp 2; PP: pp 2), each replica its own gloo world whose TCP
+store its torchft Managers share (what Ray Train's process group per replica group gives), meeting through
+a real torchft Lighthouse.
+
+- Two replicas from the first step: the loss of every step, the last step's gradients and the parameters
+  after the last equal the single-process run's (raydist.testing.assert_equivalent: 1e-4 relative, every
+  parameter with a gradient, each replica's ranks together holding the whole model), and each step
+  trained exactly its samples. A parameter left without its gradient fails that check.
+- Replica 1 joins after replica 0 stepped alone: each of its ranks receives its shards (FSDP's, TP's, a
+  pipeline stage's, or whole parameters under CP), optimizer state and data position from replica 0's rank
+  of the same mesh coordinates (torchft's PGTransport), then both step on; the losses, gradients and final
+  parameters of both replicas still equal the single-process run's."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from raydist.config import Config, ConfigError
+from raydist.runtime import free_port
+from raydist.testing import LayoutResult, assert_equivalent, run_layout, tiny_config
+
+pytest.importorskip("torchft")
+
+STEPS, ALONE_STEPS = 6, 3
+WORKERS = 2  # per replica
+INSIDE = {"fsdp": {"dp_shard": 2}, "tp": {"tp": 2}, "cp": {"cp": 2}, "pp": {"pp": 2}}  # each replica's mesh
+DROPPED = "layers.0.attention.wq.weight"  # (a tensor-parallel shard under tp)
+
+
+def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expected: int, flag: str | None,
+            drop: str | None, out) -> None:
+    import torch.distributed as dist
+
+    from raydist.elastic.live import TorchftReplicas, replica_config
+    from raydist.elastic.policy import plan_layout
+    from raydist.trainer import Trainer, TrainerOptions
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHFT_LIGHTHOUSE=lighthouse)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS)
+    cfg = replica_config(Config.from_dict(raw))
+    trainer = Trainer(cfg, torch.device("cpu"), plan_layout(cfg, WORKERS),
+                      TrainerOptions(record_samples=True, capture_grads=True))
+    replicas = TorchftReplicas(replica, torch.device("cpu"), 60.0, trainer.state_parts, replicas=expected,
+                               rank=rank, workers=WORKERS)
+    trainer.replicas = replicas
+    # The cross-replica sum gives a parameter without a gradient zeros: record which ones had none before it
+    # (those received no gradient), and with `drop` take one's away in the last step (the check must fail)
+    named = [(trainer.pm.aliases.get(n, n), p) for n, p in trainer.pm.model.named_parameters() if p.requires_grad]
+    no_grad: set[str] = set()
+    reduce = trainer._reduce_over_replicas
+
+    def reduce_recording(*args):
+        if drop is not None and trainer.step == STEPS - 1:
+            for name, param in named:
+                if name == drop:
+                    param.grad = None
+        no_grad.clear()
+        no_grad.update(name for name, param in named if param.grad is None)
+        return reduce(*args)
+
+    trainer._reduce_over_replicas = reduce_recording
+    if flag is not None and replica == 1 and rank == 0:
+        open(flag, "w").close()  # replica 1 is about to ask for its first quorum
+    healed = replicas.join()
+    steps = []
+    while trainer.step < STEPS:
+        if flag is not None and replica == 0 and trainer.step == ALONE_STEPS:
+            while not os.path.exists(flag):  # replica 0 stepped alone so far; replica 1 comes now
+                time.sleep(0.1)
+            time.sleep(1.0)
+        stats = trainer.train_step()
+        ids = None if stats.sample_ids is None else stats.sample_ids.tolist()  # (batch leaders only)
+        steps.append({"step": trainer.step, "loss": stats.loss, "count": stats.replicas, "ids": ids})
+    # a collective in the replica; under a pipeline each rank holds its stages' parameters only
+    params = {k: v.numpy() for k, v in trainer.full_parameters().items()}
+    grads = {k: v.numpy() for k, v in trainer.last_grads.items() if k not in no_grad}
+    out.put({"replica": replica, "rank": rank, "healed": healed, "healed_at": replicas.healed_at, "steps": steps,
+             "params": params, "grads": grads, "retried": trainer.retried_steps, "mesh": trainer.layout.degrees()})
+    time.sleep(1.0)  # the peer replica reads its last quorum before this Manager goes
+    replicas.shutdown()
+    trainer.close()
+    dist.destroy_process_group()
+
+
+def _run(raw: dict, late: bool, tmp, drop: str | None = None) -> list[dict]:
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
+    flag = str(tmp / "replica-1-asks") if late else None
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    ports = [free_port(), free_port()]
+    # late: replica 0 starts stepping without waiting for a second replica (expected 1)
+    procs = {(r, j): ctx.Process(target=_worker, args=(r, j, ports[r], lighthouse.address(), raw,
+                                                       1 if late and r == 0 else 2, flag, drop, out))
+             for r in (0, 1) for j in range(WORKERS)}
+    try:
+        for (r, _), p in procs.items():
+            if r == 0 or not late:
+                p.start()
+        if late:  # replica 1 starts once replica 0 has stepped alone
+            time.sleep(5.0)
+            for (r, _), p in procs.items():
+                if r == 1:
+                    p.start()
+        results = [out.get(timeout=400) for _ in procs]
+        for p in procs.values():
+            p.join(60)
+            assert p.exitcode == 0
+        return sorted(results, key=lambda r: (r["replica"], r["rank"]))
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+
+
+def _check(results: list[dict], single: LayoutResult) -> None:
+    """Every rank against the single-process run over the steps it ran (raydist.testing.assert_equivalent),
+    and every step's samples, over the batch leaders of the replicas that committed it, the single-process
+    step's, each once."""
+    for res in results:
+        held = frozenset(name for other in results if other["replica"] == res["replica"] for name in other["params"])
+        ran = [rec["step"] for rec in res["steps"]]
+        reference = LayoutResult([single.losses[s - 1] for s in ran], [], single.grads, [], single.params)
+        candidate = LayoutResult([rec["loss"] for rec in res["steps"]], [],
+                                 {k: torch.from_numpy(v) for k, v in res["grads"].items()}, [],
+                                 {k: torch.from_numpy(v) for k, v in res["params"].items()}, held)
+        try:
+            assert_equivalent(reference, candidate)
+        except AssertionError as exc:
+            raise AssertionError(f"replica {res['replica']} rank {res['rank']}: {exc}") from None
+    for step in range(1, STEPS + 1):
+        trained = sorted(i for res in results for rec in res["steps"] if rec["step"] == step and rec["ids"] is not None
+                         for i in rec["ids"])
+        assert trained == sorted(single.sample_ids[step - 1].tolist()), f"step {step}"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data):
+    raw = tiny_config(tiny_data, train={"steps": STEPS})  # global_batch 8: replicas 4 + 4 rows
+    [single] = run_layout(raw, 1, steps=STEPS, record_samples=True)
+    return raw, single
+
+
+def _live(raw: dict, inside: str) -> dict:
+    return {**raw, "parallel": {"dp_replicate": 2, **INSIDE[inside]}, "ray": {"num_workers": 2 * WORKERS},
+            "elastic": {"live_recovery": True}}
+
+
+@pytest.mark.parametrize("inside", list(INSIDE))
+def test_two_replicas_equal_the_single_process_run(reference, tmp_path, inside):
+    raw, single = reference
+    results = _run(_live(raw, inside), late=False, tmp=tmp_path)
+    [(name, degree)] = INSIDE[inside].items()  # each replica trained on its own mesh of that degree
+    assert all(r["mesh"][name] == degree and r["mesh"]["dp_replicate"] == 1 for r in results), results[0]["mesh"]
+    assert all(not r["healed"] and r["retried"] == 0 for r in results)
+    assert {rec["count"] for r in results for rec in r["steps"]} == {2}  # every step on both replicas
+    assert all(len(r["steps"]) == STEPS for r in results)
+    _check(results, single)
+
+
+def test_a_parameter_without_its_gradient_fails_the_check(reference, tmp_path):
+    raw, single = reference
+    results = _run(_live(raw, "tp"), late=False, tmp=tmp_path, drop=DROPPED)
+    assert all(DROPPED not in r["grads"] and DROPPED in r["params"] for r in results)
+    with pytest.raises(AssertionError, match=f"received no gradient in the last step: \\['{DROPPED}'\\]"):
+        _check(results, single)
+
+
+@pytest.mark.parametrize("inside", ["fsdp", "tp", "cp", "pp"])
+def test_a_late_replica_heals_rank_by_rank_and_the_run_stays_exact(reference, tmp_path, inside):
+    raw, single = reference
+    results = _run(_live(raw, inside), late=True, tmp=tmp_path)
+    first, late = results[:WORKERS], results[WORKERS:]
+    assert all(not r["healed"] for r in first) and all(r["healed"] for r in late)
+    [healed_at] = {r["healed_at"] for r in late}  # every rank of replica 1 healed to the same step
+    assert ALONE_STEPS <= healed_at < STEPS
+    counts = [rec["count"] for rec in first[0]["steps"]]
+    assert counts[:ALONE_STEPS] == [1] * ALONE_STEPS and counts[-1] == 2, counts  # alone, then with replica 1
+    assert [rec["step"] for rec in late[0]["steps"]] == list(range(healed_at + 1, STEPS + 1))
+    _check(results, single)
+    for a, b in zip(first, late):  # the healed replica's shards are its peer's, rank by rank
+        assert a["params"].keys() == b["params"].keys()
+        for name in a["params"]:
+            assert np.allclose(a["params"][name], b["params"][name], rtol=1e-6, atol=0), (name, a["rank"])
+
+
+# ---- which meshes a replica may hold ------------------------------------------------------------------
+
+def _config(**parallel) -> Config:
+    workers = parallel.pop("num_workers", None)
+    p = {"dp_replicate": 2, **parallel}
+    size = p["dp_replicate"] * p.get("dp_shard", 1) * p.get("tp", 1) * p.get("cp", 1) * p.get("pp", 1)
+    return Config.from_dict(tiny_config("unused", parallel=p, ray={"num_workers": workers or size},
+                                        elastic={"live_recovery": True}))
+
+
+def test_a_replica_may_hold_fsdp_tp_cp_and_pp():
+    from raydist.elastic.live import replica_config, workers_per_replica
+
+    cfg = _config(dp_shard=2, tp=2, cp=2, pp=2)
+    assert workers_per_replica(cfg) == 16
+    one = replica_config(cfg)
+    assert (one.parallel.dp_replicate, one.parallel.dp_shard, one.parallel.tp, one.parallel.cp) == (1, 2, 2, 2)
+
+
+def test_a_pipeline_replica_runs_the_whole_runs_micro_batches():
+    from raydist.elastic.live import replica_config
+    from raydist.elastic.policy import plan_layout
+
+    # the whole run: dp 2, 4 rows per rank in 2 micro-batches of 2; one replica holds all 8 rows: 4 of 2
+    layout = plan_layout(replica_config(_config(pp=2, num_microbatches=2)), 2)
+    assert (layout.dp, layout.micro_batch, layout.num_microbatches) == (1, 2, 4)
+    # without a pipeline the whole run's layout need not exist: 3 replicas share a global batch of 8
+    assert replica_config(_config(dp_replicate=3)).parallel.dp_replicate == 1
+    with pytest.raises(ConfigError, match=r"train.global_batch=8 must be divisible by dp \(3\)"):
+        replica_config(_config(dp_replicate=3, pp=2))
+
+
+@pytest.mark.parametrize("parallel, message", [
+    ({"tp": 2, "num_workers": 2}, r"needs dp_replicate x \(dp_shard x cp x tp x pp\) workers: ray.num_workers=2 "
+                                  r"but .* = 4; set ray.num_workers=4"),
+    ({"dp_shard": -1, "num_workers": 4}, r"needs an explicit parallel.dp_shard \(got -1\)"),
+    ({"dp_replicate": 1, "tp": 2}, r"needs parallel.dp_replicate >= 2 replicas \(got 1\)"),
+])
+def test_a_replica_mesh_live_recovery_cannot_run_is_refused_in_one_line(parallel, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        _config(**parallel)
+    assert "\n" not in str(err.value)
