@@ -177,7 +177,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
         scaling_config=scaling,
         run_config=RunConfig(name=lp.run_name, storage_path=cfg.checkpoint.storage,
                              failure_config=FailureConfig(max_failures=cfg.elastic.max_failures),
-                             worker_runtime_env=warm.worker_runtime_env() if cfg.elastic.warm_spares else {}),
+                             worker_runtime_env=warm.worker_runtime_env() if warm.enabled(cfg) else {}),
     )
 
 

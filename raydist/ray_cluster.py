@@ -83,7 +83,7 @@ def connect_ray(cfg: Config, address: str | None, min_cpus: float) -> bool:
     os.environ.update(env)
     # warm spares: Ray runs the job's worker_process_setup_hook in every new worker process (a submitted
     # job keeps the runtime env it was submitted with: see ElasticConfig.warm_spares)
-    hook = warm.job_runtime_env() if cfg.elastic.warm_spares else {}
+    hook = warm.job_runtime_env() if warm.enabled(cfg) else {}
     if address and not os.environ.get("RAY_JOB_ID"):
         kwargs["runtime_env"] = {"env_vars": env, **hook}
     elif not address and hook:

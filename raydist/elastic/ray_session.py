@@ -81,7 +81,7 @@ class RaySession(Session):
         """Local rank 0 of each node: warm spare processes for the next restart's workers on this node
         (raydist.elastic.warm), asked for off the training thread, and topped up every warm.TOP_UP_S."""
         self._spares_due = math.inf
-        if not self.cfg.elastic.warm_spares or (self._spares_thread is not None and self._spares_thread.is_alive()):
+        if not warm.enabled(self.cfg) or (self._spares_thread is not None and self._spares_thread.is_alive()):
             return
         import threading
 

@@ -92,6 +92,14 @@ def preload() -> None:
     preloaded_at = time.time()
 
 
+def enabled(cfg) -> bool:
+    """Whether a run keeps warm spares: elastic.warm_spares, except under live recovery. There a failed
+    replica's group is replaced while the others train, and with replicas of several workers the live runs
+    did not reach their first steps with spares on (tests/faults/test_live_recovery.py, not yet understood),
+    so live recovery starts its replacements cold."""
+    return cfg.elastic.warm_spares and not cfg.elastic.live_recovery
+
+
 def job_runtime_env() -> dict:
     """The job-level runtime env fields that make every new worker process of the job run `preload`."""
     return {"worker_process_setup_hook": HOOK}

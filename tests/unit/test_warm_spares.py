@@ -108,3 +108,18 @@ def test_the_setting_reaches_the_job_and_the_workers_runtime_env(monkeypatch, on
     assert calls[0].get("runtime_env") == (warm.job_runtime_env() if on else None)
     assert ("worker_process_setup_hook" in calls[1]["runtime_env"]) is on
     assert "env_vars" in calls[1]["runtime_env"]
+
+
+def test_live_recovery_runs_without_spares(monkeypatch):
+    """Live recovery with spares on did not reach its first steps (replicas of several workers): off there."""
+    import ray
+
+    from raydist import ray_cluster
+
+    cfg = Config.load(None, ["elastic.live_recovery=true", "parallel.dp_replicate=2", "ray.num_workers=2"])
+    assert cfg.elastic.warm_spares and not warm.enabled(cfg)
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    ray_cluster.connect_ray(cfg, None, 2)
+    assert calls[0].get("runtime_env") is None
