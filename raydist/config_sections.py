@@ -44,9 +44,9 @@ class ElasticConfig:
     warm_spares: bool = True
     """Keep one idle, started worker process per worker (Python with Ray, Ray Train, torch and raydist
     imported) on each node, so that a restarted worker group starts in them instead of new processes
-    (raydist.elastic.warm; costs one idle process's memory per worker). Preloading needs the job's runtime
-    env: under `ray job submit` add {"worker_process_setup_hook": "raydist.elastic.warm.preload"} to it. Not
-    with elastic.live_recovery (its replacements start cold)."""
+    (raydist.elastic.warm; costs one idle process's memory per worker). They need the job's runtime env to
+    preload them: under `ray job submit` add {"worker_process_setup_hook": "raydist.elastic.warm.preload"} to
+    it (without it, no spares). Not with elastic.live_recovery (its replacements start cold)."""
     live_recovery: bool = False
     """Live recovery (torchft): each of the parallel.dp_replicate replicas is dp_shard x cp x tp x pp workers
     with its own mesh (FSDP, CP, TP and PP inside it); when a worker dies the other replicas keep stepping,
