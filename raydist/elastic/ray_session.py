@@ -245,11 +245,10 @@ def live_identity(cfg: Config):
     return replica_identity(workers_per_replica(cfg))
 
 
-def process_start_time(pid: int | str = "self") -> float | None:
-    """When this process (or `pid`) started (wall time, 10 ms resolution), from /proc; None where there is
-    none."""
+def process_start_time() -> float | None:
+    """When this process started (wall time, 10 ms resolution), from /proc; None where there is none."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open("/proc/self/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks since boot
         with open("/proc/uptime") as f:
             uptime = float(f.read().split()[0])  # seconds since boot, same clock
