@@ -169,7 +169,7 @@ def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = Fa
     return sorted(found)
 
 
-def request_spares(workers: int, controller_actors: int = 0, log=print) -> int:
+def request_spares(workers: int, controller_actors: int = 0, log=print) -> int | None:
     """From a Ray Train worker process: asks this node's raylet for idle processes with this process's
     runtime env until `workers` are idle or starting here, and with the controller's until
     `controller_actors` are. Returns how many it asked for (0 when enough are there), or None when it could
