@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from raydist import strict
 from raydist.atomic import probe_writable
 from raydist.console import Console, Follower, ProgressSink, RayLogFile, result_line
 from raydist.checkpoint.compat import check_run_dir
@@ -170,6 +171,10 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
             torch_config = ReplicaGroupsConfig(dict(LIGHTHOUSE_KWARGS), workers_per_replica(cfg), **backend)
     else:
         torch_config = TorchConfig(**backend)
+    if strict.enabled() and not use_gpu:  # gloo under NCCL's rules (raydist.strict)
+        from raydist.strict.ray_train import strict_torch_config
+
+        torch_config = strict_torch_config(torch_config)
     return TorchTrainer(
         ray_worker_entry,
         train_loop_config=payload,
