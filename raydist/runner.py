@@ -71,7 +71,9 @@ class MaskScale:
         if not self.masked:
             return
         targets, counted = batch.target_counts()
-        counts = torch.stack([torch.tensor(targets, device=counted.device), counted]).to(self.device, torch.float64)
+        # (a fill, not a copy of host data: a blocking host-to-device copy would wait for the device)
+        total = torch.full((), targets, dtype=torch.float64, device=counted.device)
+        counts = torch.stack([total, counted.to(torch.float64)]).to(self.device)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(counts, group=self.group)
         self.value = (counts[0] / counts[1].clamp_min(1)).float()
