@@ -25,7 +25,6 @@ runners do it: under a pipeline the last stage's loss of each micro-batch carrie
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -38,6 +37,7 @@ from raydist.mesh import Mesh
 from raydist.parallel import ParallelModel
 from raydist.parallel.clip import clip_grad_norm
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
+from raydist.schedule.clock import ActionClock
 
 if TYPE_CHECKING:
     from raydist.schedule.executor import PipelineExecutor
@@ -55,7 +55,7 @@ class StepOutput:
     loss: torch.Tensor  # 0-d fp32: this rank's mean loss over the step's rows
     pipeline: dict | None = None  # pp > 1: every stage's busy and idle seconds and the mean bubble
     timeline: list[dict] | None = None  # pp > 1, when asked: every action's start and end on every stage
-    compute_s: Callable[[], float] | None = None  # this rank's own compute time (read after the step's sync)
+    compute_s: Callable[[], float] | None = None  # this rank's own compute time (on CUDA, reading it reads events)
 
 
 class MaskScale:
@@ -94,6 +94,7 @@ class AccumulationRunner:
         self.needs = needs
         self.masked = masked
         self.mask_scale = MaskScale(masked, dp_cp_group, device)
+        self.clock = ActionClock(device)  # the forwards' times (CUDA events on a GPU)
 
     def autocast(self):
         return self.pm.data_parallel.autocast(self.device.type)
@@ -121,14 +122,18 @@ class AccumulationRunner:
         micro = self.micro_batches(batch, micro_batch)
         self.mask_scale.update(batch)
         total = torch.zeros((), device=self.device)
-        timer = ForwardTimer(self.device)
+        # The forwards' durations: with DDP the forward runs no collective, so this is the rank's own compute
+        # however long its peers take (the straggler signal; backward waits for the slowest rank's gradients).
+        self.clock.start_step()
         for i, mb in enumerate(micro):
             with self.pm.data_parallel.accumulate(self.pm.module, i == len(micro) - 1):
-                with timer:
-                    loss = self.forward_loss(mb) / len(micro)
+                began = self.clock.begin()
+                loss = self.forward_loss(mb) / len(micro)
+                self.clock.end(began, {"kind": "F", "microbatch": i})
                 loss.backward()
             total += loss.detach().float()
-        return StepOutput(total, compute_s=timer.seconds)
+        times = self.clock.finish()
+        return StepOutput(total, compute_s=lambda: times.busy_s)
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor | LocalBatch) -> torch.Tensor:
@@ -142,42 +147,6 @@ class AccumulationRunner:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params, max_norm)
-
-
-class ForwardTimer:
-    """Sums the forwards' durations: with DDP the forward runs no collective, so this is the rank's own
-    compute however long its peers take (the straggler signal; backward waits for the slowest rank's
-    gradients). CUDA: events, read after the step has synchronised."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.spans: list = []
-        self.total = 0.0
-
-    def __enter__(self):
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.spans.append([start, None])
-        else:
-            self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.spans[-1][1] = end
-        else:
-            self.total += time.perf_counter() - self._start
-
-    def seconds(self) -> float:
-        if self.cuda:
-            done = [(start, end) for start, end in self.spans if end is not None]
-            if done:
-                done[-1][1].synchronize()  # (the step's loss was read by then: no wait in practice)
-            return sum(start.elapsed_time(end) for start, end in done) / 1e3
-        return self.total
 
 
 class PipelineRunner:
