@@ -5,6 +5,11 @@ pipeline, so the Trainer has no pipeline branches.
                                         left in the parameters, synchronised across data-parallel ranks
     runner.evaluate(batch) -> loss      forwards only
     runner.clip(max_norm) -> norm       clip by the whole model's gradient norm
+    runner.timings(outputs) -> figures  per step: every pipeline stage's times and, when asked, its actions
+                                        (a collective: at a logged step; None without a pipeline)
+
+Nothing in `step` or `clip` makes the host wait for the device: losses, norms and times stay on the device
+(or in unread CUDA events) until the Trainer reads them at a logged step, so the host runs ahead of the GPU.
 
 `AccumulationRunner`: the rows in micro-batches of layout.micro_batch, gradients accumulated, the
 data-parallel strategy communicating only on the last (`accumulate`). `PipelineRunner`: the M micro-batches
@@ -40,7 +45,7 @@ from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
 from raydist.schedule.clock import ActionClock
 
 if TYPE_CHECKING:
-    from raydist.schedule.executor import PipelineExecutor
+    from raydist.schedule.executor import PipelineExecutor, PipelineStepStats
 
 
 @dataclass
@@ -52,10 +57,14 @@ class MicroBatch:
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor  # 0-d fp32: this rank's mean loss over the step's rows
-    pipeline: dict | None = None  # pp > 1: every stage's busy and idle seconds and the mean bubble
-    timeline: list[dict] | None = None  # pp > 1, when asked: every action's start and end on every stage
+    loss: torch.Tensor  # 0-d fp32 on the device: this rank's mean loss over the step's rows
     compute_s: Callable[[], float] | None = None  # this rank's own compute time (on CUDA, reading it reads events)
+    pipeline: PipelineStepStats | None = None  # pp > 1: the schedule's step on this rank, read by `timings`
+    timeline: bool = False  # pp > 1: every stage's actions are wanted for this step (gathered by `timings`)
+
+
+# per step: (every stage's busy and idle seconds and the mean bubble, every stage's actions when asked)
+StepTimings = tuple[dict | None, list[dict] | None]
 
 
 class MaskScale:
@@ -148,6 +157,9 @@ class AccumulationRunner:
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params, max_norm)
 
+    def timings(self, outputs: list[StepOutput]) -> list[StepTimings]:
+        return [(None, None)] * len(outputs)
+
 
 class PipelineRunner:
     """pp > 1: this rank's rows -> M micro-batches -> the executor -> tied sync; clipping across stages."""
@@ -224,36 +236,36 @@ class PipelineRunner:
         then runs rows / micro_batch micro-batches."""
         executor, inputs, targets, positions = self._split(tokens, micro_batch)
         with self.pm.data_parallel.autocast(self.device.type):
-            stats = executor.step(inputs, targets, record_timeline=record_timeline, positions=positions)
+            stats = executor.step(inputs, targets, positions=positions)
         self.tied()
-        out = StepOutput(torch.tensor(stats.loss, device=self.device), self._timings(stats),
-                         compute_s=lambda: stats.busy_s)
-        if record_timeline:
-            out.timeline = self._gather_timeline(executor)
-        return out
+        return StepOutput(stats.loss, compute_s=lambda: stats.busy_s, pipeline=stats, timeline=record_timeline)
 
     def evaluate(self, tokens: torch.Tensor | LocalBatch) -> torch.Tensor:
         executor, inputs, targets, positions = self._split(tokens)
         with self.pm.data_parallel.autocast(self.device.type):
-            return torch.tensor(executor.evaluate(inputs, targets, positions), device=self.device)
+            return executor.evaluate(inputs, targets, positions)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_pipeline(self.pm.chunks, max_norm, self.group)
 
-    def _gather_timeline(self, executor) -> list[dict]:
+    def timings(self, outputs: list[StepOutput]) -> list[StepTimings]:
+        """Per step of `outputs`: every stage's busy and idle seconds and the mean bubble, and every stage's
+        actions where the step asked for them. Collectives over the pipeline group (one all-gather for all
+        the steps' times, one object gather per timeline): every pipeline rank calls it with the same
+        steps, at a logged step."""
+        from raydist.schedule.executor import stage_timings
+
+        figures = [{"busy_s": t["pp_busy_s"], "idle_s": t["pp_idle_s"],
+                    "bubble": round(sum(t["pp_bubble"]) / len(t["pp_bubble"]), 4)}
+                   for t in stage_timings([o.pipeline for o in outputs], self.group, device=self.device)]
+        return [(f, self._gather_timeline(o.pipeline) if o.timeline else None) for f, o in zip(figures, outputs)]
+
+    def _gather_timeline(self, stats: PipelineStepStats) -> list[dict]:
         """The step's actions with their start and end (seconds from the step's start) on every pipeline
         rank, for the report; a collective over the pipeline group."""
         gathered: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, executor.timeline, group=self.group)
+        dist.all_gather_object(gathered, stats.timeline, group=self.group)
         return [{"rank": r, **a} for r, actions in enumerate(gathered) for a in actions]
-
-    def _timings(self, stats) -> dict:
-        """Every stage's busy and idle seconds of the step (a collective over the pipeline group)."""
-        from raydist.schedule.executor import stage_timings
-
-        t = stage_timings(stats, self.group, device=self.device)
-        return {"busy_s": t["pp_busy_s"], "idle_s": t["pp_idle_s"],
-                "bubble": round(sum(t["pp_bubble"]) / len(t["pp_bubble"]), 4)}
 
 
 def make_runner(pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, needs: BatchNeeds,
