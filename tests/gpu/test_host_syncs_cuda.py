@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from raydist.runtime import spawn
 from raydist.testing import HostSyncCounter, tiny_config
+
+pytestmark = pytest.mark.cuda  # every test here needs a GPU (tests/gpu/conftest.py skips them without one)
 
 SMALL = dict(num_layers=2, d_model=128, num_heads=2, num_kv_heads=1, ffn_hidden=352, vocab_size=320)
 UNLOGGED = 4
