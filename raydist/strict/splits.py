@@ -132,6 +132,7 @@ def rendezvous(entry: dict, world: int, me: int, timeout_s: float, kind: str = "
                 raise StrictCollectiveError(f"strict collectives: {key} of the world: {_describe(a, arrived[a])} "
                                             f"while {_describe(b, arrived[b])}; {rule}")
             if not missing:
+                _leave_together(store, key, world, me, min(timeout_s, 30.0))
                 return
             gone = [r for r in missing if store.check([f"gone/{r}"])]
             if gone or state.rendezvous_error is not None or time.monotonic() > deadline:
@@ -146,3 +147,17 @@ def rendezvous(entry: dict, world: int, me: int, timeout_s: float, kind: str = "
     finally:
         state.rendezvous = None
         state.changed()
+
+
+def _leave_together(store, key: str, world: int, me: int, timeout_s: float) -> None:
+    """Every rank says it has read the entries; rank 0, whose process holds the world's store (env:// and
+    tcp:// rendezvous serve it from rank 0), goes on only once all have, so a rank that returns right after
+    a creation never takes the store away from a peer still reading it."""
+    store.set(f"{key}/read/{me}", "1")
+    if me != 0:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(store.check([f"{key}/read/{r}"]) for r in range(world)):
+            return
+        time.sleep(POLL_S)

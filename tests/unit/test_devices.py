@@ -45,8 +45,14 @@ def _device_in_rank():
     return str(runtime.pick_device()), dist.get_backend()
 
 
-def test_gloo_ranks_get_the_cpu():
+def test_gloo_ranks_get_the_cpu(plain_gloo):
     assert runtime.spawn(_device_in_rank, 2) == [("cpu", "gloo")] * 2
+
+
+def test_strict_ranks_get_the_cpu():  # the suite's default: gloo under NCCL's rules is still the CPU
+    from raydist import strict
+
+    assert runtime.spawn(_device_in_rank, 2) == [("cpu", strict.BACKEND)] * 2
 
 
 def test_to_device_on_cpu_is_the_same_tensor():

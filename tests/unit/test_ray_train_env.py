@@ -3,6 +3,7 @@ which started Ray itself gets them too (Ray Train hands the driver's RAY_TRAIN_*
 
 import pytest
 
+from raydist import strict
 from raydist.ray_cluster import CONTROLLER_ENV, EMBEDDED_RAY_TRAIN_ENV, RAY_TRAIN_ENV, train_env
 
 
@@ -10,6 +11,7 @@ from raydist.ray_cluster import CONTROLLER_ENV, EMBEDDED_RAY_TRAIN_ENV, RAY_TRAI
 def clean_env(monkeypatch):
     for key in {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **EMBEDDED_RAY_TRAIN_ENV}:
         monkeypatch.delenv(key, raising=False)
+    monkeypatch.delenv(strict.ENV, raising=False)  # (the suite runs under it: tests/conftest.py)
     return monkeypatch
 
 
@@ -17,6 +19,11 @@ def test_embedded_clusters_get_the_extra_settings_and_joined_ones_do_not(clean_e
     assert train_env(embedded=True) == {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **EMBEDDED_RAY_TRAIN_ENV}
     assert train_env(embedded=False) == {**RAY_TRAIN_ENV, **CONTROLLER_ENV}
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in train_env(embedded=False)  # real clusters drain nodes
+
+
+def test_the_strict_mode_reaches_the_workers_of_any_cluster(clean_env):
+    clean_env.setenv(strict.ENV, "1")
+    assert train_env(embedded=False)[strict.ENV] == "1" and train_env(embedded=True)[strict.ENV] == "1"
 
 
 def test_a_value_the_user_set_wins(clean_env):
