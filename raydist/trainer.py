@@ -35,7 +35,7 @@ from raydist.data.readers import make_reader
 from raydist.data.stream import SampleStream, Split
 from raydist.elastic.live import Replicas, live_slice, micro_batch_for
 from raydist.elastic.policy import plan_layout
-from raydist.hang import ACTIONS, doing
+from raydist.hang import ACTIONS, doing, group_timeout_s
 from raydist.kernels import apply_kernels
 from raydist.layout import Layout
 from raydist.metrics.kernels import kernel_calls, kernels_ran
@@ -127,12 +127,15 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         # Groups over the active ranks only (idle workers take part in no collective), both on the host:
         # CPU bookkeeping in the training thread, and the checkpoint writer's thread on a group of its own.
-        # Every group, the mesh's included, times out after elastic.collective_timeout_s.
-        timeout_s = cfg.elastic.collective_timeout_s
-        set_default_timeout(timeout_s)
+        # Every group, the mesh's included, times out after elastic.collective_timeout_s, or later where
+        # raydist's hang monitor ends a stuck collective itself first (NCCL, strict mode: hang.group_timeout_s).
+        def timeout_s(backend: str) -> float:
+            return group_timeout_s(cfg.elastic.collective_timeout_s, backend, cfg.monitor.heartbeat_interval_s)
+
+        set_default_timeout(timeout_s("nccl" if device.type == "cuda" else "gloo"))
         active = list(range(self.world_size))
-        self.group = new_group(active, HOST, device.type, timeout_s)
-        self.checkpoint_group = new_group(active, HOST, device.type, timeout_s)
+        self.group = new_group(active, HOST, device.type, timeout_s("gloo"))
+        self.checkpoint_group = new_group(active, HOST, device.type, timeout_s("gloo"))
         self.mesh: Mesh = self.layout.spec.build(device.type)
         self.compute_dtype = compute_dtype_for(cfg, device)
         # Built on the meta device (no storage), parallelized there, then each rank allocates and

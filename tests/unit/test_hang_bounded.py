@@ -368,6 +368,20 @@ def test_group_timeouts_come_after_detection_and_the_diagnosis(monkeypatch):
     assert hang.group_timeout_s(10.0, "gloo", 2.0) > 10.0 + hang.DIAGNOSE_BUDGET_S
 
 
+def test_ray_trains_process_group_gets_the_later_timeout_and_the_recorder_env_on_nccl(monkeypatch):
+    from raydist.config import Config
+    from raydist.elastic.torch_backend import torch_config
+
+    monkeypatch.delenv(hang.inflight.STRICT_ENV, raising=False)
+    cfg = Config.load(None, ["elastic.collective_timeout_s=20", "monitor.heartbeat_interval_s=2"])
+    gpu = torch_config(cfg, use_gpu=True)
+    assert gpu.backend == "nccl"
+    assert gpu.timeout_s >= hang.group_timeout_s(20, "nccl", 2.0) > 20 + hang.DIAGNOSE_BUDGET_S
+    assert int(gpu.worker_env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
+    cpu = torch_config(cfg, use_gpu=False)
+    assert (cpu.backend, cpu.timeout_s, cpu.worker_env) == ("gloo", 20, {})
+
+
 def test_an_idle_worker_does_not_hang_on_a_stopped_rank_0(blocking):
     """Idle workers follow rank 0's messages through the store that lives in rank 0: stopped, it must end
     in an error (a restart), not a worker blocked forever."""
