@@ -284,7 +284,9 @@ def describe_event(ev: dict[str, Any]) -> str | None:
     degrees = " x ".join(f"{k} {v}" for k, v in mesh.items() if isinstance(v, int) and v > 1) or "1 rank"
     if kind == "start":
         idle = f", {ev['idle_workers']} idle" if ev.get("idle_workers") else ""
-        return f"started {ev.get('world_size')} workers ({degrees}{idle}) at step {ev.get('step')}: {_where(ev.get('workers'))}"
+        strict = " under strict collectives (NCCL's rules on gloo)" if ev.get("strict_collectives") else ""
+        return (f"started {ev.get('world_size')} workers ({degrees}{idle}) at step {ev.get('step')}{strict}: "
+                f"{_where(ev.get('workers'))}")
     if kind == "restart":
         return (f"warning: restart {ev.get('attempt', 1) - 1}: resumed at step {ev.get('resumed_step')} "
                 f"({ev.get('steps_to_redo', 0)} steps to redo) on {ev.get('world_size')} workers ({degrees}): "

@@ -68,7 +68,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from raydist import inflight
+from raydist import inflight, strict
 from raydist.bounded_store import STORE_TIMEOUT_S, BoundedStore, StoreUnreachable  # noqa: F401
 
 PREFIX = "raydist/hang/"
@@ -82,9 +82,10 @@ RESERVE_S = 3.0  # of the budget, kept for writing ranks.json and the event
 
 def watched(backend: str) -> bool:
     """Whether raydist's monitor, not the process group, ends a collective that waits too long on `backend`
-    (dist.get_backend()): NCCL, whose collectives never raise in Python (its watchdog aborts the process),
-    and any backend under the strict-collectives mode, whose collectives end the process the same way."""
-    return "nccl" in str(backend) or os.environ.get(inflight.STRICT_ENV) == "1"
+    (a group's backend name, e.g. dist.get_backend()): NCCL, whose collectives never raise in Python (its
+    watchdog aborts the process), and the strict-collectives mode's, whose collectives end the process the
+    same way (raydist.strict). gloo raises at its timeout."""
+    return "nccl" in str(backend) or strict.BACKEND in str(backend)
 
 
 def group_timeout_s(collective_timeout_s: float, backend: str, interval_s: float = 2.0) -> float:

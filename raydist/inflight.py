@@ -13,8 +13,8 @@ of each group's stream first:
      "since": time.time() when it was issued, "p2p": bool, "peers": [global ranks] | None}
 
 Sources:
-- registered ones (`register_flight_source`), e.g. raydist's strict-collectives mode's
-  `raydist.strict.flight.pending` (wrapped by `strict_source`): when any is registered only they are asked;
+- registered ones (`register_flight_source`), e.g. the strict-collectives mode's `raydist.strict.flight.pending`
+  (adapted by `strict_source`): when any is registered only they are asked;
 - else torch's flight recorder for NCCL (`torch._C._distributed_c10d._dump_nccl_trace_json(includeCollectives,
   onlyActive)`, CUDA builds only; JSON, never the pickled `_dump_nccl_trace`), read by `nccl_recorder`.
   Its buffer must exist before the first NCCL group: `TORCH_NCCL_TRACE_BUFFER_SIZE` in the worker's
@@ -49,8 +49,6 @@ import json
 import re
 import time
 from typing import Any, Callable
-
-STRICT_ENV = "RAYDIST_STRICT_COLLECTIVES"
 
 _SOURCES: dict[str, Callable[[], list[dict]]] = {}
 
@@ -145,7 +143,7 @@ def python_group_ranks() -> dict[str, list[int]]:
 
 
 _PEER = re.compile(r"(\d+)\s*(->|<-)\s*(\d+)")  # NCCL's "send 0->1", "recv 0<-1" (group ranks)
-_STRICT_PEER = re.compile(r"(?:->|<-)\s*(\d+)")  # the strict mode's "isend->1", "irecv<-1"
+_STRICT_PEER = re.compile(r"(?:to|from) rank (\d+)")  # the strict mode's "isend to rank 1 (...)" (global ranks)
 
 
 def _op_name(profiling_name: str) -> str:
@@ -215,11 +213,11 @@ def parse_recorder(trace: dict, group_ranks: dict[str, list[int]] | None = None)
 
 
 def strict_source() -> Callable[[], list[dict]] | None:
-    """`raydist.strict.flight.pending` adapted to a flight source, or None where the mode is not installed.
-    Its ops carry group, ranks, seq, op, state and since; P2P ops are named "send"/"recv"/"isend"/"irecv" or
-    "batch[isend->1, irecv<-1]", whose peers are read as global ranks."""
+    """`raydist.strict.flight.pending` as a flight source, or None where the mode is not installed. Its ops
+    carry group, ranks, seq, op ("all_reduce #5", "isend to rank 1 (...)", "batch [isend to rank 1 (...),
+    irecv from rank 1 (...)]": peers are global ranks), state, since and kind ("collective" | "p2p")."""
     try:
-        from raydist.strict import flight  # type: ignore[import-not-found]
+        from raydist.strict import flight
     except ImportError:
         return None
 
@@ -227,7 +225,7 @@ def strict_source() -> Callable[[], list[dict]] | None:
         out = []
         for op in flight.pending():
             name = str(op["op"])
-            p2p = name.startswith("batch[") or bool(re.match(r"i?(send|recv)\b", name))
+            p2p = op.get("kind") == "p2p"
             peers = sorted({int(m) for m in _STRICT_PEER.findall(name)}) if p2p else None
             out.append({"group": str(op["group"]), "ranks": list(op.get("ranks") or []) or None, "seq": int(op["seq"]),
                         "op": name, "state": op.get("state", "queued"), "since": float(op["since"]), "p2p": p2p,

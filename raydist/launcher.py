@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from raydist import strict
 from raydist.atomic import probe_writable
 from raydist.console import Console, Follower, ProgressSink, RayLogFile, result_line
 from raydist.checkpoint.compat import check_run_dir
@@ -172,6 +173,10 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
         from raydist.elastic.torch_backend import torch_config as watched_torch_config
 
         torch_config = watched_torch_config(cfg, use_gpu)
+    if strict.enabled() and not use_gpu:  # gloo under NCCL's rules (raydist.strict)
+        from raydist.strict.ray_train import strict_torch_config
+
+        torch_config = strict_torch_config(torch_config)
     return TorchTrainer(
         ray_worker_entry,
         train_loop_config=payload,

@@ -7,6 +7,7 @@ import os
 import time
 from typing import Callable
 
+from raydist import strict
 from raydist.config import Config, ConfigError
 from raydist.elastic import warm
 
@@ -57,6 +58,8 @@ def train_env(embedded: bool, cfg: Config | None = None) -> dict[str, str]:
     env = {k: os.environ.get(k, v) for k, v in wanted.items()}
     if cfg is not None:
         env[GROUP_START_TIMEOUT] = str(cfg.elastic.group_start_timeout_s)
+    if strict.enabled():  # the strict-collectives mode reaches every worker (raydist.strict)
+        env[strict.ENV] = "1"
     return env
 
 

@@ -39,15 +39,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from raydist import strict
 
 HOST, DEVICE = "host", "device"
 _HOST_GROUPS: set[str] = set()  # group names of the HOST groups this process created
 
 
 def group_backend(purpose: str, device_type: str) -> str:
+    """gloo for HOST groups; NCCL for DEVICE groups on CUDA, gloo on CPU, or the strict backend on CPU under
+    the strict-collectives mode (raydist.strict)."""
     if purpose == HOST:
         return "gloo"
-    return "nccl" if device_type == "cuda" else "gloo"
+    return strict.device_backend(device_type)
 
 
 def new_group(ranks: list[int], purpose: str, device_type: str, timeout_s: float | None = None,
@@ -153,7 +156,10 @@ def bind_device(device: torch.device) -> bool:
     (the mesh's dp/tp/pp/cp groups) then split that communicator (ncclCommSplit) instead of bootstrapping
     each one through the store. Every rank of the default group must call it, before any `new_group`.
     Returns whether it bound (not for a CPU device, no group, a group already bound, or a backend that
-    cannot split, e.g. gloo)."""
+    cannot split, e.g. gloo). Under the strict-collectives mode a CPU device binds the strict world group
+    (raydist.strict.bind), so CPU runs obey the rule that comes with binding."""
+    if device.type == "cpu" and strict.enabled() and dist.is_initialized():
+        return strict.bind()  # the strict mode's stand-in: from now on groups are splits (raydist.strict)
     if device.type != "cuda" or not dist.is_initialized():
         return False
     group = dist.distributed_c10d._get_default_group()
@@ -241,8 +247,11 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=timeout,
                                     device_id=torch.device("cuda", rank))
-        else:
-            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
+        else:  # gloo, or gloo under NCCL's rules (raydist.strict)
+            backend = strict.install() if strict.enabled() else "gloo"
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+            if strict.enabled():
+                strict.bind()  # as the cuda branch's device_id binds the NCCL world group
         # Plain pickle, not the queue's tensor-sharing pickler: shared-memory handles would die with
         # this process before the parent reads them.
         results.put((rank, True, pickle.dumps(fn(*args))))

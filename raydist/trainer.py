@@ -47,7 +47,8 @@ from raydist.models.init import init_weights, materialize
 from raydist.parallel import ParallelModel, parallelize
 from raydist.peft import apply_peft, check_pipeline_stages, is_adapter, parameter_counts
 from raydist.runner import make_runner
-from raydist.runtime import HOST, keep_large_host_allocations_unpooled, new_group, set_default_timeout, to_device
+from raydist.runtime import (DEVICE, HOST, group_backend, keep_large_host_allocations_unpooled, new_group,
+                             set_default_timeout, to_device)
 
 TIMELINE_STEP = 2  # the (0-based) step whose pipeline actions are timed for the report, after warm-up
 
@@ -127,15 +128,14 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         # Groups over the active ranks only (idle workers take part in no collective), both on the host:
         # CPU bookkeeping in the training thread, and the checkpoint writer's thread on a group of its own.
-        # Every group, the mesh's included, times out after elastic.collective_timeout_s, or later where
+        # Every group, the mesh's included, times out after elastic.collective_timeout_s; the mesh's later where
         # raydist's hang monitor ends a stuck collective itself first (NCCL, strict mode: hang.group_timeout_s).
-        def timeout_s(backend: str) -> float:
-            return group_timeout_s(cfg.elastic.collective_timeout_s, backend, cfg.monitor.heartbeat_interval_s)
-
-        set_default_timeout(timeout_s("nccl" if device.type == "cuda" else "gloo"))
+        timeout_s = cfg.elastic.collective_timeout_s
+        device_backend = group_backend(DEVICE, device.type)
+        set_default_timeout(group_timeout_s(timeout_s, device_backend, cfg.monitor.heartbeat_interval_s))
         active = list(range(self.world_size))
-        self.group = new_group(active, HOST, device.type, timeout_s("gloo"))
-        self.checkpoint_group = new_group(active, HOST, device.type, timeout_s("gloo"))
+        self.group = new_group(active, HOST, device.type, timeout_s)
+        self.checkpoint_group = new_group(active, HOST, device.type, timeout_s)
         self.mesh: Mesh = self.layout.spec.build(device.type)
         self.compute_dtype = compute_dtype_for(cfg, device)
         # Built on the meta device (no storage), parallelized there, then each rank allocates and

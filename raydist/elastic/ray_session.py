@@ -44,8 +44,8 @@ import torch.distributed as dist
 from raydist.config import Config
 from raydist.elastic import failures, warm
 from raydist.elastic.control import ControlChannel, Watchdog
-from raydist.elastic.session import Idle, Session
-from raydist import inflight
+from raydist.elastic.session import Idle, Session, layout_through_store
+from raydist import inflight, strict
 from raydist.hang import ACTIONS, HangMonitor, is_hang, track_collectives, watched
 from raydist.layout import Layout
 from raydist.metrics.goodput import EventLog, Goodput
@@ -158,6 +158,11 @@ class RaySession(Session):
               flush=True)
         os._exit(Watchdog.EXIT_CODE)
 
+    def share_layout(self, cfg: Config) -> Layout:
+        # through the store: the world group may be bound to the GPU only after every rank knows whether
+        # any is idle (ray_worker_entry), and NCCL's first collective would connect it unbound
+        return layout_through_store(cfg, dist.distributed_c10d._get_default_store())
+
     def start(self, cfg: Config) -> Layout | Idle:
         started = super().start(cfg)
         if self.live:  # every worker says which replica (and rank in it) started, and where
@@ -227,10 +232,10 @@ class RaySession(Session):
 def watch_collectives() -> bool:
     """Whether the monitor watches this worker's in-flight collectives (hang.watched): on NCCL, and under the
     strict-collectives mode, whose flight record it then reads (registered here, before the first beat)."""
-    if os.environ.get(inflight.STRICT_ENV) == "1":
+    if strict.enabled():
         source = inflight.strict_source()
         if source is None:
-            print(f"warning: rank {dist.get_rank()}: {inflight.STRICT_ENV}=1 but raydist.strict.flight is missing: "
+            print(f"warning: rank {dist.get_rank()}: {strict.ENV} is set but raydist.strict.flight is missing: "
                   "stuck collectives are not watched", flush=True)
             return False
         inflight.register_flight_source("strict", source)
@@ -260,7 +265,6 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     device = torch.device("cuda", local_rank) if payload["use_gpu"] else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        bind_device(device)  # every worker, before the mesh's groups: they split the bound communicator
     fatal = failures.recorded(payload["run_dir"], payload["start_time"])
     if fatal is not None:  # an earlier attempt failed in a way no restart fixes: end here, the driver says why
         print(f"worker {dist.get_rank()}: not training: {fatal['error']}", flush=True)
@@ -270,6 +274,11 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     session.driver_node = payload.get("driver_node")
     try:
         started = session.start(cfg)
+        # Bind the world group to the device (NCCL's eager init: later groups are splits of it, which every
+        # world rank must make) only when every worker trains: idle workers build no mesh, so with them the
+        # mesh's groups are made lazily by their members alone. Every rank reaches the same answer.
+        if not isinstance(started, Idle) and started.world_size == dist.get_world_size():
+            bind_device(device)
         if isinstance(started, Idle):
             print(f"worker {dist.get_rank()} is idle: {started.reason}", flush=True)
             session.follow()

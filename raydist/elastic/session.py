@@ -16,6 +16,7 @@ interface and imports no Ray.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -33,26 +34,45 @@ class Idle:
     reason: str
 
 
+def _planned(cfg: Config) -> dict:
+    try:
+        return {"layout": plan_layout(cfg, dist.get_world_size()).to_dict()}
+    except ConfigError as exc:
+        return {"error": str(exc)}
+
+
+def _received(box: dict) -> Layout:
+    if "error" in box:
+        raise ConfigError(box["error"])
+    return Layout.from_dict(box["layout"])
+
+
 def broadcast_layout(cfg: Config) -> Layout:
     """Rank 0 plans the layout for the whole world and every rank receives it (a collective on the default
     group). A planning error on rank 0 reaches every rank as the same ConfigError."""
-    box: list = [None]
-    if dist.get_rank() == 0:
-        try:
-            box[0] = {"layout": plan_layout(cfg, dist.get_world_size()).to_dict()}
-        except ConfigError as exc:
-            box[0] = {"error": str(exc)}
+    box: list = [_planned(cfg) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)  # between this run's own processes, never from storage
-    if "error" in box[0]:
-        raise ConfigError(box[0]["error"])
-    return Layout.from_dict(box[0]["layout"])
+    return _received(box[0])
+
+
+def layout_through_store(cfg: Config, store: dist.Store, key: str = "raydist/layout") -> Layout:
+    """`broadcast_layout` through the world's key-value store instead of a collective: no operation on the
+    world group before the workers know whether to bind it to their devices (raydist.elastic.ray_session).
+    JSON written by rank 0 of this attempt's own store."""
+    if dist.get_rank() == 0:
+        store.set(key, json.dumps(_planned(cfg)))
+    return _received(json.loads(store.get(key)))
 
 
 class Session:
     """The interface, with no-op defaults."""
 
+    def share_layout(self, cfg: Config) -> Layout:
+        """The world's layout, the same on every rank (rank 0 plans it)."""
+        return broadcast_layout(cfg)
+
     def start(self, cfg: Config) -> Layout | Idle:
-        layout = broadcast_layout(cfg)
+        layout = self.share_layout(cfg)
         if dist.get_rank() >= layout.world_size:
             return Idle(layout.reason)
         return layout

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
+from raydist import strict
 from raydist.config import Config
 from raydist.hang import group_timeout_s
 
@@ -58,6 +59,9 @@ class WatchedTorchConfig(TorchConfig):
 
 
 def torch_config(cfg: Config, use_gpu: bool) -> WatchedTorchConfig:
-    backend = "nccl" if use_gpu else "gloo"
-    timeout_s = group_timeout_s(cfg.elastic.collective_timeout_s, backend, cfg.monitor.heartbeat_interval_s)
-    return WatchedTorchConfig(backend=backend, timeout_s=math.ceil(timeout_s), worker_env=NCCL_ENV if use_gpu else {})
+    """The default group's config: NCCL or gloo (the launcher turns gloo into the strict backend under the
+    strict mode, raydist.strict.ray_train), with the timeout of the backend it will run."""
+    runs = strict.device_backend("cuda" if use_gpu else "cpu")
+    timeout_s = group_timeout_s(cfg.elastic.collective_timeout_s, runs, cfg.monitor.heartbeat_interval_s)
+    return WatchedTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=math.ceil(timeout_s),
+                              worker_env=NCCL_ENV if use_gpu else {})

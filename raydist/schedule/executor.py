@@ -8,13 +8,14 @@ One `step()` executes `schedule.actions[pp_rank]` in order, in this process, wit
         B: the backward of (out, received gradient) -> dL/dx     -> busy time
            (split schedules, zbh1/zbv: dL/dx only, the weight gradient deferred; `split_backward`)
         W: the deferred weight gradient, accumulated into the chunk's parameters
-        send a_i's output; post the receive for the next action that needs one
+        send a_i's output; post the receives that are now due (the transfer plan)
 
-Point-to-point transfers live in `raydist.schedule.transfers`: each action's send goes out right after
-its compute, with the next receive; sends are waited on only once a later message proves them
-received, so the only blocking waits are on receives whose sender is computing: a schedule that
-`validate()` accepts cannot deadlock here (on gloo, whose sends progress in the background; NCCL is
-untested). Activations move in buffers of the known shape (B_micro, T_local, D): T_local is this rank's
+Point-to-point transfers live in `raydist.schedule.transfers`, posted when `raydist.schedule.transfer_plan`
+says: each action's send right after its compute, each receive once the global clock of the schedule's
+timeline has passed its producer, so every rank issues its operations in one global order and NCCL's single
+stream per communicator cannot deadlock (`validate()` replays the plan under NCCL's rules; the strict mode,
+raydist.strict, enforces them at run time on CPU). Sends are waited on only once a later message proves
+them received. Activations move in buffers of the known shape (B_micro, T_local, D): T_local is this rank's
 part of the sequence (T / cp under context parallelism, a further tp-th under sequence parallelism).
 Every chunk gets the positions of its local tokens (RoPE under context parallelism). Gradients
 accumulate in the chunks' `.grad` over the M micro-batches; the loss is sum_m loss_m = mean over
@@ -203,13 +204,13 @@ class PipelineExecutor:
     def _execute(self, plan: _Plan, inputs, targets, positions) -> PipelineStepStats:
         transfers = StepTransfers(plan.transfers, self.group, self.activation_shape, self.activation_dtype,
                                   self.device)
-        of_action, next_receiving = plan.transfers.of_action, plan.transfers.next_receiving
+        of_action = plan.transfers.of_action
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: dict[tuple[int, int], PendingWeightGradient] = {}  # B done, W not yet
         self._loss_sum = torch.zeros((), device=self.device)
         start = time.perf_counter()
         self.clock.start_step()
-        transfers.post(None, None, next_receiving[0])
+        transfers.post(0, None)  # the receives due before any compute
         for i, action in enumerate(plan.actions):
             # what this rank is doing, for hang diagnosis (raydist.hang; a tuple, formatted only if published)
             ACTIONS.what, ACTIONS.since = plan.receiving[i], time.time()
@@ -225,7 +226,7 @@ class PipelineExecutor:
             elif action.kind == WEIGHT:
                 self._weight(action)
             self.clock.end(began, plan.info[i])
-            transfers.post(i if of_action[i].send is not None else None, produced, next_receiving[i + 1])
+            transfers.post(i + 1, produced)  # its output, and the receives now due
         ACTIONS.what, ACTIONS.since = ("pipeline", "waiting for the step's last sends"), time.time()
         transfers.finish()
         # The loss lives on the last stage (zeros elsewhere); handing it to every pipeline rank is also the

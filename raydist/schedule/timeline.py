@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, chunks_per_rank
-from raydist.schedule.validate import execution_order
+from raydist.schedule.progress import execution_order
 
 
 @dataclass(frozen=True)

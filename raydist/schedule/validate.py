@@ -8,10 +8,12 @@
 2. order: on every stage, a micro-batch's F comes before its B, and its B before its W (W reads the
    output gradient B received and the input F saved, on the same rank);
 3. progress: executing each rank's list in order, where an action waits only for the tensor it receives
-   (sends never block: the executor posts them asynchronously; W receives nothing, so it never waits),
-   every rank finishes - no deadlock;
+   (W receives nothing, so it never waits), every rank finishes (raydist.schedule.progress);
 4. channel order: on each directed rank pair, the receiver expects tensors in the order the sender sends
-   them (NCCL matches point-to-point messages by order, not by tag).
+   them (NCCL matches point-to-point messages by order, not by tag);
+5. NCCL: the executor's transfers (raydist.schedule.transfer_plan), replayed under NCCL's stream rules
+   (one stream per communicator, a batch ends only when all of it is matched, sends do not buffer), let
+   every rank finish (raydist.schedule.nccl_model).
 
 It returns a `ScheduleReport` with the peak number of micro-batches in flight per virtual stage, and per
 rank in micro-batch equivalents of activation memory: a chunk holds 1/V of the rank's layers, so a rank's
@@ -27,12 +29,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
-from raydist.errors import ConfigError
 from raydist.schedule.actions import BACKWARD, FORWARD, KINDS, SPLIT_BACKWARD_KINDS, WEIGHT, Action, Schedule
-
-
-class ScheduleError(ConfigError):
-    """A schedule that cannot run correctly; the message names the rank and action."""
+from raydist.schedule import nccl_model
+from raydist.schedule.progress import ScheduleError, execution_order
 
 
 @dataclass(frozen=True)
@@ -93,42 +92,6 @@ def _check_forward_before_backward(schedule: Schedule) -> None:
                                     f"{a.stage} comes before its input-gradient backward (B); move it after the B")
 
 
-def _dependency(schedule: Schedule, a: Action) -> Action | None:
-    """The action (on another stage) whose output `a` receives (None for W: it needs only its own B,
-    earlier on the same rank, which the order check guarantees)."""
-    if a.kind == FORWARD and a.stage > 0:
-        return Action(FORWARD, a.stage - 1, a.microbatch)
-    if a.kind == BACKWARD and a.stage < schedule.num_stages - 1:
-        return Action(BACKWARD, a.stage + 1, a.microbatch)
-    return None
-
-
-def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
-    """(rank, action) in an order that respects every dependency, or ScheduleError on a deadlock."""
-    pointers = [0] * schedule.num_ranks
-    done: set[Action] = set()
-    order = []
-    remaining = sum(len(a) for a in schedule.actions)
-    while remaining:
-        progressed = False
-        for rank, actions in enumerate(schedule.actions):
-            while pointers[rank] < len(actions):
-                a = actions[pointers[rank]]
-                dep = _dependency(schedule, a)
-                if dep is not None and dep not in done:
-                    break
-                done.add(a)
-                order.append((rank, a))
-                pointers[rank] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            blocked = [f"rank {r} waits at {acts[p]} for {_dependency(schedule, acts[p])}"
-                       for r, (acts, p) in enumerate(zip(schedule.actions, pointers)) if p < len(acts)]
-            raise ScheduleError("deadlock: " + "; ".join(blocked))
-    return order
-
-
 def _check_channel_order(schedule: Schedule) -> None:
     sent: dict[tuple[int, int], list] = defaultdict(list)
     received: dict[tuple[int, int], list] = defaultdict(list)
@@ -163,8 +126,8 @@ def peak_inflight(schedule: Schedule) -> ScheduleReport:
 
 
 def validate(schedule: Schedule) -> ScheduleReport:
-    """Raise ScheduleError unless `schedule` is complete, ordered (F, B, W), deadlock-free and
-    channel-ordered."""
+    """Raise ScheduleError unless `schedule` is complete, ordered (F, B, W), deadlock-free, channel-ordered
+    and deadlock-free on NCCL with the executor's transfers."""
     if len(schedule.actions) != schedule.num_ranks:
         raise ScheduleError(f"schedule has {len(schedule.actions)} rank lists for {schedule.num_ranks} ranks")
     _check_split(schedule)
@@ -172,4 +135,5 @@ def validate(schedule: Schedule) -> ScheduleReport:
     _check_forward_before_backward(schedule)
     execution_order(schedule)
     _check_channel_order(schedule)
+    nccl_model.replay(schedule)
     return peak_inflight(schedule)

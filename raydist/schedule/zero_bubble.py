@@ -54,7 +54,7 @@ from fractions import Fraction
 
 from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from raydist.schedule.generators import check_shape
-from raydist.schedule.validate import ScheduleError
+from raydist.schedule.progress import ScheduleError
 
 
 def zbh1(num_ranks: int, num_microbatches: int) -> Schedule:

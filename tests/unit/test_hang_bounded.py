@@ -17,7 +17,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from raydist import hang
+from raydist import hang, strict
 from raydist.bounded_store import BoundedStore, StoreUnreachable
 from raydist.elastic.control import ControlChannel
 from raydist.hang import HangMonitor
@@ -228,7 +228,7 @@ def test_missed_beats_during_a_store_outage_are_not_blamed(tmp_path):
 STOPPED = """
 import datetime, sys, time
 import torch.distributed as dist
-from raydist import hang
+from raydist import hang, strict
 hang.STALE_MIN_S = 1.0
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=5))
 hang.HangMonitor(1, 2, sys.argv[2], interval_s=0.2, store=store, stacks=False).start()
@@ -357,22 +357,19 @@ def test_without_a_flight_source_nothing_is_published_or_fired(tmp_path):
     assert m.poll_flight() is None  # no collective timeout given: never stuck
 
 
-def test_group_timeouts_come_after_detection_and_the_diagnosis(monkeypatch):
-    monkeypatch.delenv(hang.inflight.STRICT_ENV, raising=False)
+def test_group_timeouts_come_after_detection_and_the_diagnosis():
     for timeout_s in (10.0, 20.0, 300.0, 1800.0):
         detected_by = timeout_s + hang.inflight.poll_s(timeout_s, 2.0) + 2.0
-        assert hang.group_timeout_s(timeout_s, "nccl", 2.0) >= detected_by + hang.DIAGNOSE_BUDGET_S + 5
-        assert hang.group_timeout_s(timeout_s, "cpu:gloo,cuda:nccl", 2.0) > detected_by + hang.DIAGNOSE_BUDGET_S
+        for backend in ("nccl", "cpu:gloo,cuda:nccl", strict.BACKEND):  # they abort the process: watched
+            assert hang.group_timeout_s(timeout_s, backend, 2.0) >= detected_by + hang.DIAGNOSE_BUDGET_S + 5
         assert hang.group_timeout_s(timeout_s, "gloo", 2.0) == timeout_s  # gloo raises: the exception path
-    monkeypatch.setenv(hang.inflight.STRICT_ENV, "1")  # the strict mode aborts like NCCL: watched too
-    assert hang.group_timeout_s(10.0, "gloo", 2.0) > 10.0 + hang.DIAGNOSE_BUDGET_S
 
 
 def test_ray_trains_process_group_gets_the_later_timeout_and_the_recorder_env_on_nccl(monkeypatch):
     from raydist.config import Config
     from raydist.elastic.torch_backend import torch_config
 
-    monkeypatch.delenv(hang.inflight.STRICT_ENV, raising=False)
+    monkeypatch.delenv(strict.ENV, raising=False)
     cfg = Config.load(None, ["elastic.collective_timeout_s=20", "monitor.heartbeat_interval_s=2"])
     gpu = torch_config(cfg, use_gpu=True)
     assert gpu.backend == "nccl"
@@ -380,6 +377,8 @@ def test_ray_trains_process_group_gets_the_later_timeout_and_the_recorder_env_on
     assert int(gpu.worker_env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     cpu = torch_config(cfg, use_gpu=False)
     assert (cpu.backend, cpu.timeout_s, cpu.worker_env) == ("gloo", 20, {})
+    monkeypatch.setenv(strict.ENV, "1")  # the launcher makes it the strict backend, which aborts like NCCL
+    assert torch_config(cfg, use_gpu=False).timeout_s >= hang.group_timeout_s(20, strict.BACKEND, 2.0)
 
 
 def test_an_idle_worker_does_not_hang_on_a_stopped_rank_0(blocking):

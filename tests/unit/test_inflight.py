@@ -119,22 +119,55 @@ def test_a_real_dump_of_gloos_recorder_names_the_collective_a_rank_waits_in():
     assert got["after"] == []
 
 
+def _late_peer_strict() -> dict:
+    """Under the strict mode: rank 1 issues the all_reduce 1.5 s late; rank 0's strict record meanwhile."""
+    rank = dist.get_rank()
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    peer = 1 - rank
+    ops = [dist.P2POp(dist.isend, t.clone(), peer), dist.P2POp(dist.irecv, torch.zeros(4), peer)]
+    for r in dist.batch_isend_irecv(ops):
+        r.wait()
+    if rank == 1:
+        time.sleep(1.5)
+        dist.all_reduce(t)
+        return {}
+    work = dist.all_reduce(t, async_op=True)
+    time.sleep(0.5)
+    waiting = inflight.strict_source()()
+    work.wait()
+    return {"waiting": waiting, "after": inflight.strict_source()(), "name": dist.group.WORLD.group_name}
+
+
 def test_the_strict_modes_record_is_a_flight_source(monkeypatch):
+    """raydist.strict's own record (a real strict world group), read through the adapter."""
+    monkeypatch.setenv("RAYDIST_STRICT_COLLECTIVES", "1")
+    got, _ = spawn(_late_peer_strict, 2, timeout_s=120)
+    [op] = got["waiting"]
+    assert (op["group"], op["seq"], op["ranks"], op["p2p"]) == (got["name"], 2, [0, 1], False)
+    assert op["op"].startswith("all_reduce") and op["state"] in ("queued", "started")
+    assert time.time() - 120 < op["since"] < time.time()
+    assert got["after"] == []
+
+
+def test_the_strict_modes_p2p_ops_name_their_peers(monkeypatch):
     now = time.time()
-    pending = [{"group": "3", "ranks": [0, 1], "seq": 4, "op": "batch[isend->1, irecv<-1]", "state": "started",
-                "since": now - 12},
-               {"group": "3", "ranks": [0, 1], "seq": 5, "op": "all_reduce", "state": "queued", "since": now - 11}]
+    # as raydist.strict.runtime.StrictRuntime.pending writes them (peers are global ranks)
+    pending = [{"group": "3", "ranks": [2, 5], "seq": 4, "state": "started", "since": now - 12, "kind": "p2p",
+                "op": "batch [isend to rank 5 (message 3 of the pair, tag 0, 16 bytes), "
+                      "irecv from rank 5 (message 3 of the pair, tag 0, 16 bytes)]"},
+               {"group": "3", "ranks": [2, 5], "seq": 5, "op": "all_reduce #5", "state": "queued", "since": now - 11,
+                "kind": "collective"}]
     strict = types.ModuleType("raydist.strict")
     strict.flight = types.SimpleNamespace(pending=lambda: pending)
     monkeypatch.setitem(sys.modules, "raydist.strict", strict)
     monkeypatch.setitem(sys.modules, "raydist.strict.flight", strict.flight)
-    source = inflight.strict_source()
-    inflight.register_flight_source("strict", source)
+    inflight.register_flight_source("strict", inflight.strict_source())
     try:
         ops = inflight.pending()
     finally:
         inflight.unregister_flight_source("strict")
-    assert [(o["seq"], o["p2p"], o["peers"], o["source"]) for o in ops] == [(4, True, [1], "strict"),
+    assert [(o["seq"], o["p2p"], o["peers"], o["source"]) for o in ops] == [(4, True, [5], "strict"),
                                                                           (5, False, None, "strict")]
     assert inflight.stuck(ops, 10.0)["seq"] == 4
 

@@ -1,0 +1,51 @@
+"""The dependency order of a schedule: each rank runs its actions in order, and an action waits only for the
+tensor it receives (an F for the previous stage's F, a B for the next stage's B; W only for its own B, earlier
+on the same rank). `execution_order` interleaves the ranks' lists into one order that respects every such
+dependency, the global clock the pipeline's transfers are planned against
+(raydist.schedule.transfer_plan), or names the ranks that wait forever.
+"""
+
+from __future__ import annotations
+
+from raydist.errors import ConfigError
+from raydist.schedule.actions import BACKWARD, FORWARD, Action, Schedule
+
+
+class ScheduleError(ConfigError):
+    """A schedule that cannot run correctly; the message names the rank and action."""
+
+
+def _dependency(schedule: Schedule, a: Action) -> Action | None:
+    """The action (on another stage) whose output `a` receives (None for W: it needs only its own B,
+    earlier on the same rank, which the order check guarantees)."""
+    if a.kind == FORWARD and a.stage > 0:
+        return Action(FORWARD, a.stage - 1, a.microbatch)
+    if a.kind == BACKWARD and a.stage < schedule.num_stages - 1:
+        return Action(BACKWARD, a.stage + 1, a.microbatch)
+    return None
+
+
+def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
+    """(rank, action) in an order that respects every dependency, or ScheduleError on a deadlock."""
+    pointers = [0] * schedule.num_ranks
+    done: set[Action] = set()
+    order = []
+    remaining = sum(len(a) for a in schedule.actions)
+    while remaining:
+        progressed = False
+        for rank, actions in enumerate(schedule.actions):
+            while pointers[rank] < len(actions):
+                a = actions[pointers[rank]]
+                dep = _dependency(schedule, a)
+                if dep is not None and dep not in done:
+                    break
+                done.add(a)
+                order.append((rank, a))
+                pointers[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            blocked = [f"rank {r} waits at {acts[p]} for {_dependency(schedule, acts[p])}"
+                       for r, (acts, p) in enumerate(zip(schedule.actions, pointers)) if p < len(acts)]
+            raise ScheduleError("deadlock: " + "; ".join(blocked))
+    return order

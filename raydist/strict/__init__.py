@@ -1,0 +1,80 @@
+"""Strict collectives: NCCL's rules enforced on a CPU run, so what would hang on GPUs fails here, named.
+
+gloo forgives what NCCL does not. Under `RAYDIST_STRICT_COLLECTIVES=1` every device group (the default group
+and every DeviceMesh group; raydist's HOST groups stay plain gloo, as they are on GPUs) is a
+`StrictProcessGroup` (raydist.strict.group): a Python process group over gloo that runs its operations the
+way ProcessGroupNCCL runs them on a device-bound (eagerly initialised) communicator:
+
+- one stream per group and rank: operations, collectives and point-to-point alike, and each
+  `batch_isend_irecv` as one unit, run one at a time in issue order; a later one does not start before an
+  earlier one has completed (NCCL: one communicator, one stream; with a bound device even single
+  send/recv use the group's communicator, torch PR #129147);
+- a unit of point-to-point operations completes only when every operation in it is matched: a send
+  completes only when its receive runs on the peer (gloo's TCP pairs do not buffer either), and messages
+  match by issue order per peer pair, tags ignored (a sender's tag that differs from its receiver's is a
+  bug NCCL would not see: the tensor lands in the wrong buffer);
+- every member issues a group's collectives in the same order with the same kind, dtype, size and root
+  (each collective first exchanges a fingerprint; a mismatch fails naming both operations);
+- groups created from the bound default group (ncclCommSplit) must be created by every rank of the world,
+  in the same order (raydist.strict.splits);
+- a host tensor (made without a device) on a device group fails, as NCCL rejects CPU tensors
+  (raydist.collective_audit marks them); so do reductions NCCL lacks (bitwise) and receives from any source;
+- a collective that times out ends the process as NCCL's watchdog does (TORCH_NCCL_ASYNC_ERROR_HANDLING):
+  no Python exception a training loop could catch;
+- a deadlock (a cycle of ranks each waiting for an operation queued behind another's) is found by comparing
+  every stalled rank's state through the store (raydist.strict.deadlock) and fails every rank in it within
+  seconds, naming the ranks, operations and groups, instead of hanging until the timeout.
+
+Switched on by the environment variable on the driver (raydist passes it to every worker and to
+`raydist.runtime.spawn`'s ranks); `install()` registers the backend in a process before its process group
+is created. It costs a thread hand-off and a fingerprint per collective: a checking mode for CPU runs and
+tests, not for speed.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "RAYDIST_STRICT_COLLECTIVES"
+BACKEND = "raydist_strict"
+
+
+class StrictCollectiveError(RuntimeError):
+    """An operation NCCL would hang on or reject; the message names the ranks, operations and groups."""
+
+
+def enabled() -> bool:
+    """Whether this process runs under the strict-collectives mode ($RAYDIST_STRICT_COLLECTIVES=1)."""
+    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def install() -> str:
+    """Register the strict backend and its torch.distributed hooks in this process (idempotent); returns
+    the backend name to create the default process group with."""
+    from raydist.strict import group, splits
+
+    group.register()
+    splits.install()
+    return BACKEND
+
+
+def bind() -> bool:
+    """Bind the strict world group to the rank's 'device' (CPU), as raydist binds the NCCL world group to the
+    GPU: a collective of every world rank; from then on every new group must be created by all of them
+    (raydist.strict.splits). False when this process has no strict world group."""
+    from raydist.strict import runtime
+
+    state = runtime.current()
+    if state is None or state.world_group is None:
+        return False
+    group = state.world_group
+    state.bind(group.size(), group.timeout.total_seconds())
+    return True
+
+
+def device_backend(device_type: str) -> str:
+    """The backend of a DEVICE group on `device_type`: NCCL on CUDA, else the strict backend under the mode,
+    gloo otherwise."""
+    if device_type == "cuda":
+        return "nccl"
+    return BACKEND if enabled() else "gloo"

@@ -1,0 +1,140 @@
+"""Find a deadlock among ranks from their published states (pure: no torch, no store).
+
+Each stalled rank publishes (raydist.strict.runtime) its state: per strict group the units it has issued and
+not completed, in order (the first runs on the group's stream, the rest are queued behind it), how many
+collectives and messages per peer have completed, and the units its host threads are blocked on.
+
+A stream (rank r, group g) can finish its running unit only when every operation in it is matched. The
+counterpart of an operation on a peer q is the collective with the same sequence number, or the message with
+the same index on the pair. Where that counterpart is:
+
+    completed, or in q's running unit of g      no wait (it is being matched)
+    queued on q behind q's running unit of g     (r, g) waits for (q, g)
+    not issued, q's host blocked on units        (r, g) waits for the streams running those units
+    not issued, q's host not blocked, or q unknown   it may come: no deadlock through it
+
+A node can progress if every operation it runs has at least one way to be matched that can progress; what
+can progress is the least fixed point from the nodes that wait for nothing. Whatever cannot progress is
+deadlocked: each of its waits leads back into the set. Ranks that published nothing recently are unknown
+and treated as able to progress, so a slow rank is never called deadlocked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Node = tuple  # ("stream", rank, group) or ("host", rank)
+
+
+@dataclass(frozen=True)
+class Deadlock:
+    nodes: frozenset  # the stream nodes that cannot progress
+    lines: tuple[str, ...]  # one per stuck stream: what it runs and whom it waits for
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({n[1] for n in self.nodes})
+
+    def message(self) -> str:
+        return ("strict collectives: deadlock (NCCL would hang here until its watchdog aborts every rank): "
+                + "; ".join(self.lines))
+
+
+def _describe(op: list) -> str:
+    kind, name, n, peer, tag = op
+    if kind == "coll":
+        return f"{name} #{n}"
+    return f"{name} {'to' if kind == 'send' else 'from'} rank {peer} (message {n} of the pair)"
+
+
+def _unit_text(unit: dict) -> str:
+    ops = [_describe(op) for op in unit["ops"]]
+    return ops[0] if len(ops) == 1 else "batch [" + ", ".join(ops) + "]"
+
+
+def _counterpart(op: list, me: int) -> tuple[str, int, int]:
+    """What matches `op` (issued by rank `me`) on its peer: (kind, n, peer-of-the-counterpart)."""
+    kind, _, n, peer, _ = op
+    if kind == "send":
+        return "recv", n, me
+    if kind == "recv":
+        return "send", n, me
+    return "coll", n, -1
+
+
+def _locate(state: dict, kind: str, n: int, partner: int) -> tuple[str, int]:
+    """Where the operation is in one rank's group state: ("done"|"running"|"queued"|"absent", unit index)."""
+    if kind == "coll":
+        if state["coll"] >= n:
+            return "done", -1
+    elif state[kind].get(str(partner), 0) > n:
+        return "done", -1
+    for i, unit in enumerate(state["units"]):
+        for op in unit["ops"]:
+            if op[0] == kind and op[2] == n and (kind == "coll" or op[3] == partner):
+                return ("running" if i == 0 else "queued"), i
+    return "absent", -1
+
+
+def find(states: dict[int, dict], me: int | None = None) -> Deadlock | None:
+    """The deadlock among `states` ({rank: published state}), or None; with `me`, only one that includes
+    rank `me`."""
+    requirements: dict[Node, list[tuple[list[Node], str]]] = {}
+    for rank, state in states.items():
+        for name, group in state["groups"].items():
+            if not group["units"]:
+                continue
+            node = ("stream", rank, name)
+            head = group["units"][0]
+            needs = []
+            for op in head["ops"]:
+                kind, n, partner = _counterpart(op, rank)
+                peers = [op[3]] if op[0] != "coll" else [r for r in group["ranks"] if r != rank]
+                for q in peers:
+                    theirs = states.get(q, {}).get("groups", {}).get(name)
+                    if theirs is None:
+                        continue  # unknown: it may come
+                    where, index = _locate(theirs, kind, n, partner)
+                    what = _describe(op)
+                    if where == "queued":
+                        blocker = _unit_text(theirs["units"][0])
+                        needs.append(([("stream", q, name)], f"{what} waits for rank {q}, whose match is queued "
+                                                              f"behind its {blocker}"))
+                    elif where == "absent":
+                        waits = states[q].get("waits", [])
+                        if not waits:
+                            continue  # its host is not blocked: it may still issue it
+                        targets = [("stream", q, g) for g, _ in waits]
+                        blocked_on = ", ".join(f"{_unit_text(_unit(states[q], g, u))} on group '{g}'"
+                                               for g, u in waits)
+                        needs.append((targets, f"{what} waits for rank {q}, which has not issued its match: its "
+                                               f"host is blocked waiting for {blocked_on}"))
+            requirements[node] = needs
+    live: set[Node] = set()
+    changed = True
+    while changed:
+        changed = False
+        for node, needs in requirements.items():
+            if node in live:
+                continue
+            if all(any(t in live or t not in requirements for t in targets) for targets, _ in needs):
+                live.add(node)
+                changed = True
+    stuck = frozenset(n for n in requirements if n not in live)
+    if not stuck or (me is not None and all(n[1] != me for n in stuck)):
+        return None
+    lines = []
+    for node in sorted(stuck, key=lambda n: (n[1], n[2])):
+        _, rank, name = node
+        group = states[rank]["groups"][name]
+        reasons = [text for targets, text in requirements[node] if not any(t in live for t in targets)]
+        lines.append(f"rank {rank} on group '{name}' (ranks {group['ranks']}) runs {_unit_text(group['units'][0])}: "
+                     + "; ".join(reasons))
+    return Deadlock(stuck, tuple(lines))
+
+
+def _unit(state: dict, group: str, uid: int) -> dict:
+    for unit in state["groups"].get(group, {}).get("units", []):
+        if unit["id"] == uid:
+            return unit
+    return {"ops": [["?", "an operation", uid, -1, 0]]}

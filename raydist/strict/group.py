@@ -1,0 +1,581 @@
+"""`StrictProcessGroup`: a process group over gloo that runs its operations as NCCL runs them.
+
+Each group holds a gloo process group (`inner`) and one stream thread. Every operation the group is asked
+for becomes a `Unit` (one collective, one send or receive, or one `batch_isend_irecv` batch) appended to the
+group's queue under a lock, so issue order is queue order; the stream thread runs the units one at a time:
+
+    collective:  allgather of a fingerprint (kind, sequence number, dtype, size, root, reduction) over the
+                 members, compared; then the gloo collective, waited
+    point-to-point batch:  each send first sends a header (its tag, size, dtype), each receive takes its
+                 header and compares; then every op's data is posted and the unit waits for all of them
+                 (gloo's sends do not complete before their receive is posted: no buffering). Messages go
+                 on gloo tags made from the message's index on its (sender, receiver) pair, so they match
+                 by issue order per pair whatever the caller's tags, as on NCCL
+
+A unit's `Work` is waited on by the host (`StrictWork.wait`), or its future is read by DDP's reducer and
+torch's functional collectives (the trampoline of torch's Python ProcessGroup routes them here).
+
+Timeouts: a unit still running `timeout` after it was issued ends the process (os.abort after one line on
+stderr and the rank's pending operations), as ProcessGroupNCCL's watchdog does. A unit that the deadlock
+finder fails (raydist.strict.runtime) raises `StrictCollectiveError` in the waiting host instead, naming
+the cycle, and the group stays broken (a communicator that failed stays failed).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.futures import Future
+
+from raydist.strict import BACKEND, StrictCollectiveError
+
+OPCODES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+           "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "reduce", "gather", "scatter",
+           "all_reduce_coalesced", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced",
+           "all_gather_coalesced")
+# dtypes NCCL carries (bool as uint8); the index is the fingerprint's code
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+          torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+NCCL_REDUCTIONS = (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX,
+                   dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM)  # (RedOpType values)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
+
+def _dtype_name(code: int) -> str:
+    return str(DTYPES[code]).replace("torch.", "") if 0 <= code < len(DTYPES) else "none"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operation of a unit. `n`: a collective's sequence number on its group (1-based), or a message's
+    index on its (sender, receiver) pair of the group (0-based); `peer`: the other rank (global), -1 for
+    collectives."""
+
+    kind: str  # "coll", "send" or "recv"
+    name: str  # all_reduce, ..., isend, irecv
+    n: int
+    peer: int = -1
+    tag: int = 0
+    size: str = ""  # shape and dtype, for messages
+
+    def describe(self) -> str:
+        if self.kind == "coll":
+            return f"{self.name} #{self.n}"
+        arrow = f"to rank {self.peer}" if self.kind == "send" else f"from rank {self.peer}"
+        return f"{self.name} {arrow} (message {self.n} of the pair, tag {self.tag}, {self.size})"
+
+    def state(self) -> list:
+        return [self.kind, self.name, self.n, self.peer, self.tag]
+
+
+class CommFailure(Exception):
+    """A gloo operation timed out or lost its peer: what NCCL's watchdog would abort the process for."""
+
+
+class Unit:
+    """What the stream runs as one: a collective, one send/receive, or one batch of them."""
+
+    def __init__(self, group: "StrictProcessGroup", uid: int, ops: list[Op], run: Callable[["Unit"], None],
+                 outputs: list[torch.Tensor]):
+        self.group, self.id, self.ops, self.run, self.outputs = group, uid, ops, run, outputs
+        self.issued = time.time()
+        self.started: float | None = None
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.future: Future = Future()
+
+    def describe(self) -> str:
+        if len(self.ops) == 1:
+            return self.ops[0].describe()
+        return "batch [" + ", ".join(op.describe() for op in self.ops) + "]"
+
+    def finish(self, error: BaseException | None) -> bool:
+        """Complete (or fail) once; False if it already was."""
+        if self.done.is_set():
+            return False
+        self.error = error
+        self.done.set()
+        if error is None:
+            self.future.set_result(self.outputs)
+        else:
+            self.future.set_exception(error)
+        return True
+
+    def state(self) -> dict:
+        return {"id": self.id, "started": self.started is not None, "ops": [op.state() for op in self.ops]}
+
+
+class StrictWork(dist.Work):
+    def __init__(self, unit: Unit):
+        super().__init__()
+        self.unit = unit
+
+    def wait(self, timeout=None) -> bool:  # noqa: ARG002 (NCCL's wait is not bounded by the caller either)
+        return self.unit.group.runtime.wait(self.unit)
+
+    def is_completed(self) -> bool:
+        return self.unit.done.is_set()
+
+    def is_success(self) -> bool:
+        return self.unit.done.is_set() and self.unit.error is None
+
+    def get_future(self) -> Future:
+        return self.unit.future
+
+
+def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+class StrictProcessGroup(dist.ProcessGroup):
+    """See the module docstring. `global_ranks[i]` is the world rank of group rank i."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, name: str,
+                 global_ranks: list[int]):
+        super().__init__(rank, size)
+        from raydist.strict.runtime import runtime_for
+
+        self._name, self._desc = name, "undefined"
+        self.global_ranks = list(global_ranks) or list(range(size))
+        self.timeout = timeout
+        self.inner = dist.ProcessGroupGloo(dist.PrefixStore("strict_gloo/", store), rank, size, timeout)
+        self.runtime = runtime_for(store, self.global_ranks[rank], world=not global_ranks)
+        if not global_ranks:
+            self.runtime.world_group = self
+        self._lock = threading.Lock()
+        self._units = 0
+        self._collectives = 0
+        self._issued: dict[tuple[str, int], int] = collections.defaultdict(int)  # (send|recv, peer group rank)
+        self.completed = {"coll": 0, "send": collections.Counter(), "recv": collections.Counter()}
+        self.pending: collections.deque[Unit] = collections.deque()  # issued, not completed; [0] runs
+        self.broken: StrictCollectiveError | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"raydist-strict-{name}")
+        self._thread.start()
+        self.runtime.register(self)
+
+    # ---- identity (what torch asks a Python process group) ---------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 (torch's C++ name)
+        return BACKEND
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._name
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._name = name
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._desc
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._desc = desc
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device("cpu")]
+
+    def describe(self) -> str:
+        return f"group '{self._name}' (ranks {self.global_ranks})"
+
+    # ---- issue -----------------------------------------------------------------------------------------
+    def _check(self, name: str, tensors: list[torch.Tensor]) -> None:
+        for t in tensors:
+            if getattr(t, "_raydist_host", False):
+                raise StrictCollectiveError(
+                    f"strict collectives: {name} of a host tensor {tuple(t.shape)} {t.dtype} on device "
+                    f"{self.describe()}: NCCL rejects CPU tensors; create it on the training device "
+                    "(device=...) or use a HOST group (raydist.runtime.new_group(..., HOST, ...))")
+            if t.is_sparse:
+                raise StrictCollectiveError(f"strict collectives: {name} of a sparse tensor on {self.describe()}: "
+                                            "NCCL takes dense tensors only")
+            if _dtype_code(t.dtype) < 0:
+                raise StrictCollectiveError(f"strict collectives: {name} of a {t.dtype} tensor on {self.describe()}: "
+                                            f"NCCL carries {', '.join(_dtype_name(i) for i in range(len(DTYPES)))}")
+
+    def _reduction(self, name: str, op) -> int:
+        kind = getattr(op, "op", op)  # a ReduceOp's RedOpType
+        if not any(kind == allowed for allowed in NCCL_REDUCTIONS):
+            raise StrictCollectiveError(f"strict collectives: {name} with reduction {kind} on {self.describe()}: "
+                                        "NCCL has no bitwise reductions (SUM, PRODUCT, MIN, MAX, AVG only)")
+        return int(kind)
+
+    def _enqueue(self, make: Callable[[int], Unit]) -> StrictWork:
+        if self.broken is not None:
+            raise self.broken
+        with self._lock:
+            self._units += 1
+            unit = make(self._units)
+            self.pending.append(unit)
+            self._queue.put(unit)
+        self.runtime.changed()
+        return StrictWork(unit)
+
+    def _collective(self, name: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],
+                    run: Callable[[], dist.Work], *, numel: int = -1, root: int = -1, reduce_op=None) -> StrictWork:
+        self._check(name, tensors)
+        reduction = -1 if reduce_op is None else self._reduction(name, reduce_op)
+        dtype = _dtype_code(tensors[0].dtype) if tensors else -1
+        size = f"{tuple(tensors[0].shape)} {tensors[0].dtype}".replace("torch.", "") if tensors else ""
+
+        def make(uid: int) -> Unit:
+            self._collectives += 1
+            op = Op("coll", name, self._collectives, size=size)
+            fingerprint = [OPCODES.index(name), op.n, dtype, numel, root, reduction]
+
+            def execute(unit: Unit) -> None:
+                self._agree(unit, op, fingerprint)
+                self._wait_inner(unit, run())
+
+            return Unit(self, uid, [op], execute, outputs)
+
+        return self._enqueue(make)
+
+    def _agree(self, unit: Unit, op: Op, mine: list[int]) -> None:
+        """Every member issued the same collective as its n-th on this group, or name who did not."""
+        if self.size() == 1:
+            return
+        local = torch.tensor(mine, dtype=torch.int64)
+        rows = torch.empty(self.size() * len(mine), dtype=torch.int64)
+        self._wait_inner(unit, self.inner._allgather_base(rows, local))
+        for r, row in enumerate(rows.view(self.size(), len(mine)).tolist()):
+            same = row[:3] == mine[:3] and row[4:] == mine[4:]
+            if same and (row[3] == mine[3] or -1 in (row[3], mine[3])):
+                continue
+            theirs = (f"{OPCODES[row[0]] if 0 <= row[0] < len(OPCODES) else '?'} #{row[1]} ({_dtype_name(row[2])}"
+                      f", {row[3]} elements, root {row[4]}, reduction {row[5]})")
+            ours = (f"{op.name} #{op.n} ({_dtype_name(mine[2])}, {mine[3]} elements, root {mine[4]}, "
+                    f"reduction {mine[5]})")
+            raise StrictCollectiveError(
+                f"strict collectives: {self.describe()}: rank {self.global_ranks[self.rank()]} issued {ours} "
+                f"where rank {self.global_ranks[r]} issued {theirs}; NCCL needs every member to issue a group's "
+                "collectives in the same order with the same kind, dtype, size and root (it would hang or mix "
+                "the data)")
+
+    def _p2p(self, entries: list[tuple[str, torch.Tensor, int, int]]) -> list[StrictWork]:
+        """entries: (send|recv, tensor, peer group rank, caller's tag); one unit."""
+        self._check("batch_isend_irecv" if len(entries) > 1 else entries[0][0], [e[1] for e in entries])
+        for kind, _, peer, _ in entries:
+            if not 0 <= peer < self.size():
+                raise ValueError(f"{kind} peer {peer} is not a rank of {self.describe()}")
+
+        def make(uid: int) -> Unit:
+            ops = []
+            for kind, tensor, peer, tag in entries:
+                n = self._issued[(kind, peer)]
+                self._issued[(kind, peer)] += 1
+                ops.append(Op(kind, "isend" if kind == "send" else "irecv", n, self.global_ranks[peer], tag,
+                              f"{tuple(tensor.shape)} {tensor.dtype}".replace("torch.", "")))
+            return Unit(self, uid, ops, lambda unit: self._run_p2p(unit, entries), [e[1] for e in entries])
+
+        work = self._enqueue(make)
+        return [work] * len(entries)
+
+    def _slot(self, sender: int, receiver: int, n: int, data: bool) -> int:
+        """A gloo tag for message n of the (sender, receiver) pair: its header or its data."""
+        return (n * 2 + int(data)) * 2 + int(sender < receiver)
+
+    def _run_p2p(self, unit: Unit, entries: list[tuple[str, torch.Tensor, int, int]]) -> None:
+        """Sends post their header and data at once; each receive takes its header, checks it, then its
+        data: no operation of the unit waits for another of the same unit (NCCL's group semantics)."""
+        me = self.rank()
+        works, headers = [], []
+        for op, (kind, tensor, peer, tag) in zip(unit.ops, entries):
+            if kind == "send":
+                header = torch.tensor([tag, tensor.numel(), _dtype_code(tensor.dtype)], dtype=torch.int64)
+                works.append(self.inner.send([header], peer, self._slot(me, peer, op.n, False)))
+                works.append(self.inner.send([_contiguous(tensor)], peer, self._slot(me, peer, op.n, True)))
+            else:
+                header = torch.empty(3, dtype=torch.int64)
+                headers.append((op, tensor, peer, header, self.inner.recv([header], peer,
+                                                                          self._slot(peer, me, op.n, False))))
+        receives = []
+        for op, tensor, peer, header, work in headers:
+            self._wait_inner(unit, work)
+            tag, numel, dtype = header.tolist()
+            if (numel, dtype) != (tensor.numel(), _dtype_code(tensor.dtype)) or tag != op.tag:
+                raise StrictCollectiveError(
+                    f"strict collectives: {self.describe()}: rank {self.global_ranks[me]}'s {op.describe()} is "
+                    f"matched by rank {op.peer}'s message {op.n} to it, sent with tag {tag}, {numel} elements of "
+                    f"{_dtype_name(dtype)}: NCCL matches messages by issue order per pair, not by tag, so the "
+                    "two ranks must issue them in the same order")
+            buffer = _contiguous(tensor)
+            receives.append((tensor, buffer))
+            works.append(self.inner.recv([buffer], peer, self._slot(peer, me, op.n, True)))
+        for work in works:
+            self._wait_inner(unit, work)
+        for tensor, buffer in receives:
+            if buffer is not tensor:
+                tensor.copy_(buffer)
+
+    def _wait_inner(self, unit: Unit, work) -> None:
+        """Wait for a gloo work within the unit's timeout (from its issue, as NCCL's watchdog counts); a
+        timeout or a lost peer is a `CommFailure` (the watchdog's business)."""
+        left = unit.issued + self.timeout.total_seconds() - time.time()
+        try:
+            finished = left > 0 and work.wait(datetime.timedelta(seconds=left))
+        except Exception as exc:
+            raise CommFailure(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from exc
+        if not finished:
+            raise CommFailure(f"timed out after {self.timeout.total_seconds():.0f}s")
+
+    # ---- the stream --------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            unit = self._queue.get()
+            if unit is None:
+                return
+            if unit.done.is_set():  # failed while queued (the group broke)
+                self._retire(unit)
+                continue
+            unit.started = time.time()
+            self.runtime.changed()
+            error = None
+            try:
+                if self.broken is not None:
+                    raise self.broken
+                unit.run(unit)
+            except CommFailure as exc:  # a timeout, or the peer's connection lost: NCCL's watchdog aborts
+                if unit.done.is_set():  # the deadlock finder already failed it and told the host: stop here
+                    return
+                self.runtime.watchdog_abort(self, unit, exc)
+            except Exception as exc:  # refused on issue (a mismatch, bad arguments): the host raises it
+                error = exc if isinstance(exc, StrictCollectiveError) else StrictCollectiveError(
+                    f"strict collectives: {unit.describe()} on {self.describe()} failed: {type(exc).__name__}: {exc}")
+            self._retire(unit)
+            unit.finish(error)
+            if error is not None:
+                self.fail(error)
+            self.runtime.changed()
+
+    def _retire(self, unit: Unit) -> None:
+        with self._lock:
+            if self.pending and self.pending[0] is unit:
+                self.pending.popleft()
+            for op in unit.ops:
+                if op.kind == "coll":
+                    self.completed["coll"] = op.n
+                else:
+                    self.completed[op.kind][op.peer] = op.n + 1
+
+    def fail(self, error: StrictCollectiveError) -> None:
+        """Break the group: every unit not yet completed fails with `error` (so no host waits forever)."""
+        self.broken = self.broken or error
+        with self._lock:
+            units = list(self.pending)
+        for unit in units:
+            unit.finish(error)
+
+    def state(self) -> dict:
+        """For the deadlock finder: pending units in order, and what completed (global peers)."""
+        with self._lock:
+            return {"ranks": self.global_ranks, "units": [u.state() for u in self.pending],
+                    "coll": self.completed["coll"],
+                    "send": {str(p): n for p, n in self.completed["send"].items()},
+                    "recv": {str(p): n for p, n in self.completed["recv"].items()},
+                    "issued_coll": self._collectives}
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        if self.global_ranks == list(range(self.size())) and self.runtime.world_group is self:
+            try:  # a rank leaving the world: a creation waiting for it fails at once (raydist.strict.splits)
+                self.runtime.store.set(f"gone/{self.runtime.rank}", "1")
+            except Exception:
+                pass
+
+    # ---- torch's ProcessGroup methods (names across torch 2.11-2.13) ------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        return self._collective("all_reduce", tensors, tensors, lambda: self.inner.allreduce(tensors, opts),
+                                numel=sum(t.numel() for t in tensors), reduce_op=opts.reduceOp)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+        return self._collective("all_reduce_coalesced", tensors, tensors,
+                                lambda: self.inner.allreduce_coalesced(tensors, opts),
+                                numel=sum(t.numel() for t in tensors), reduce_op=opts.reduceOp)
+
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        return self._collective("broadcast", tensors, tensors, lambda: self.inner.broadcast(tensors, opts),
+                                numel=sum(t.numel() for t in tensors), root=opts.rootRank)
+
+    def allgather(self, output_lists, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return self._collective("all_gather", inputs, [t for ts in output_lists for t in ts],
+                                lambda: self.inner.allgather(output_lists, inputs, opts),
+                                numel=sum(t.numel() for t in inputs))
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return self._collective("all_gather_coalesced", inputs, [t for ts in output_lists for t in ts],
+                                lambda: self.inner.allgather_coalesced(output_lists, inputs, opts),
+                                numel=sum(t.numel() for t in inputs))
+
+    def _allgather_base(self, output, input, opts=None):  # noqa: A002 (torch's names)
+        opts = opts or dist.AllgatherOptions()
+        return self._collective("all_gather_into_tensor", [input], [output],
+                                lambda: self.inner._allgather_base(output, input, opts), numel=input.numel())
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return self._collective("all_gather_into_tensor_coalesced", inputs, outputs,
+                                lambda: _sequence([lambda o=o, i=i: self.inner._allgather_base(o, i, opts)
+                                                   for o, i in zip(outputs, inputs)]),
+                                numel=sum(t.numel() for t in inputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        return self._collective("reduce_scatter", outputs, outputs,
+                                lambda: self.inner.reduce_scatter(outputs, input_lists, opts),
+                                numel=sum(t.numel() for t in outputs), reduce_op=opts.reduceOp)
+
+    def _reduce_scatter_base(self, output, input, opts=None):  # noqa: A002
+        opts = opts or dist.ReduceScatterOptions()
+        return self._collective("reduce_scatter_tensor", [input], [output],
+                                lambda: self.inner._reduce_scatter_base(output, input, opts),
+                                numel=input.numel(), reduce_op=opts.reduceOp)
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        return self._collective("reduce_scatter_tensor_coalesced", inputs, outputs,
+                                lambda: _sequence([lambda o=o, i=i: self.inner._reduce_scatter_base(o, i, opts)
+                                                   for o, i in zip(outputs, inputs)]),
+                                numel=sum(t.numel() for t in inputs), reduce_op=opts.reduceOp)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def alltoall_base(self, output, input, output_splits, input_splits, opts=None):  # noqa: A002
+        opts = opts or dist.AllToAllOptions()
+        return self._collective("all_to_all_single", [input], [output],
+                                lambda: self.inner.alltoall_base(output, input, output_splits, input_splits, opts))
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):  # noqa: A002
+        return self.alltoall_base(output, input, output_splits, input_splits, opts)
+
+    def alltoall(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllToAllOptions()
+        return self._collective("all_to_all", inputs, outputs, lambda: self.inner.alltoall(outputs, inputs, opts))
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        return self._collective("reduce", tensors, tensors, lambda: self.inner.reduce(tensors, opts),
+                                numel=sum(t.numel() for t in tensors), root=opts.rootRank, reduce_op=opts.reduceOp)
+
+    def gather(self, output_lists, inputs, opts=None):
+        opts = opts or dist.GatherOptions()
+        return self._collective("gather", inputs, [t for ts in output_lists for t in ts],
+                                lambda: self.inner.gather(output_lists, inputs, opts),
+                                numel=sum(t.numel() for t in inputs), root=opts.rootRank)
+
+    def scatter(self, outputs, input_lists, opts=None):
+        opts = opts or dist.ScatterOptions()
+        return self._collective("scatter", outputs, outputs, lambda: self.inner.scatter(outputs, input_lists, opts),
+                                numel=sum(t.numel() for t in outputs), root=opts.rootRank)
+
+    def barrier(self, opts=None):
+        opts = opts or dist.BarrierOptions()
+        return self._collective("barrier", [], [], lambda: self.inner.barrier(opts))
+
+    def send(self, tensors, dst, tag=0):
+        return self._p2p([("send", tensors[0], dst, tag)])[0]
+
+    def recv(self, tensors, src, tag=0):
+        return self._p2p([("recv", tensors[0], src, tag)])[0]
+
+    def recv_anysource(self, tensors, tag=0):
+        raise StrictCollectiveError(f"strict collectives: a receive from any source on {self.describe()}: NCCL "
+                                    "has none; name the sender")
+
+    def monitored_barrier(self, *args, **kwargs):
+        raise StrictCollectiveError(f"strict collectives: monitored_barrier on {self.describe()}: gloo only, NCCL "
+                                    "has none; use it on a HOST group")
+
+    def batch(self, p2p_ops: list) -> list[StrictWork]:
+        """`batch_isend_irecv` on this group: the whole batch is one unit (NCCL's group call)."""
+        entries = []
+        for op in p2p_ops:
+            peer = op.group_peer if getattr(op, "group_peer", None) is not None else dist.get_group_rank(self, op.peer)
+            kind = "send" if getattr(op.op, "__name__", "") == "isend" else "recv"
+            entries.append((kind, op.tensor, peer, op.tag))
+        return self._p2p(entries)
+
+
+class _Sequence:
+    """Several gloo works run one after another as one (the coalesced collectives gloo lacks)."""
+
+    def __init__(self, starts: list[Callable[[], dist.Work]]):
+        self.starts = starts
+
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        deadline = time.time() + timeout.total_seconds()
+        for start in self.starts:
+            if not start().wait(datetime.timedelta(seconds=max(deadline - time.time(), 0.001))):
+                return False
+        return True
+
+
+def _sequence(starts):
+    return _Sequence(starts)
+
+
+_REGISTERED = False
+
+
+def _create(options, backend_options=None) -> StrictProcessGroup:
+    """torch's creator for the registered backend (extended API)."""
+    return StrictProcessGroup(options.store, options.group_rank, options.group_size, options.timeout,
+                              str(options.group_id), list(options.global_ranks_in_group))
+
+
+def _batch_isend_irecv(p2p_op_list):
+    c10d._check_p2p_op_list(p2p_op_list)
+    group = p2p_op_list[0].group
+    group = group if group is not None else c10d._get_default_group()
+    if isinstance(group, StrictProcessGroup):
+        return group.batch(p2p_op_list)
+    return _ORIGINAL_BATCH(p2p_op_list)
+
+
+_ORIGINAL_BATCH = c10d.batch_isend_irecv
+
+
+def register() -> None:
+    """The backend, and `batch_isend_irecv` taking a strict group's batch as one unit (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    c10d.batch_isend_irecv = _batch_isend_irecv
+    dist.batch_isend_irecv = _batch_isend_irecv
+    _REGISTERED = True
+
+
+def abort_process(message: str) -> None:
+    """What NCCL's watchdog does on a timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING): say why, then abort."""
+    print(message, file=sys.stderr, flush=True)
+    os.abort()

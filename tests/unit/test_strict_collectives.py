@@ -1,0 +1,274 @@
+"""The strict-collectives mode (raydist.strict) is proven by the bugs it catches: each test plants one thing
+NCCL would hang on or reject, which plain gloo lets pass, and sees the mode name it within a bounded time;
+and the correct counterpart passes under the mode."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from raydist import strict
+from raydist.runtime import spawn
+from raydist.strict import StrictCollectiveError, deadlock
+
+
+@pytest.fixture
+def strict_mode(monkeypatch):
+    monkeypatch.setenv(strict.ENV, "1")
+
+
+def _expect(fn, world=2, timeout_s=60.0, *args):
+    """Run `fn` under the mode; return (seconds, error text) of the failure it must end in."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        spawn(fn, world, *args, timeout_s=timeout_s)
+    return time.monotonic() - start, str(info.value)
+
+
+# ---- the stream: one unit at a time, in issue order; sends do not buffer ------------------------------
+
+
+def _early_receive() -> str:
+    """The pipeline's first step as the executor posted it: rank 0 posts the receive of its first
+    backward's gradient before its first activation goes out."""
+    if dist.get_rank() == 0:
+        grad = torch.empty(4)
+        pending = dist.batch_isend_irecv([dist.P2POp(c10d.irecv, grad, 1)])
+        pending += dist.batch_isend_irecv([dist.P2POp(c10d.isend, torch.ones(4), 1)])
+        for work in pending:
+            work.wait()
+    else:
+        act = torch.empty(4)
+        for work in dist.batch_isend_irecv([dist.P2POp(c10d.irecv, act, 0)]):
+            work.wait()
+        for work in dist.batch_isend_irecv([dist.P2POp(c10d.isend, act * 2, 0)]):
+            work.wait()
+    return "finished"
+
+
+def test_a_receive_posted_before_the_send_it_waits_for_is_a_named_deadlock(strict_mode):
+    seconds, error = _expect(_early_receive)
+    assert "deadlock" in error and "rank 0 on group '0' (ranks [0, 1]) runs irecv from rank 1" in error, error
+    assert "queued behind its irecv from rank 1" in error or "queued behind" in error, error
+    assert seconds < 30, seconds
+
+
+def test_gloo_lets_the_early_receive_pass(monkeypatch):
+    monkeypatch.setenv(strict.ENV, "0")
+    assert spawn(_early_receive, 2, timeout_s=60) == ["finished", "finished"]
+
+
+def _sends_first() -> str:
+    """Both ranks send, then receive, each as its own operation: NCCL's sends wait for their receive."""
+    peer = 1 - dist.get_rank()
+    out = torch.empty(2)
+    send = dist.isend(torch.ones(2), peer)
+    recv = dist.irecv(out, peer)
+    send.wait()
+    recv.wait()
+    return "finished"
+
+
+def test_sends_do_not_buffer(strict_mode):
+    _, error = _expect(_sends_first)
+    assert "deadlock" in error and "isend to rank 1 (message 0 of the pair)" in error, error
+
+
+def _sendrecv_batched() -> list[float]:
+    peer = 1 - dist.get_rank()
+    out = torch.empty(2)
+    ops = [dist.P2POp(c10d.isend, torch.full((2,), float(dist.get_rank())), peer), dist.P2POp(c10d.irecv, out, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out.tolist()
+
+
+def test_a_batch_is_one_unit_whose_operations_do_not_wait_for_each_other(strict_mode):
+    assert spawn(_sendrecv_batched, 2, timeout_s=60) == [[1.0, 1.0], [0.0, 0.0]]
+
+
+# ---- matching: by issue order per pair, tags ignored; same collective everywhere --------------------------
+
+
+def _out_of_order() -> str:
+    if dist.get_rank() == 0:
+        first, second = dist.isend(torch.zeros(3), 1, tag=1), dist.isend(torch.zeros(3), 1, tag=2)
+        first.wait()
+        second.wait()
+    else:
+        a, b = torch.empty(3), torch.empty(3)
+        w2 = dist.irecv(b, 0, tag=2)  # gloo matches by tag: fine there; NCCL by order: b gets message 0
+        w1 = dist.irecv(a, 0, tag=1)
+        w2.wait()
+        w1.wait()
+    return "finished"
+
+
+def test_messages_match_by_issue_order_not_tag(strict_mode):
+    _, error = _expect(_out_of_order)
+    assert "matched by rank 0's message 0 to it, sent with tag 1" in error and "not by tag" in error, error
+
+
+def _mismatched_collectives() -> str:
+    t = torch.ones(4)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, src=0)
+    return "finished"
+
+
+def test_members_issuing_different_collectives_fail_naming_both(strict_mode):
+    _, error = _expect(_mismatched_collectives)
+    assert "issued all_reduce #1" in error and "issued broadcast #1" in error, error
+
+
+def _mismatched_sizes() -> str:
+    dist.all_reduce(torch.ones(4 + dist.get_rank()))
+    return "finished"
+
+
+def test_a_collective_of_different_sizes_fails(strict_mode):
+    _, error = _expect(_mismatched_sizes)
+    assert "4 elements" in error and "5 elements" in error, error
+
+
+def _bitwise() -> str:
+    dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND)
+    return "finished"
+
+
+def test_reductions_nccl_lacks_fail(strict_mode):
+    _, error = _expect(_bitwise)
+    assert "NCCL has no bitwise reductions" in error, error
+
+
+def _host_tensor() -> str:
+    from raydist.collective_audit import CollectiveAudit
+
+    with CollectiveAudit():
+        dist.all_reduce(torch.tensor([3], dtype=torch.int64))  # made without a device: a host tensor
+    return "finished"
+
+
+def test_a_host_tensor_on_a_device_group_fails(strict_mode):
+    _, error = _expect(_host_tensor)
+    assert "all_reduce of a host tensor (1,) torch.int64 on device group '0'" in error, error
+
+
+# ---- groups of a bound world: every rank, same order ----------------------------------------------------
+
+
+def _idle_rank_skips_the_group() -> str:
+    if dist.get_rank() < 2:  # rank 2 "idles", as an elastic run's extra worker did before building the mesh
+        dist.new_group([0, 1])
+    return "finished"
+
+
+def test_a_rank_that_skips_a_device_group_creation_is_named(strict_mode):
+    seconds, error = _expect(_idle_rank_skips_the_group, 3, 20.0)
+    assert "rank(s) [2] never took part" in error and "ncclCommSplit" in error, error
+    assert seconds < 60, seconds
+
+
+def _gloo_group_made_by_everyone() -> str:
+    dist.new_group([0, 1], backend="gloo")  # rank 2 is no member: on a bound world it splits with no color
+    dist.new_group([0, 1, 2])
+    return "finished"
+
+
+def test_a_host_group_with_non_members_that_do_not_skip_it_is_caught(strict_mode):
+    _, error = _expect(_gloo_group_made_by_everyone, 3, 20.0)
+    assert "takes part as a non-member of gloo group [0, 1]" in error and "creates device group [0, 1, 2]" in error, error
+
+
+def _groups_done_right() -> list[int]:
+    from raydist.runtime import HOST, new_group
+
+    host = new_group([0, 1], HOST, "cpu", 20, use_local_synchronization=True)  # members only, gloo
+    device = dist.new_group([0, 1])  # every rank takes part
+    sizes = []
+    if dist.get_rank() < 2:
+        for group in (host, device):
+            t = torch.ones(1)
+            dist.all_reduce(t, group=group)
+            sizes.append(int(t.item()))
+    dist.barrier()  # rank 0 holds the store: nobody leaves while a peer may still read it
+    return sizes
+
+
+def test_groups_made_the_way_nccl_wants_pass(strict_mode):
+    assert spawn(_groups_done_right, 3, timeout_s=20) == [[2, 2], [2, 2], []]
+
+
+# ---- timeouts end the process, as NCCL's watchdog does -------------------------------------------------
+
+
+def _one_rank_never_arrives() -> str:
+    if dist.get_rank() == 0:
+        try:
+            dist.all_reduce(torch.ones(1))
+        except Exception as exc:  # a training loop's handler: NCCL gives it nothing to catch
+            return f"caught {type(exc).__name__}"
+    else:
+        time.sleep(8)
+    return "finished"
+
+
+def test_a_timeout_aborts_the_process_instead_of_raising(strict_mode, capfd):
+    seconds, error = _expect(_one_rank_never_arrives, 2, 3.0)
+    assert "rank 0 exited with status -6" in error, error  # SIGABRT, nothing caught
+    assert "strict collectives watchdog: all_reduce #1 on group '0'" in capfd.readouterr().err
+    assert seconds < 30
+
+
+# ---- the finder itself, on states made by hand ----------------------------------------------------------
+
+
+def _state(rank: int, units: list, waits: list | None = None, coll: int = 0, ranks=(0, 1)) -> dict:
+    return {"rank": rank, "time": 0.0, "version": 1, "waits": waits or [],
+            "groups": {"g": {"ranks": list(ranks), "units": units, "coll": coll, "send": {}, "recv": {}}}}
+
+
+def _unit(uid: int, *ops) -> dict:
+    return {"id": uid, "started": True, "ops": [list(op) for op in ops]}
+
+
+def test_the_finder_needs_a_cycle():
+    recv = _unit(1, ("recv", "irecv", 0, 1, 0))
+    send_queued = [_unit(1, ("recv", "irecv", 0, 0, 0)), _unit(2, ("send", "isend", 0, 0, 0))]
+    cycle = {0: _state(0, [recv, _unit(2, ("send", "isend", 0, 1, 0))], waits=[["g", 1]]),
+             1: _state(1, send_queued, waits=[["g", 1]])}
+    found = deadlock.find(cycle, me=0)
+    assert found is not None and found.ranks == [0, 1]
+    # rank 1's host computes (it waits for nothing): its send may still come, whatever rank 0 does
+    busy = {0: cycle[0], 1: _state(1, [], waits=[])}
+    assert deadlock.find(busy, me=0) is None
+    # rank 1 published nothing recently: unknown, never called deadlocked
+    assert deadlock.find({0: cycle[0]}, me=0) is None
+    # the match runs on rank 1's stream now: it is being matched
+    running = {0: cycle[0], 1: _state(1, [_unit(2, ("send", "isend", 0, 0, 0))], waits=[["g", 2]])}
+    assert deadlock.find(running, me=0) is None
+
+
+def test_a_collective_waits_for_every_member():
+    coll = _unit(1, ("coll", "all_reduce", 3, -1, 0))
+    states = {0: _state(0, [coll], waits=[["g", 1]], coll=2, ranks=(0, 1, 2)),
+              1: _state(1, [coll], waits=[["g", 1]], coll=2, ranks=(0, 1, 2)),
+              2: _state(2, [_unit(7, ("recv", "irecv", 5, 0, 0)), coll], waits=[["g", 7]], coll=2, ranks=(0, 1, 2))}
+    found = deadlock.find(states, me=0)
+    assert found is not None and "all_reduce #3 waits for rank 2, whose match is queued behind" in found.message()
+
+
+def test_the_mode_is_switched_by_the_environment(monkeypatch):
+    monkeypatch.setenv(strict.ENV, "1")
+    assert strict.enabled() and strict.device_backend("cpu") == strict.BACKEND
+    assert strict.device_backend("cuda") == "nccl"
+    monkeypatch.setenv(strict.ENV, "0")
+    assert not strict.enabled() and strict.device_backend("cpu") == "gloo"
+    assert os.environ[strict.ENV] == "0"
