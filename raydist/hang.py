@@ -468,8 +468,11 @@ class HangMonitor:
 
     @staticmethod
     def _brief(rec: dict, now: float) -> dict:
-        return {"rank": rec["rank"], "host": rec.get("host"), "pid": rec.get("pid"), "step": rec.get("step"),
-                "action": rec.get("action"), "for_s": round(now - rec["since"], 1) if rec.get("since") else None}
+        brief = {"rank": rec["rank"], "host": rec.get("host"), "pid": rec.get("pid"), "step": rec.get("step"),
+                 "action": rec.get("action"), "for_s": round(now - rec["since"], 1) if rec.get("since") else None}
+        if rec.get("from_view"):  # not the store's record: this rank's last read of it, that long ago
+            brief["seen_s_ago"] = round(now - rec.get("read_at", now), 1)
+        return brief
 
     def diagnose(self, trigger: str, error: BaseException | None = None, stuck: dict | None = None) -> dict | None:
         """Called by a rank that saw the hang; returns the diagnosis (None when another rank made it, or

@@ -224,8 +224,8 @@ def strict_source() -> Callable[[], list[dict]] | None:
     def source() -> list[dict]:
         out = []
         for op in flight.pending():
-            name = str(op["op"])
             p2p = op.get("kind") == "p2p"
+            name = str(op["op"]) if p2p else re.sub(r"\s*#\d+$", "", str(op["op"]))  # ("all_reduce #5": seq apart)
             peers = sorted({int(m) for m in _STRICT_PEER.findall(name)}) if p2p else None
             out.append({"group": str(op["group"]), "ranks": list(op.get("ranks") or []) or None, "seq": int(op["seq"]),
                         "op": name, "state": op.get("state", "queued"), "since": float(op["since"]), "p2p": p2p,

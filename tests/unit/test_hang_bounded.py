@@ -175,7 +175,7 @@ def test_a_diagnosis_without_the_store_ends_and_names_rank_0_with_its_pid_from_t
     diagnosis = bounded(m.diagnose, "collective timeout", error)
     assert diagnosis is not None and events == [diagnosis]
     [culprit] = diagnosis["culprits"]
-    assert (culprit["rank"], culprit["pid"], culprit["host"]) == (0, 4242, "h")
+    assert (culprit["rank"], culprit["pid"], culprit["host"]) == (0, 4242, "h") and "seen_s_ago" in culprit
     assert "store in its process did not answer" in culprit["reason"] and culprit["silent"]
     assert [w["rank"] for w in diagnosis["waiting"]] == [1]
     assert diagnosis["store_reachable"] is False

@@ -145,7 +145,7 @@ def test_the_strict_modes_record_is_a_flight_source(monkeypatch):
     got, _ = spawn(_late_peer_strict, 2, timeout_s=120)
     [op] = got["waiting"]
     assert (op["group"], op["seq"], op["ranks"], op["p2p"]) == (got["name"], 2, [0, 1], False)
-    assert op["op"].startswith("all_reduce") and op["state"] in ("queued", "started")
+    assert op["op"] == "all_reduce" and op["state"] in ("queued", "started")
     assert time.time() - 120 < op["since"] < time.time()
     assert got["after"] == []
 
@@ -167,8 +167,9 @@ def test_the_strict_modes_p2p_ops_name_their_peers(monkeypatch):
         ops = inflight.pending()
     finally:
         inflight.unregister_flight_source("strict")
-    assert [(o["seq"], o["p2p"], o["peers"], o["source"]) for o in ops] == [(4, True, [5], "strict"),
-                                                                          (5, False, None, "strict")]
+    assert [(o["seq"], o["op"][:5], o["p2p"], o["peers"], o["source"]) for o in ops] == [
+        (4, "batch", True, [5], "strict"), (5, "all_r", False, None, "strict")]
+    assert inflight.describe_op(ops[1]) == "all_reduce #5 on group 3"
     assert inflight.stuck(ops, 10.0)["seq"] == 4
 
 
