@@ -61,7 +61,7 @@ machine (measured, 15 steps, 20/40/20 ms) the stages took tf 20.4-20.5 and tb 40
 about 0.2-0.25 ms late with four ranks on the two cores, and the stage's own code runs. That puts every
 measured-stage ideal 1.4-3.2% above the nominal one; against it 1F1B ran at 1.023-1.031 on both sides. A
 trace of raydist's 1F1B critical path at M = 16 (38 actions, 17-18 hops;
-`executor.step(record_timeline=True)` with the stage's bodies time-stamped) put the remaining 28-33 ms
+`stats.timeline` of `executor.step`, with the stage's bodies time-stamped) put the remaining 28-33 ms
 in: autograd outside the stage's backward bodies, 0.4 ms per B (0.14 entering the engine, 0.06 between
 the nodes, 0.16 leaving it; in one process alone 0.14 in all after sleeps, 0.08 after busy-waits of the
 same length, 0.05 with no wait), 7.7 ms; the forwards' 0.05 ms each and the last stage's loss, 1.6 ms;

@@ -88,13 +88,19 @@ def watched(backend: str) -> bool:
     return "nccl" in str(backend) or strict.BACKEND in str(backend)
 
 
-def group_timeout_s(collective_timeout_s: float, backend: str, interval_s: float = 2.0) -> float:
-    """The timeout to give process groups of `backend`. Where the monitor watches (`watched`), it sees an op
-    pending longer than `collective_timeout_s` at its next poll (`inflight.poll_s`, plus one heartbeat of
-    jitter), diagnoses within DIAGNOSE_BUDGET_S and ends the worker: the group's own timeout (NCCL's watchdog
-    abort) must come after all that, or the process dies without naming anyone. Elsewhere (gloo) the
-    collective raises at `collective_timeout_s` and the diagnosis follows the exception."""
-    if not watched(backend):
+_WATCHING = threading.Event()  # set while a HangMonitor of this process watches its in-flight collectives
+
+
+def group_timeout_s(collective_timeout_s: float, backend: str, interval_s: float = 2.0,
+                    monitored: bool | None = None) -> float:
+    """The timeout to give process groups of `backend`. Where a monitor watches (`watched`, and `monitored`:
+    by default whether one runs in this process), it sees an op pending longer than `collective_timeout_s`
+    at its next poll (`inflight.poll_s`, plus one heartbeat of jitter), diagnoses within DIAGNOSE_BUDGET_S
+    and ends the worker: the group's own timeout (NCCL's watchdog abort) must come after all that, or the
+    process dies without naming anyone. Elsewhere (gloo, or no monitor: spawn, tests) the group's own
+    timeout is `collective_timeout_s`: gloo raises, NCCL and the strict mode abort."""
+    monitored = _WATCHING.is_set() if monitored is None else monitored
+    if not (watched(backend) and monitored):
         return collective_timeout_s
     return (collective_timeout_s + inflight.poll_s(collective_timeout_s, interval_s) + interval_s
             + DIAGNOSE_BUDGET_S + EXIT_MARGIN_S)
@@ -262,10 +268,13 @@ class HangMonitor:
         with contextlib.suppress(Exception):
             self.beat()
         self._thread.start()
+        if self.flight and self.collective_timeout_s is not None and self.on_stuck is not None:
+            _WATCHING.set()  # groups created from now on may time out later (group_timeout_s)
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        _WATCHING.clear()
 
     def record(self) -> dict[str, Any]:
         rec = {"rank": self.rank, "host": self.host, "pid": self.pid, **ACTIONS.record(), "beat": round(time.time(), 3)}

@@ -5,6 +5,11 @@ pipeline, so the Trainer has no pipeline branches.
                                         left in the parameters, synchronised across data-parallel ranks
     runner.evaluate(batch) -> loss      forwards only
     runner.clip(max_norm) -> norm       clip by the whole model's gradient norm
+    runner.timings(outputs) -> figures  per step: every pipeline stage's times and, when asked, its actions
+                                        (a collective: at a logged step; None without a pipeline)
+
+Nothing in `step` or `clip` makes the host wait for the device: losses, norms and times stay on the device
+(or in unread CUDA events) until the Trainer reads them at a logged step, so the host runs ahead of the GPU.
 
 `AccumulationRunner`: the rows in micro-batches of layout.micro_batch, gradients accumulated, the
 data-parallel strategy communicating only on the last (`accumulate`). `PipelineRunner`: the M micro-batches
@@ -25,7 +30,6 @@ runners do it: under a pipeline the last stage's loss of each micro-batch carrie
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -38,9 +42,10 @@ from raydist.mesh import Mesh
 from raydist.parallel import ParallelModel
 from raydist.parallel.clip import clip_grad_norm
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
+from raydist.schedule.clock import ActionClock
 
 if TYPE_CHECKING:
-    from raydist.schedule.executor import PipelineExecutor
+    from raydist.schedule.executor import PipelineExecutor, PipelineStepStats
 
 
 @dataclass
@@ -52,10 +57,14 @@ class MicroBatch:
 
 @dataclass
 class StepOutput:
-    loss: torch.Tensor  # 0-d fp32: this rank's mean loss over the step's rows
-    pipeline: dict | None = None  # pp > 1: every stage's busy and idle seconds and the mean bubble
-    timeline: list[dict] | None = None  # pp > 1, when asked: every action's start and end on every stage
-    compute_s: Callable[[], float] | None = None  # this rank's own compute time (read after the step's sync)
+    loss: torch.Tensor  # 0-d fp32 on the device: this rank's mean loss over the step's rows
+    compute_s: Callable[[], float] | None = None  # this rank's own compute time (on CUDA, reading it reads events)
+    pipeline: PipelineStepStats | None = None  # pp > 1: the schedule's step on this rank, read by `timings`
+    timeline: bool = False  # pp > 1: every stage's actions are wanted for this step (gathered by `timings`)
+
+
+# per step: (every stage's busy and idle seconds and the mean bubble, every stage's actions when asked)
+StepTimings = tuple[dict | None, list[dict] | None]
 
 
 class MaskScale:
@@ -71,7 +80,9 @@ class MaskScale:
         if not self.masked:
             return
         targets, counted = batch.target_counts()
-        counts = torch.stack([torch.tensor(targets, device=counted.device), counted]).to(self.device, torch.float64)
+        # (a fill, not a copy of host data: a blocking host-to-device copy would wait for the device)
+        total = torch.full((), targets, dtype=torch.float64, device=counted.device)
+        counts = torch.stack([total, counted.to(torch.float64)]).to(self.device)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(counts, group=self.group)
         self.value = (counts[0] / counts[1].clamp_min(1)).float()
@@ -92,6 +103,7 @@ class AccumulationRunner:
         self.needs = needs
         self.masked = masked
         self.mask_scale = MaskScale(masked, dp_cp_group, device)
+        self.clock = ActionClock(device)  # the forwards' times (CUDA events on a GPU)
 
     def autocast(self):
         return self.pm.data_parallel.autocast(self.device.type)
@@ -119,14 +131,18 @@ class AccumulationRunner:
         micro = self.micro_batches(batch, micro_batch)
         self.mask_scale.update(batch)
         total = torch.zeros((), device=self.device)
-        timer = ForwardTimer(self.device)
+        # The forwards' durations: with DDP the forward runs no collective, so this is the rank's own compute
+        # however long its peers take (the straggler signal; backward waits for the slowest rank's gradients).
+        self.clock.start_step()
         for i, mb in enumerate(micro):
             with self.pm.data_parallel.accumulate(self.pm.module, i == len(micro) - 1):
-                with timer:
-                    loss = self.forward_loss(mb) / len(micro)
+                began = self.clock.begin()
+                loss = self.forward_loss(mb) / len(micro)
+                self.clock.end(began, {"kind": "F", "microbatch": i})
                 loss.backward()
             total += loss.detach().float()
-        return StepOutput(total, compute_s=timer.seconds)
+        times = self.clock.finish()
+        return StepOutput(total, compute_s=lambda: times.busy_s)
 
     @torch.no_grad()
     def evaluate(self, tokens: torch.Tensor | LocalBatch) -> torch.Tensor:
@@ -141,41 +157,8 @@ class AccumulationRunner:
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm(self.params, max_norm)
 
-
-class ForwardTimer:
-    """Sums the forwards' durations: with DDP the forward runs no collective, so this is the rank's own
-    compute however long its peers take (the straggler signal; backward waits for the slowest rank's
-    gradients). CUDA: events, read after the step has synchronised."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.spans: list = []
-        self.total = 0.0
-
-    def __enter__(self):
-        if self.cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.spans.append([start, None])
-        else:
-            self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.spans[-1][1] = end
-        else:
-            self.total += time.perf_counter() - self._start
-
-    def seconds(self) -> float:
-        if self.cuda:
-            done = [(start, end) for start, end in self.spans if end is not None]
-            if done:
-                done[-1][1].synchronize()  # (the step's loss was read by then: no wait in practice)
-            return sum(start.elapsed_time(end) for start, end in done) / 1e3
-        return self.total
+    def timings(self, outputs: list[StepOutput]) -> list[StepTimings]:
+        return [(None, None)] * len(outputs)
 
 
 class PipelineRunner:
@@ -253,36 +236,36 @@ class PipelineRunner:
         then runs rows / micro_batch micro-batches."""
         executor, inputs, targets, positions = self._split(tokens, micro_batch)
         with self.pm.data_parallel.autocast(self.device.type):
-            stats = executor.step(inputs, targets, record_timeline=record_timeline, positions=positions)
+            stats = executor.step(inputs, targets, positions=positions)
         self.tied()
-        out = StepOutput(torch.tensor(stats.loss, device=self.device), self._timings(stats),
-                         compute_s=lambda: stats.busy_s)
-        if record_timeline:
-            out.timeline = self._gather_timeline(executor)
-        return out
+        return StepOutput(stats.loss, compute_s=lambda: stats.busy_s, pipeline=stats, timeline=record_timeline)
 
     def evaluate(self, tokens: torch.Tensor | LocalBatch) -> torch.Tensor:
         executor, inputs, targets, positions = self._split(tokens)
         with self.pm.data_parallel.autocast(self.device.type):
-            return torch.tensor(executor.evaluate(inputs, targets, positions), device=self.device)
+            return executor.evaluate(inputs, targets, positions)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return clip_grad_norm_pipeline(self.pm.chunks, max_norm, self.group)
 
-    def _gather_timeline(self, executor) -> list[dict]:
+    def timings(self, outputs: list[StepOutput]) -> list[StepTimings]:
+        """Per step of `outputs`: every stage's busy and idle seconds and the mean bubble, and every stage's
+        actions where the step asked for them. Collectives over the pipeline group (one all-gather for all
+        the steps' times, one object gather per timeline): every pipeline rank calls it with the same
+        steps, at a logged step."""
+        from raydist.schedule.executor import stage_timings
+
+        figures = [{"busy_s": t["pp_busy_s"], "idle_s": t["pp_idle_s"],
+                    "bubble": round(sum(t["pp_bubble"]) / len(t["pp_bubble"]), 4)}
+                   for t in stage_timings([o.pipeline for o in outputs], self.group, device=self.device)]
+        return [(f, self._gather_timeline(o.pipeline) if o.timeline else None) for f, o in zip(figures, outputs)]
+
+    def _gather_timeline(self, stats: PipelineStepStats) -> list[dict]:
         """The step's actions with their start and end (seconds from the step's start) on every pipeline
         rank, for the report; a collective over the pipeline group."""
         gathered: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, executor.timeline, group=self.group)
+        dist.all_gather_object(gathered, stats.timeline, group=self.group)
         return [{"rank": r, **a} for r, actions in enumerate(gathered) for a in actions]
-
-    def _timings(self, stats) -> dict:
-        """Every stage's busy and idle seconds of the step (a collective over the pipeline group)."""
-        from raydist.schedule.executor import stage_timings
-
-        t = stage_timings(stats, self.group, device=self.device)
-        return {"busy_s": t["pp_busy_s"], "idle_s": t["pp_idle_s"],
-                "bubble": round(sum(t["pp_bubble"]) / len(t["pp_bubble"]), 4)}
 
 
 def make_runner(pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, needs: BatchNeeds,

@@ -12,6 +12,8 @@ CUDA tensors, never two ranks on one GPU. `tiny_config` asks for fp32 so that a 
 
 from __future__ import annotations
 
+import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 
 from raydist.config import Config
-from raydist.runtime import harness_device, spawn
+from raydist.runtime import harness_device, spawn, to_device
 
 TINY_MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=320)
 
@@ -269,3 +271,178 @@ def save_tiny_llama(path, *, tied: bool = True, seed: int = 0, **shape) -> Any:
             p.copy_(1 + 0.2 * noise if p.dim() == 1 else noise / math.sqrt(p.shape[1]))
     model.save_pretrained(str(path))
     return model
+
+
+# ---- host-device synchronisations -------------------------------------------------------------------
+
+# Tensor reads that make the host wait for a CUDA device (a device-to-host copy, or a result the host
+# needs before it can go on): values, host copies, and data-dependent shapes.
+_READS = {
+    torch.Tensor.item: "item", torch.Tensor.__float__: "float", torch.Tensor.__int__: "int",
+    torch.Tensor.__bool__: "bool", torch.Tensor.__index__: "index", torch.Tensor.__format__: "format",
+    torch.Tensor.__repr__: "repr", torch.Tensor.__array__: "numpy", torch.Tensor.numpy: "numpy",
+    torch.Tensor.tolist: "tolist", torch.Tensor.cpu: "cpu", torch.equal: "equal", torch.Tensor.equal: "equal",
+    torch.allclose: "allclose", torch.Tensor.allclose: "allclose", torch.Tensor.is_nonzero: "is_nonzero",
+    torch.nonzero: "nonzero", torch.Tensor.nonzero: "nonzero", torch.masked_select: "masked_select",
+    torch.Tensor.masked_select: "masked_select", torch.unique: "unique", torch.Tensor.unique: "unique",
+}
+# Factories whose result is a host tensor (on a CUDA run too) unless given a device: reading such a tensor
+# waits for nothing, moving it to the device with a blocking copy does.
+_HOST_FACTORIES = {torch.tensor, torch.as_tensor, torch.from_numpy, torch.frombuffer, torch.zeros, torch.ones,
+                   torch.empty, torch.full, torch.arange}
+
+
+def _device_of(args, kwargs):
+    """The device a `Tensor.to` call names, if any."""
+    return kwargs.get("device") or next((a for a in args[1:] if isinstance(a, (str, torch.device))), None)
+
+
+class HostSyncCounter:
+    """Counts, while active, every call that would make the host wait for the GPU on a CUDA run: run on the
+    CPU, it shows the syncs a CUDA run of the same code would have.
+
+    Every tensor counts as a device tensor except host tensors: made by a factory (`torch.tensor`, `zeros`,
+    `from_numpy`, ...) without a device, or by an op from host tensors only, as they are on a CUDA run too.
+    Counted:
+    - reading a device tensor: `item`, `float` / `int` / `bool` / `index`, formatting, `tolist`, `numpy`,
+      `cpu`, `.to("cpu")` (the string: a `torch.device` may name the training device, the CPU here),
+      `torch.equal` / `allclose`, a blocking `copy_` into a host tensor;
+    - data-dependent shapes: `nonzero`, `masked_select`, `unique`, `repeat_interleave` by a tensor of
+      repeats without `output_size`, indexing with a boolean tensor;
+    - host data to the device by a blocking copy: `.to(device)` or `copy_` of a host tensor without
+      `non_blocking`, `torch.tensor` / `as_tensor` / `new_tensor` of host data with a device (CUDA copies from pageable
+      memory synchronise the stream; only a non-blocking copy from pinned memory does not, which is what
+      `raydist.runtime.to_device` makes on CUDA: its result is a device tensor, not counted);
+    - `torch.cuda.synchronize`, `synchronize` of CUDA events and streams, `Event.elapsed_time`.
+
+    Not counted: torch.optim's own host bookkeeping (on the CPU its step counters are host tensors; raydist's
+    CUDA optimizer is the fused one, whose counters live on the device), and calls nested inside another
+    torch function's handler. On a GPU `torch.cuda.set_sync_debug_mode("error")` catches the copies and
+    stream syncs this cannot see (not event or device syncs, which this counts).
+
+    `calls`: (what, where) in order, `where` the nearest raydist or test frame; `mark()` / `since(mark)`
+    split them by step."""
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        counter = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                # raydist.runtime.to_device: pinned and non-blocking on CUDA (a plain `.to` elsewhere)
+                moved = func is torch.Tensor.to and sys._getframe(1).f_code is to_device.__code__
+                what = None if moved else counter._classify(func, args, kwargs)
+                if what is not None:
+                    counter._count(what)
+                out = func(*args, **kwargs)
+                counter._track(func, args, kwargs, out)
+                return out
+
+        self._mode = _Mode()
+        self._host: dict[int, weakref.ref] = {}
+        self.calls: list[tuple[str, str]] = []
+        self._patched: list[tuple[object, str, object]] = []
+
+    def _is_host(self, tensor) -> bool:
+        ref = self._host.get(id(tensor))
+        return ref is not None and ref() is tensor
+
+    def _all_host(self, args, kwargs) -> bool:
+        """Whether an op's tensor arguments (one level into lists) are all host tensors: so is its result."""
+        tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (list, tuple)) else (a,))
+                   if isinstance(t, torch.Tensor)]
+        return bool(tensors) and all(self._is_host(t) for t in tensors)
+
+    def _track(self, func, args, kwargs, out) -> None:
+        """Where `out` lives on a CUDA run: on the host (a host copy, a factory without a device, an op on
+        host tensors only), or on the device (moved there; anything else)."""
+        if func is torch.Tensor.to and _device_of(args, kwargs) is not None:
+            host = False  # (on the CPU `.to` may return its input: that one is now the device's too)
+        elif func in _HOST_FACTORIES:
+            host = kwargs.get("device") is None
+        else:
+            host = func is torch.Tensor.cpu or self._all_host(args, kwargs)
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor):
+                if host:
+                    self._host[id(t)] = weakref.ref(t)
+                else:
+                    self._host.pop(id(t), None)
+
+    def _classify(self, func, args, kwargs) -> str | None:
+        what = _READS.get(func)
+        if what is not None:
+            return None if args and self._is_host(args[0]) else what
+        if func is torch.Tensor.to:
+            device, host = _device_of(args, kwargs), self._is_host(args[0])
+            if device == "cpu" and not host:
+                return "to(cpu)"
+            moves = device is not None and host and not kwargs.get("non_blocking")
+            return "to(device) from the host" if moves else None
+        if func is torch.Tensor.copy_:
+            into, src = self._is_host(args[0]), self._is_host(args[1] if len(args) > 1 else kwargs.get("src"))
+            blocking = into != src and not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            return ("copy_ to the host" if into else "copy_ from the host") if blocking else None
+        if func is torch.Tensor.__getitem__:
+            if self._is_host(args[0]):
+                return None
+            index = args[1] if len(args) > 1 else None
+            parts = index if isinstance(index, tuple) else (index,)
+            boolean = any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts)
+            return "boolean index" if boolean else None
+        if func in (torch.repeat_interleave, torch.Tensor.repeat_interleave):
+            repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+            dynamic = isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+            return "repeat_interleave" if dynamic else None
+        if func is torch.Tensor.new_tensor:
+            return None if self._is_host(args[0]) else "new_tensor"
+        if func in (torch.tensor, torch.as_tensor) and kwargs.get("device") is not None:
+            data = args[0] if args else kwargs.get("data")
+            return None if isinstance(data, torch.Tensor) and not self._is_host(data) else f"{func.__name__}(device=)"
+        return None
+
+    def _count(self, what: str) -> None:
+        frame, where = sys._getframe(2), "?"
+        while frame is not None:
+            path = frame.f_code.co_filename.replace("\\", "/")
+            if "/torch/optim/" in path:
+                return
+            if "/raydist/" in path or "/tests/" in path:
+                name = path.rsplit("/raydist/", 1)[-1] if "/raydist/" in path else path.rsplit("/", 1)[-1]
+                where = f"{name}:{frame.f_lineno}"
+                break
+            frame = frame.f_back
+        self.calls.append((what, where))
+
+    def _patch(self, owner, name: str, what: str) -> None:
+        original = getattr(owner, name)
+        counter = self
+
+        def counted(*args, **kwargs):
+            counter._count(what)
+            return original(*args, **kwargs)
+
+        self._patched.append((owner, name, original))
+        setattr(owner, name, counted)
+
+    def mark(self) -> int:
+        return len(self.calls)
+
+    def since(self, mark: int) -> list[tuple[str, str]]:
+        return self.calls[mark:]
+
+    def __enter__(self) -> "HostSyncCounter":
+        self._patch(torch.cuda, "synchronize", "cuda.synchronize")
+        for cls, label in ((torch.cuda.Event, "Event"), (torch.cuda.Stream, "Stream")):
+            self._patch(cls, "synchronize", f"{label}.synchronize")
+        self._patch(torch.cuda.Event, "elapsed_time", "Event.elapsed_time")
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+        self._patched = []

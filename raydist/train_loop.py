@@ -102,8 +102,8 @@ class RunLogger:
     def record(self, stats: StepStats | None, val_loss: float | None = None, loss: float | None = None) -> dict:
         rec = self.base()
         if stats is not None:
-            # Settling reduces the losses of the steps since the last record (one collective, one device
-            # sync); the wait for the device's queued work belongs to those steps' time.
+            # Settling reads the steps since the last record (losses, norms, pipeline times: the only host
+            # waits of those steps); the wait for the device's queued work belongs to those steps' time.
             settle_start = time.perf_counter()
             stats.loss
             self.interval_time += time.perf_counter() - settle_start
@@ -274,6 +274,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         logger.gate = lead
     first_val = last_val = None
     pending = None
+    timeline = None  # a step whose pipeline actions go to pipeline_timeline.json once read (with the next record)
     session.phase("first_step")  # the first data, and the untrained model's evaluation
     if trainer.step == 0:
         # Step 0: the untrained model's validation loss and its loss on the first training batch.
@@ -307,10 +308,14 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
             goodput.on_progress(trainer.step, logged)
         if replicas is not None and trainer.options.record_samples and run_dir:
             _record_live_samples(run_dir, trainer, stats)
-        if stats.pipeline_timeline is not None and run_dir and rank0:
-            write_json(join(run_dir, "pipeline_timeline.json"), stats.pipeline_timeline)
+        if stats.records_timeline:
+            timeline = stats
         if logged or val is not None:
-            record = logger.record(stats, val_loss=val)
+            record = logger.record(stats, val_loss=val)  # reads every step since the last record, on every rank
+            if timeline is not None:
+                if run_dir and rank0:
+                    write_json(join(run_dir, "pipeline_timeline.json"), timeline.pipeline_timeline)
+                timeline = None
             if ckpt and not done:
                 ckpt.sync(_numbers(record))
     wall = time.perf_counter() - wall_start

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
@@ -46,59 +45,80 @@ from raydist.models.hf_load import load_into_shards
 from raydist.models.init import init_weights, materialize
 from raydist.parallel import ParallelModel, parallelize
 from raydist.peft import apply_peft, check_pipeline_stages, is_adapter, parameter_counts
-from raydist.runner import make_runner
+from raydist.runner import StepOutput, StepTimings, make_runner
 from raydist.runtime import (DEVICE, HOST, group_backend, keep_large_host_allocations_unpooled, new_group,
                              set_default_timeout, to_device)
 
-TIMELINE_STEP = 2  # the (0-based) step whose pipeline actions are timed for the report, after warm-up
+# the (0-based) step whose pipeline actions are kept for the report, after warm-up (read with the next logged step)
+TIMELINE_STEP = 2
 
 
 class StepStats:
-    """One step's figures. Loss and gradient norm stay on the device until read: reading either settles
-    every pending step (`Trainer.settle`: one all-reduce over dp x cp, one host sync), so a loop reading them
-    on logged steps only pays no per-step collective. Reading is a collective: all ranks read on the same steps."""
+    """One step's figures. Nothing in a step makes the host wait for the device: loss, gradient norm and the
+    pipeline's stage times stay on the device (or in unread CUDA events) until read, and reading any of them
+    settles every pending step (`Trainer.settle`: one all-reduce over dp x cp and one host read for all their
+    losses and norms; with a pipeline one all-gather and one more read for all their stage times), so a loop
+    that reads them on logged steps only lets the host run ahead of the GPU in between. Reading is a
+    collective: all ranks read on the same steps (`records_timeline` is not a read)."""
 
     def __init__(self, trainer: "Trainer | None", local_loss: torch.Tensor | float, grad_norm: torch.Tensor | float,
                  lr: float, step_time_s: float, data_wait_s: float, sample_ids: np.ndarray | None = None,
-                 pipeline: dict | None = None, pipeline_timeline: list[dict] | None = None,
-                 compute_s: "Callable[[], float] | float" = 0.0):
+                 output: StepOutput | None = None):
         self._trainer = trainer
         self._local_loss, self._grad_norm = local_loss, grad_norm
-        self._loss: float | None = None if trainer is not None else float(local_loss)
+        self._loss: float | None = None
         self.lr, self.step_time_s, self.data_wait_s, self.sample_ids = lr, step_time_s, data_wait_s, sample_ids
-        self.pipeline = pipeline  # per-stage busy/idle seconds and the bubble (pp > 1)
-        self.pipeline_timeline = pipeline_timeline  # every action's start/end on every stage, one step
         self.replicas: int | None = None  # live recovery: replicas in this step's quorum
-        self._compute_s = compute_s  # this rank's own compute (its forwards, or its pipeline actions)
+        self._output = output  # the runner's: this rank's compute time, the pipeline's step
+        self.records_timeline = output is not None and output.timeline  # its `pipeline_timeline` will be read
+        self._pipeline: dict | None = None
+        self._timeline: list[dict] | None = None
+        if trainer is None:  # already read (live recovery's steps)
+            self._resolve(float(local_loss), float(grad_norm), (None, None))
 
     @property
     def busy_s(self) -> float:
         """This rank's own work in the step: data wait + its forwards (its pipeline actions with pp > 1),
-        the straggler signal (raydist.metrics.stragglers). Read lazily: on CUDA it reads events."""
-        compute = self._compute_s() if callable(self._compute_s) else self._compute_s
-        return self.data_wait_s + compute
+        the straggler signal (raydist.metrics.stragglers). Not a collective; on CUDA it reads events (after
+        a settle: without waiting)."""
+        compute = self._output.compute_s if self._output is not None else None
+        return self.data_wait_s + (compute() if compute is not None else 0.0)
 
     @property
     def settled(self) -> bool:
         return self._loss is not None
 
-    def _resolve(self, loss: float) -> None:
-        self._loss = loss
-        self._grad_norm = float(self._grad_norm)
+    def _resolve(self, loss: float, grad_norm: float, timings: StepTimings) -> None:
+        self._loss, self._grad_norm = loss, grad_norm
+        self._pipeline, self._timeline = timings
         self._trainer = None
+
+    def _read(self) -> None:
+        if self._loss is None:
+            self._trainer.settle()
 
     @property
     def loss(self) -> float:
         """The mean loss over the global batch (every rank the same number)."""
-        if self._loss is None:
-            self._trainer.settle()
+        self._read()
         return self._loss
 
     @property
     def grad_norm(self) -> float:
-        if self._loss is None:
-            self._trainer.settle()
+        self._read()
         return self._grad_norm
+
+    @property
+    def pipeline(self) -> dict | None:
+        """pp > 1: every stage's busy and idle seconds and the mean bubble."""
+        self._read()
+        return self._pipeline
+
+    @property
+    def pipeline_timeline(self) -> list[dict] | None:
+        """Where the step recorded it (`records_timeline`): every action's start and end on every stage."""
+        self._read()
+        return self._timeline
 
 
 @dataclass
@@ -129,7 +149,8 @@ class Trainer:
         # Groups over the active ranks only (idle workers take part in no collective), both on the host:
         # CPU bookkeeping in the training thread, and the checkpoint writer's thread on a group of its own.
         # Every group, the mesh's included, times out after elastic.collective_timeout_s; the mesh's later where
-        # raydist's hang monitor ends a stuck collective itself first (NCCL, strict mode: hang.group_timeout_s).
+        # raydist's hang monitor watches and ends a stuck collective itself first (Ray workers on NCCL or under
+        # the strict mode: hang.group_timeout_s).
         timeout_s = cfg.elastic.collective_timeout_s
         device_backend = group_backend(DEVICE, device.type)
         set_default_timeout(group_timeout_s(timeout_s, device_backend, cfg.monitor.heartbeat_interval_s))
@@ -250,13 +271,17 @@ class Trainer:
         return value
 
     def settle(self) -> None:
-        """Reduces the losses of every step not yet read (see `StepStats`)."""
+        """Reads every step not yet read (see `StepStats`): their losses (reduced over dp x cp) and gradient
+        norms in one host read, then the pipeline's stage times (`runner.timings`). A collective."""
         pending, self._unsettled = self._unsettled, []
         if not pending:
             return
         local = torch.stack([s._local_loss.detach().float().reshape(()) for s in pending])
-        for stats, loss in zip(pending, self._data_mean(local).tolist()):
-            stats._resolve(loss)
+        norms = torch.stack([s._grad_norm.detach().float().reshape(()) for s in pending])
+        losses, norms = torch.stack([self._data_mean(local), norms]).tolist()  # the host waits here
+        timings = self.runner.timings([s._output for s in pending])
+        for stats, loss, norm, figures in zip(pending, losses, norms, timings):
+            stats._resolve(loss, norm, figures)
 
     def init_weights(self) -> None:
         """The keyed random init (raydist.models.init) into this rank's shards, the same values in every
@@ -305,8 +330,7 @@ class Trainer:
         self.position += self.layout.global_batch
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
-        stats = StepStats(self, out.loss, grad_norm, lr, time.perf_counter() - start, data_wait, ids,
-                          out.pipeline, out.timeline, out.compute_s or 0.0)
+        stats = StepStats(self, out.loss, grad_norm, lr, time.perf_counter() - start, data_wait, ids, out)
         self._unsettled.append(stats)
         return stats
 

@@ -7,6 +7,17 @@ import os
 import pytest
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
+# Every multi-process test runs under NCCL's rules (raydist.strict): the ranks raydist.runtime.spawn starts and
+# the Ray Train workers of the local clusters the tests start (their processes inherit this environment).
+# A test of plain gloo's own behaviour asks for the `plain_gloo` fixture; RAYDIST_STRICT_COLLECTIVES=0 runs
+# the whole suite on plain gloo.
+os.environ.setdefault("RAYDIST_STRICT_COLLECTIVES", "1")
+
+
+@pytest.fixture
+def plain_gloo(monkeypatch):
+    """This test's processes use gloo as it is (a test of gloo's own behaviour, or of the audit on it)."""
+    monkeypatch.setenv("RAYDIST_STRICT_COLLECTIVES", "0")
 
 
 @pytest.fixture(scope="session")

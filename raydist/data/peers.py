@@ -55,21 +55,17 @@ class BatchNeeds:
     def width(self) -> int:
         return sum(self._block(n) for _, n in self.runs)
 
-    def columns(self) -> list[int]:
-        out: list[int] = []
+    def _spans(self) -> list[tuple[int, int]]:
+        """[start, stop) of each run's columns."""
         if self.empty:
-            return out
-        for a, n in self.runs:
-            out.extend(range(a if self.inputs else a + 1, a + n + 1 if self.targets else a + n))
-        return out
+            return []
+        return [(a if self.inputs else a + 1, a + n + 1 if self.targets else a + n) for a, n in self.runs]
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's piece (B, width) of the whole rows (B, T + 1), contiguous."""
-        if len(self.runs) == 1:
-            a, n = self.runs[0]
-            first = a if self.inputs else a + 1
-            return rows[:, first:first + self._block(n)].contiguous()
-        return rows[:, torch.tensor(self.columns(), device=rows.device)].contiguous()
+        """This rank's piece (B, width) of the whole rows (B, T + 1), contiguous: slices, no index tensor
+        (one made from host data would be a blocking copy to the device on every step)."""
+        parts = [rows[:, start:stop] for start, stop in self._spans()]
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _parts(self, piece: torch.Tensor, shift: int) -> torch.Tensor:
         parts, offset = [], 0

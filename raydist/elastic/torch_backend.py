@@ -62,6 +62,7 @@ def torch_config(cfg: Config, use_gpu: bool) -> WatchedTorchConfig:
     """The default group's config: NCCL or gloo (the launcher turns gloo into the strict backend under the
     strict mode, raydist.strict.ray_train), with the timeout of the backend it will run."""
     runs = strict.device_backend("cuda" if use_gpu else "cpu")
-    timeout_s = group_timeout_s(cfg.elastic.collective_timeout_s, runs, cfg.monitor.heartbeat_interval_s)
+    timeout_s = group_timeout_s(cfg.elastic.collective_timeout_s, runs, cfg.monitor.heartbeat_interval_s,
+                                monitored=True)  # (every worker's RaySession starts a monitor: ray_session.py)
     return WatchedTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=math.ceil(timeout_s),
                               worker_env=NCCL_ENV if use_gpu else {})

@@ -21,7 +21,8 @@ Every chunk gets the positions of its local tokens (RoPE under context paralleli
 accumulate in the chunks' `.grad` over the M micro-batches; the loss is sum_m loss_m = mean over
 micro-batches, which equals the single-process loss of the whole batch when micro-batches have equal
 token counts. It lives on the rank holding the last stage, which broadcasts it over the pipeline group
-so every pipeline rank returns the same value. `evaluate()` runs the forwards only.
+so every pipeline rank returns the same value, as a device tensor: nothing in a step waits for the
+device (raydist.trainer reads losses at logged steps). `evaluate()` runs the forwards only.
 
 Data-parallel composition (pp is the outer mesh axis, each chunk is wrapped on the dp group): before and
 after every action that accumulates weight gradients (B, or W when the backward is split) the executor
@@ -30,7 +31,9 @@ marking the chunk's final one of the step (`Schedule.last_weight_gradient`); the
 strategy's hooks (raydist.parallel.data_parallel) make DDP all-reduce and FSDP reduce-scatter exactly
 once per chunk per step, there.
 
-Timings: busy time is the sum of the actions' durations, measured with CUDA events on a GPU (`clock`).
+Timings: busy time is the sum of the actions' durations, measured with CUDA events on a GPU (`clock`),
+read when asked (`PipelineStepStats.times`), and gathered over the pipeline by `stage_timings` at a
+logged step.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ from torch import nn
 
 from raydist.errors import ConfigError
 from raydist.hang import ACTIONS
+from raydist.runtime import to_device
 from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from raydist.schedule.clock import ActionClock
+from raydist.schedule.clock import ActionClock, StepTimes
 from raydist.schedule.split_backward import PendingWeightGradient, backward_input, backward_weight
 from raydist.schedule.transfers import StepTransfers, TransferPlan
 from raydist.schedule.validate import validate
@@ -60,10 +64,30 @@ BeforeBackward = BackwardHook
 
 @dataclass
 class PipelineStepStats:
-    loss: float  # mean loss over the step's micro-batches (same on every pipeline rank)
-    busy_s: float  # forward + backward compute on this rank
-    idle_s: float  # wall_s - busy_s: waiting for tensors (pipeline fill/drain) and communication
-    wall_s: float  # the step: from this rank's start to the pipeline-wide loss reduction at its end
+    """One step on this rank; nothing here has made the host wait for the device (read it when needed)."""
+
+    loss: torch.Tensor  # 0-d fp32 on the device: mean loss over the step's micro-batches (same on every pp rank)
+    times: StepTimes  # this rank's action times, read on first use (on CUDA: its events)
+
+    @property
+    def busy_s(self) -> float:
+        """Forward + backward compute on this rank."""
+        return self.times.busy_s
+
+    @property
+    def wall_s(self) -> float:
+        """The step: from this rank's start to the pipeline-wide loss broadcast at its end."""
+        return self.times.wall_s
+
+    @property
+    def idle_s(self) -> float:
+        """wall_s - busy_s: waiting for tensors (pipeline fill/drain) and communication."""
+        return max(self.wall_s - self.busy_s, 0.0)
+
+    @property
+    def timeline(self) -> list[dict]:
+        """Every action's stage, chunk, kind, micro-batch, start_s and end_s (seconds from the step's start)."""
+        return self.times.rows
 
     @property
     def bubble_fraction(self) -> float:
@@ -130,8 +154,6 @@ class PipelineExecutor:
         # valid schedule keeps it valid (forwards depend only on forwards).
         forwards = tuple(tuple(a for a in acts if a.kind == FORWARD) for acts in schedule.actions)
         self._eval_plan = _Plan.of(dataclasses.replace(schedule, actions=forwards), pp_rank)
-        self.record_timeline = False  # set by step(record_timeline=True) for that step
-        self.timeline: list[dict] = []
 
     # ---- compute -------------------------------------------------------------------------------------
     def _forward(self, action: Action, chunk_index: int, x: torch.Tensor,
@@ -180,24 +202,20 @@ class PipelineExecutor:
                               f"micro-batches, got {None if targets is None else len(targets)}")
 
     def step(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None,
-             record_timeline: bool = False, positions: torch.Tensor | None = None) -> PipelineStepStats:
+             positions: torch.Tensor | None = None) -> PipelineStepStats:
         """Run one schedule: `inputs` (M token tensors (B_micro, T_local)) are needed on the rank holding
         the first stage, `targets` (M tensors (B_micro, T_local)) on the rank holding the last; others may
         pass None. `positions` (T_local,): the local tokens' places in the whole sequence, given to every
         chunk (context parallelism; None: 0..T-1). Gradients are accumulated into the chunks' parameters
-        (the caller zeroes them between steps). `record_timeline`: keep every action's start and end in
-        `self.timeline` (seconds from the start)."""
+        (the caller zeroes them between steps). Every action's start and end: `stats.timeline`."""
         self._check_batches(inputs, targets)
-        self.record_timeline = record_timeline
-        try:
-            return self._execute(self._train_plan, inputs, targets, positions)
-        finally:
-            self.record_timeline = False
+        return self._execute(self._train_plan, inputs, targets, positions)
 
     @torch.no_grad()
     def evaluate(self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None,
-                 positions: torch.Tensor | None = None) -> float:
-        """The mean loss over M micro-batches, forwards only (no gradients); same value on every pp rank."""
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss over M micro-batches, forwards only (no gradients); same value on every pp rank (a
+        0-d device tensor)."""
         self._check_batches(inputs, targets)
         return self._execute(self._eval_plan, inputs, targets, positions).loss
 
@@ -208,7 +226,6 @@ class PipelineExecutor:
         self._saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: dict[tuple[int, int], PendingWeightGradient] = {}  # B done, W not yet
         self._loss_sum = torch.zeros((), device=self.device)
-        start = time.perf_counter()
         self.clock.start_step()
         transfers.post(0, None)  # the receives due before any compute
         for i, action in enumerate(plan.actions):
@@ -236,23 +253,30 @@ class PipelineExecutor:
         loss = self._loss_sum
         if self.schedule.num_ranks > 1:
             dist.broadcast(loss, group=self.group, group_src=self.schedule.rank_of(self.schedule.num_stages - 1))
-        loss_value = float(loss)
-        busy, rows = self.clock.finish()  # on CUDA: one synchronisation, then the events are read
-        wall = time.perf_counter() - start
-        self.timeline = rows if self.record_timeline else []
+        times = self.clock.finish()  # the step's end; its times are read when asked (no host sync here)
         self._saved, self._pending = {}, {}
-        return PipelineStepStats(loss_value, busy, max(wall - busy, 0.0), wall)
+        return PipelineStepStats(loss, times)
 
 
-def stage_timings(stats: PipelineStepStats, pp_group: dist.ProcessGroup | None,
-                  device: torch.device | str = "cpu") -> dict[str, list[float]]:
-    """Every pipeline rank's busy and idle seconds of a step, by pp rank (a collective on `pp_group`), for
-    metrics.jsonl: `{"pp_busy_s": [...], "pp_idle_s": [...], "pp_bubble": [idle / wall per rank]}`."""
-    mine = torch.tensor([stats.busy_s, stats.idle_s, stats.wall_s], dtype=torch.float64, device=device)
+def stage_timings(steps: Sequence[PipelineStepStats], pp_group: dist.ProcessGroup | None,
+                  device: torch.device | str = "cpu") -> list[dict[str, list[float]]]:
+    """Every pipeline rank's busy and idle seconds of each of `steps` (the same steps on every rank), by pp
+    rank, for metrics.jsonl: per step `{"pp_busy_s": [...], "pp_idle_s": [...], "pp_bubble": [idle / wall
+    per rank]}`. One all-gather on `pp_group` and one host sync for all of them: call it at a logged step."""
+    if not steps:
+        return []
+    mine = torch.tensor([[s.busy_s, s.idle_s, s.wall_s] for s in steps], dtype=torch.float64)  # (S, 3) host
     size = dist.get_world_size(pp_group) if dist.is_initialized() else 1
-    rows = [mine.clone() for _ in range(size)]
     if size > 1:
+        mine = to_device(mine, torch.device(device))  # the pipeline group may be NCCL: gathered on the device
+        rows = [torch.empty_like(mine) for _ in range(size)]
         dist.all_gather(rows, mine, group=pp_group)
-    rows = [r.cpu() for r in rows]
-    return {"pp_busy_s": [round(float(r[0]), 6) for r in rows], "pp_idle_s": [round(float(r[1]), 6) for r in rows],
-            "pp_bubble": [round(float(r[1] / r[2]), 4) if r[2] > 0 else 0.0 for r in rows]}
+        mine = torch.stack(rows, dim=1)  # (S, P, 3)
+    else:
+        mine = mine[:, None]
+    out = []
+    for per_rank in mine.tolist():  # the one host read
+        out.append({"pp_busy_s": [round(busy, 6) for busy, _, _ in per_rank],
+                    "pp_idle_s": [round(idle, 6) for _, idle, _ in per_rank],
+                    "pp_bubble": [round(idle / wall, 4) if wall > 0 else 0.0 for _, idle, wall in per_rank]})
+    return out

@@ -11,7 +11,11 @@ the same index on the pair. Where that counterpart is:
     completed, or in q's running unit of g      no wait (it is being matched)
     queued on q behind q's running unit of g     (r, g) waits for (q, g)
     not issued, q's host blocked on units        (r, g) waits for the streams running those units
+    not issued, q's host in a group creation     (r, g) waits for that rendezvous (every world rank joins)
     not issued, q's host not blocked, or q unknown   it may come: no deadlock through it
+
+A rank waiting in a group creation (raydist.strict.splits) waits for every world rank that has not joined
+it yet, through whatever that rank's host is blocked in.
 
 A node can progress if every operation it runs has at least one way to be matched that can progress; what
 can progress is the least fixed point from the nodes that wait for nothing. Whatever cannot progress is
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-Node = tuple  # ("stream", rank, group) or ("host", rank)
+Node = tuple  # ("stream", rank, group) or ("rendezvous", rank)
 
 
 @dataclass(frozen=True)
@@ -76,16 +80,37 @@ def _locate(state: dict, kind: str, n: int, partner: int) -> tuple[str, int]:
     return "absent", -1
 
 
+def _host_blockers(states: dict[int, dict], q: int) -> tuple[list[Node], str] | None:
+    """What rank q's host is blocked in (strict units or a group-creation rendezvous), or None when it is
+    not blocked: then it may still issue anything."""
+    state = states[q]
+    waits, rendezvous = state.get("waits", []), state.get("rendezvous")
+    targets = [("stream", q, g) for g, _ in waits]
+    texts = [f"{_unit_text(_unit(state, g, u))} on group '{g}'" for g, u in waits]
+    if rendezvous:
+        targets.append(("rendezvous", q))
+        texts.append(f"the world's {rendezvous[0]} #{rendezvous[1]} (a group creation every rank must join)")
+    return (targets, ", ".join(texts)) if targets else None
+
+
+def _posted(state: dict, kind: str, k: int) -> bool:
+    posted = state.get("posted", {})
+    return bool(posted.get("bind")) if kind == "bind" else posted.get("split", 0) >= k
+
+
 def find(states: dict[int, dict], me: int | None = None) -> Deadlock | None:
     """The deadlock among `states` ({rank: published state}), or None; with `me`, only one that includes
-    rank `me`."""
+    rank `me`. Nodes: ("stream", rank, group) for a group's running unit, ("rendezvous", rank) for a host
+    waiting until every world rank joins a group creation (raydist.strict.splits)."""
     requirements: dict[Node, list[tuple[list[Node], str]]] = {}
+    texts: dict[Node, str] = {}
     for rank, state in states.items():
         for name, group in state["groups"].items():
             if not group["units"]:
                 continue
             node = ("stream", rank, name)
             head = group["units"][0]
+            texts[node] = f"rank {rank} on group '{name}' (ranks {group['ranks']}) runs {_unit_text(head)}"
             needs = []
             for op in head["ops"]:
                 kind, n, partner = _counterpart(op, rank)
@@ -101,14 +126,22 @@ def find(states: dict[int, dict], me: int | None = None) -> Deadlock | None:
                         needs.append(([("stream", q, name)], f"{what} waits for rank {q}, whose match is queued "
                                                               f"behind its {blocker}"))
                     elif where == "absent":
-                        waits = states[q].get("waits", [])
-                        if not waits:
-                            continue  # its host is not blocked: it may still issue it
-                        targets = [("stream", q, g) for g, _ in waits]
-                        blocked_on = ", ".join(f"{_unit_text(_unit(states[q], g, u))} on group '{g}'"
-                                               for g, u in waits)
-                        needs.append((targets, f"{what} waits for rank {q}, which has not issued its match: its "
-                                               f"host is blocked waiting for {blocked_on}"))
+                        blocked = _host_blockers(states, q)
+                        if blocked is not None:
+                            needs.append((blocked[0], f"{what} waits for rank {q}, which has not issued its match: "
+                                                      f"its host is blocked waiting for {blocked[1]}"))
+            requirements[node] = needs
+        if state.get("rendezvous"):
+            kind, k = state["rendezvous"]
+            node = ("rendezvous", rank)
+            texts[node] = f"rank {rank} waits in the world's {kind} #{k} for every rank to join"
+            needs = []
+            for q in range(state.get("world", 0)):
+                if q == rank or q not in states or _posted(states[q], kind, k):
+                    continue
+                blocked = _host_blockers(states, q)
+                if blocked is not None:
+                    needs.append((blocked[0], f"rank {q} has not joined: its host is blocked waiting for {blocked[1]}"))
             requirements[node] = needs
     live: set[Node] = set()
     changed = True
@@ -124,12 +157,9 @@ def find(states: dict[int, dict], me: int | None = None) -> Deadlock | None:
     if not stuck or (me is not None and all(n[1] != me for n in stuck)):
         return None
     lines = []
-    for node in sorted(stuck, key=lambda n: (n[1], n[2])):
-        _, rank, name = node
-        group = states[rank]["groups"][name]
+    for node in sorted(stuck, key=lambda n: (n[1], n[0], n[2] if len(n) > 2 else "")):
         reasons = [text for targets, text in requirements[node] if not any(t in live for t in targets)]
-        lines.append(f"rank {rank} on group '{name}' (ranks {group['ranks']}) runs {_unit_text(group['units'][0])}: "
-                     + "; ".join(reasons))
+        lines.append(f"{texts[node]}: " + "; ".join(reasons))
     return Deadlock(stuck, tuple(lines))
 
 

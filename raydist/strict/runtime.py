@@ -38,6 +38,8 @@ class StrictRuntime:
         self.rank = rank
         self.groups: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()
         self.waits: dict[int, tuple[object, float]] = {}  # host thread id -> (unit, since)
+        self.rendezvous: tuple[str, int, int, float] | None = None  # (kind, k, world, since) of a creation
+        self.rendezvous_error: StrictCollectiveError | None = None
         self.version = 0
         self.splits = 0  # this rank's splits of the world so far (raydist.strict.splits)
         self.world_group = None  # the default group (StrictProcessGroup)
@@ -79,11 +81,17 @@ class StrictRuntime:
     def state(self) -> dict:
         with self._lock:
             waits = [[unit.group.group_name, unit.id] for unit, _ in self.waits.values()]
+        rendezvous = self.rendezvous
         return {"rank": self.rank, "time": time.time(), "version": self.version, "waits": waits,
+                "rendezvous": list(rendezvous[:2]) if rendezvous else None,
+                "world": rendezvous[2] if rendezvous else 0,
+                "posted": {"split": self.splits, "bind": self.bound or bool(rendezvous and rendezvous[0] == "bind")},
                 "groups": {g.group_name: g.state() for g in self._groups()}}
 
     def stalled_since(self) -> float | None:
         times = [since for _, since in list(self.waits.values())]
+        if self.rendezvous is not None:
+            times.append(self.rendezvous[3])
         for group in self._groups():
             pending = list(group.pending)
             if pending and pending[0].started is not None:
@@ -121,7 +129,6 @@ class StrictRuntime:
                 key = (found.nodes, tuple(sorted((r, states[r]["version"]) for r in found.ranks)))
                 if key == suspect:
                     self._fail(found)
-                    return
                 suspect = key
             except Exception:  # the store is slow or gone: the timeout stays the backstop
                 continue
@@ -131,7 +138,11 @@ class StrictRuntime:
         error = StrictCollectiveError(found.message())
         print(f"rank {self.rank}: {found.message()}", flush=True)
         for node in found.nodes:
-            if node[1] == self.rank:
+            if node[1] != self.rank:
+                continue
+            if node[0] == "rendezvous":
+                self.rendezvous_error = error
+            else:
                 group = self.groups.get(node[2])
                 if group is not None:
                     group.fail(error)
@@ -153,7 +164,7 @@ class StrictRuntime:
         from raydist.strict.splits import rendezvous
 
         if not self.bound:
-            rendezvous({"bind": True, "where": "bind"}, world, self.rank, timeout_s, key="bind")
+            rendezvous({"bind": True, "where": "bind"}, world, self.rank, timeout_s, kind="bind")
             self.bound = True
 
     # ---- the flight record ---------------------------------------------------------------------------------

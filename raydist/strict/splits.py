@@ -94,59 +94,55 @@ def _describe(rank: int, entry: dict) -> str:
     return f"{what} at {entry['where']}"
 
 
-def rendezvous(entry: dict, world: int, me: int, timeout_s: float, key: str | None = None) -> None:
-    """Post this rank's entry for the next split (or under `key`) and wait for every world rank's."""
+def rendezvous(entry: dict, world: int, me: int, timeout_s: float, kind: str = "split") -> None:
+    """Post this rank's entry for its next split (or the world's bind) and wait for every world rank's.
+    A rank that never joins fails it: at once when it has left the world or when the deadlock finder
+    (raydist.strict.runtime) sees it blocked on something that waits for this rank, else at the timeout."""
     from raydist.strict import runtime
 
     state = runtime.current()
-    if key is None:
+    if kind == "split":
         state.splits += 1
-        key = f"split/{state.splits}"
-    k = key
+    k = state.splits if kind == "split" else 0
+    key = f"split/{k}" if kind == "split" else "bind"
     store = state.store
     store.set(f"{key}/{me}", json.dumps(entry))
     keys = {r: f"{key}/{r}" for r in range(world)}
     deadline = time.monotonic() + timeout_s
     rule = ("NCCL creates groups of a device-bound default group by ncclCommSplit, which every world rank "
             "must call, the same groups in the same order")
-    while True:
-        missing = [r for r in range(world) if not store.check([keys[r]])]
-        arrived = {r: json.loads(store.get(keys[r])) for r in range(world) if r not in missing}
-        firsts: dict[tuple, int] = {}  # each member list posted, with the first rank that posted it
-        for r, e in arrived.items():
-            if "split" in e:
-                firsts.setdefault(tuple(e["split"]), r)
-        clash = None
-        if len(firsts) > 1:
-            clash = tuple(firsts.values())[:2]
-        elif firsts:
-            members, first = next(iter(firsts.items()))
-            clash = next(((first, r) for r, e in arrived.items() if "split" not in e and r in members), None)
-        if clash is not None:
-            a, b = clash
-            raise StrictCollectiveError(f"strict collectives: {k} of the world: {_describe(a, arrived[a])} "
-                                        f"while {_describe(b, arrived[b])}; {rule}")
-        if not missing:
-            return
-        gone = [r for r in missing if store.check([f"gone/{r}"])]
-        blocked = gone or [r for r in missing if _blocked(store, r)]
-        if blocked or time.monotonic() > deadline:
-            why = ("left the world (destroyed its process group)" if gone else "is blocked in a strict operation "
-                   "instead" if blocked else f"did not arrive in {timeout_s:.0f}s")
-            culprits = blocked or missing
-            raise StrictCollectiveError(
-                f"strict collectives: {k} of the world: {_describe(me, entry)}, but rank(s) {culprits} "
-                f"never took part ({why}); {rule}: make every rank create it (idle workers too), or create a "
-                "group only its members call with use_local_synchronization=True and a gloo (HOST) backend")
-        time.sleep(POLL_S)
-
-
-def _blocked(store, rank: int) -> bool:
-    """Whether `rank` has published that its host is blocked in a strict operation (raydist.strict.runtime)."""
-    from raydist.strict.runtime import FRESH_S
-
-    key = f"state/{rank}"
-    if not store.check([key]):
-        return False
-    state = json.loads(store.get(key))
-    return bool(state.get("waits")) and time.time() - state["time"] <= FRESH_S
+    state.rendezvous, state.rendezvous_error = (kind, k, world, time.time()), None
+    state.changed()
+    try:
+        while True:
+            missing = [r for r in range(world) if not store.check([keys[r]])]
+            arrived = {r: json.loads(store.get(keys[r])) for r in range(world) if r not in missing}
+            firsts: dict[tuple, int] = {}  # each member list posted, with the first rank that posted it
+            for r, e in arrived.items():
+                if "split" in e:
+                    firsts.setdefault(tuple(e["split"]), r)
+            clash = None
+            if len(firsts) > 1:
+                clash = tuple(firsts.values())[:2]
+            elif firsts:
+                members, first = next(iter(firsts.items()))
+                clash = next(((first, r) for r, e in arrived.items() if "split" not in e and r in members), None)
+            if clash is not None:
+                a, b = clash
+                raise StrictCollectiveError(f"strict collectives: {key} of the world: {_describe(a, arrived[a])} "
+                                            f"while {_describe(b, arrived[b])}; {rule}")
+            if not missing:
+                return
+            gone = [r for r in missing if store.check([f"gone/{r}"])]
+            if gone or state.rendezvous_error is not None or time.monotonic() > deadline:
+                why = ("left the world (destroyed its process group)" if gone else
+                       f"did not arrive in {timeout_s:.0f}s" if state.rendezvous_error is None else
+                       f"is blocked where it waits for this rank: {state.rendezvous_error}")
+                raise StrictCollectiveError(
+                    f"strict collectives: {key} of the world: {_describe(me, entry)}, but rank(s) {gone or missing} "
+                    f"never took part ({why}); {rule}: make every rank create it (idle workers too), or create a "
+                    "group only its members call with use_local_synchronization=True and a gloo (HOST) backend")
+            time.sleep(POLL_S)
+    finally:
+        state.rendezvous = None
+        state.changed()

@@ -44,7 +44,9 @@ def _host_tensor_on_device_group() -> list[str]:
     return audit.violations
 
 
-def test_the_audit_catches_a_host_tensor_on_a_device_group():
+def test_the_audit_catches_a_host_tensor_on_a_device_group(plain_gloo):
+    # (the audit records on gloo; under the strict mode the same tensor fails the collective:
+    # tests/unit/test_strict_collectives.py)
     for violations in spawn(_host_tensor_on_device_group, 2):
         assert len(violations) == 1 and "host tensor (1,) torch.int64 on a device group" in violations[0]
 
@@ -71,7 +73,7 @@ def _derived_and_point_to_point() -> list[str]:
     return audit.violations
 
 
-def test_the_audit_follows_host_tensors_and_checks_point_to_point():
+def test_the_audit_follows_host_tensors_and_checks_point_to_point(plain_gloo):
     for rank, violations in enumerate(spawn(_derived_and_point_to_point, 2)):
         p2p = "send" if rank == 0 else "recv"
         assert [v.split(" (")[0] for v in violations] == [
@@ -89,7 +91,12 @@ def _timeouts(raw: dict) -> list[tuple[str, float]]:
 
     Trainer(Config.from_dict(raw), torch.device("cpu")).close()
     out = []
+    from raydist.strict.group import StrictProcessGroup
+
     for group in list(distributed_c10d._world.pg_map):  # every group this rank belongs to (private, test-only)
+        if isinstance(group, StrictProcessGroup):  # the strict mode's device groups: their gloo inside
+            out.append((group.group_name, group.inner.options._timeout.total_seconds()))
+            continue
         backend = group._get_backend(torch.device("cpu"))
         out.append((group.group_name, backend.options._timeout.total_seconds()))
     return out

@@ -340,10 +340,13 @@ def test_the_monitor_fires_once_for_an_op_pending_longer_than_the_collective_tim
         published = m.record()["inflight"]
         assert published["0"]["head"]["seq"] == 5 and published["2"]["head"]["op"] == "batch[isend->1, irecv<-1]"
         assert published["2"]["issued"] == 9
+        assert hang.group_timeout_s(10.0, "nccl") == 10.0  # no monitor watches yet: NCCL's own timeout
         m.start()
+        assert hang.group_timeout_s(10.0, "nccl") > 10.0 + hang.DIAGNOSE_BUDGET_S  # groups made from now on
         assert done.wait(BOUND_S)
         time.sleep(0.3)  # more beats: still once
         m.stop()
+        assert hang.group_timeout_s(10.0, "nccl") == 10.0
         assert [op["seq"] for op in fired] == [9]
         beat = json.loads(m.store.store.data["raydist/hang/rank/0"])
         assert beat["inflight"]["2"]["head"]["seq"] == 9
@@ -361,8 +364,10 @@ def test_group_timeouts_come_after_detection_and_the_diagnosis():
     for timeout_s in (10.0, 20.0, 300.0, 1800.0):
         detected_by = timeout_s + hang.inflight.poll_s(timeout_s, 2.0) + 2.0
         for backend in ("nccl", "cpu:gloo,cuda:nccl", strict.BACKEND):  # they abort the process: watched
-            assert hang.group_timeout_s(timeout_s, backend, 2.0) >= detected_by + hang.DIAGNOSE_BUDGET_S + 5
-        assert hang.group_timeout_s(timeout_s, "gloo", 2.0) == timeout_s  # gloo raises: the exception path
+            later = hang.group_timeout_s(timeout_s, backend, 2.0, monitored=True)
+            assert later >= detected_by + hang.DIAGNOSE_BUDGET_S + 5
+            assert hang.group_timeout_s(timeout_s, backend, 2.0, monitored=False) == timeout_s  # no monitor
+        assert hang.group_timeout_s(timeout_s, "gloo", 2.0, monitored=True) == timeout_s  # gloo raises
 
 
 def test_ray_trains_process_group_gets_the_later_timeout_and_the_recorder_env_on_nccl(monkeypatch):
@@ -373,12 +378,12 @@ def test_ray_trains_process_group_gets_the_later_timeout_and_the_recorder_env_on
     cfg = Config.load(None, ["elastic.collective_timeout_s=20", "monitor.heartbeat_interval_s=2"])
     gpu = torch_config(cfg, use_gpu=True)
     assert gpu.backend == "nccl"
-    assert gpu.timeout_s >= hang.group_timeout_s(20, "nccl", 2.0) > 20 + hang.DIAGNOSE_BUDGET_S
+    assert gpu.timeout_s >= hang.group_timeout_s(20, "nccl", 2.0, monitored=True) > 20 + hang.DIAGNOSE_BUDGET_S
     assert int(gpu.worker_env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     cpu = torch_config(cfg, use_gpu=False)
     assert (cpu.backend, cpu.timeout_s, cpu.worker_env) == ("gloo", 20, {})
     monkeypatch.setenv(strict.ENV, "1")  # the launcher makes it the strict backend, which aborts like NCCL
-    assert torch_config(cfg, use_gpu=False).timeout_s >= hang.group_timeout_s(20, strict.BACKEND, 2.0)
+    assert torch_config(cfg, use_gpu=False).timeout_s >= hang.group_timeout_s(20, strict.BACKEND, 2.0, monitored=True)
 
 
 def test_an_idle_worker_does_not_hang_on_a_stopped_rank_0(blocking):

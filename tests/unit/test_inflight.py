@@ -110,8 +110,9 @@ def _late_peer() -> dict:
     return {"waiting": waiting, "after": inflight.gloo_recorder(), "name": sub.group_name}
 
 
-def test_a_real_dump_of_gloos_recorder_names_the_collective_a_rank_waits_in():
-    """The format is torch's (FlightRecorder<c10::Event>, the same dump_json as NCCL's): read it for real."""
+def test_a_real_dump_of_gloos_recorder_names_the_collective_a_rank_waits_in(plain_gloo):
+    """The format is torch's (FlightRecorder<c10::Event>, the same dump_json as NCCL's): read it for real
+    (plain gloo: under the strict mode the recorder would hold the strict groups' inner gloo operations)."""
     got, _ = spawn(_late_peer, 2, timeout_s=120)
     [op] = got["waiting"]
     assert (op["group"], op["seq"], op["op"], op["ranks"], op["p2p"]) == (got["name"], 2, "all_reduce", [0, 1], False)

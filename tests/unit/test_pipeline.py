@@ -149,13 +149,13 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
         norms.append(float(clip_grad_norm_pipeline(chunks, CLIP, mesh["pp"].get_group())))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        loss = torch.tensor(stats.loss)
+        loss = stats.loss.clone()  # a device tensor: nothing in the step read it
         dist.all_reduce(loss, group=mesh["dp"].get_group())  # mean over dp (tp ranks hold equal losses)
         losses.append(float(loss) / inner)
         busy.append(stats.busy_s)
-    timings = stage_timings(stats, mesh["pp"].get_group())
+    [timings] = stage_timings([stats], mesh["pp"].get_group())
     held_out = token_batch(STEPS)[dp_rank * rows:(dp_rank + 1) * rows].chunk(microbatches)
-    eval_loss = torch.tensor(executor.evaluate([m[:, :-1] for m in held_out], [m[:, 1:] for m in held_out]))
+    eval_loss = executor.evaluate([m[:, :-1] for m in held_out], [m[:, 1:] for m in held_out])
     dist.all_reduce(eval_loss, group=mesh["dp"].get_group())
     params_equal = True
     if tie and pp > 1:  # the two copies of the tied matrix stayed equal
@@ -326,7 +326,7 @@ def test_single_rank_interleaved_equals_plain_model():
                                 activation_shape=(2, SEQ, 32), loss_fn=cross_entropy)
     micro = tokens.chunk(4)
     stats = executor.step([m[:, :-1] for m in micro], [m[:, 1:] for m in micro])
-    assert stats.loss == pytest.approx(loss.item(), rel=1e-5)
+    assert float(stats.loss) == pytest.approx(loss.item(), rel=1e-5)
     got = {n: p.grad for c in chunks for n, p in c.named_parameters()}
     assert got.pop("output.weight") is got["tok_embeddings.weight"]  # one shared matrix on one rank
     assert set(got) == set(expected)

@@ -176,6 +176,23 @@ def test_a_rank_that_skips_a_device_group_creation_is_named(strict_mode):
     assert seconds < 60, seconds
 
 
+def _collective_against_a_creation() -> str:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 creates a group meanwhile, which waits for rank 0
+        dist.new_group([0, 1])
+    else:
+        dist.new_group([0, 1])
+        dist.all_reduce(torch.ones(1))
+    return "finished"
+
+
+def test_a_creation_waiting_for_a_rank_blocked_on_it_is_a_named_deadlock(strict_mode):
+    seconds, error = _expect(_collective_against_a_creation, 2, 120.0)
+    assert "deadlock" in error and "rank 1 waits in the world's split #1" in error, error
+    assert "all_reduce #" in error, error
+    assert seconds < 60, seconds  # the finder, not the 120 s timeout
+
+
 def _gloo_group_made_by_everyone() -> str:
     dist.new_group([0, 1], backend="gloo")  # rank 2 is no member: on a bound world it splits with no color
     dist.new_group([0, 1, 2])
