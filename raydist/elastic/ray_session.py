@@ -231,15 +231,17 @@ class RaySession(Session):
 
 def watch_collectives() -> bool:
     """Whether the monitor watches this worker's in-flight collectives (hang.watched): on NCCL, and under the
-    strict-collectives mode, whose flight record it then reads (registered here, before the first beat)."""
-    if strict.enabled():
+    strict-collectives mode, whose flight record it then reads (registered here, before the first beat; only
+    where the groups are strict ones: on a GPU run the mode is off and NCCL's recorder is read)."""
+    backend = str(dist.get_backend())
+    if strict.BACKEND in backend:
         source = inflight.strict_source()
         if source is None:
-            print(f"warning: rank {dist.get_rank()}: {strict.ENV} is set but raydist.strict.flight is missing: "
-                  "stuck collectives are not watched", flush=True)
+            print(f"warning: rank {dist.get_rank()}: the strict mode's flight record (raydist.strict.flight) is "
+                  "missing: stuck collectives are not watched", flush=True)
             return False
         inflight.register_flight_source("strict", source)
-    return watched(dist.get_backend())
+    return watched(backend)
 
 
 def ray_worker_entry(payload: dict[str, Any]) -> None:
