@@ -29,9 +29,11 @@ class ElasticConfig:
     max_failures: int = 3
     """Restarts after worker or node failures before the run gives up (-1: unlimited)."""
     collective_timeout_s: float = 300.0
-    """A collective that waits longer than this fails (so a dead peer ends in a restart, not a hang); it
-    applies to every process group. A training step, an evaluation or a report to Ray Train that makes no
-    progress for twice as long ends the worker (the step watchdog)."""
+    """A collective that waits longer than this fails (so a dead peer ends in a restart, not a hang): on gloo
+    it raises; on NCCL and under the strict mode raydist's hang monitor ends the worker after naming the
+    rank that never arrived (those groups' own timeout is set later, as a backstop). A training step, an
+    evaluation or a report to Ray Train that makes no progress for twice as long ends the worker (the step
+    watchdog)."""
     startup_timeout_s: float = 900.0
     """The watchdog's limit for a worker's start: building and parallelizing the model, loading the
     checkpoint, and the first step (which waits for the first data)."""
@@ -99,7 +101,7 @@ class MonitorConfig:
     since when) to the process group's store, for hang diagnosis."""
     hang_stacks: bool = True
     """On a hang (a collective timeout or the step watchdog), write every live rank's Python stack with
-    py-spy (Python's own traceback where py-spy cannot attach) to RUN_DIR/logs/hang-<time>/."""
+    py-spy (Python's own traceback where py-spy cannot attach) to RUN_DIR/logs/hang-<time>-rank<r>/."""
     straggler_factor: float = 1.5
     """A rank whose busy time per step (data wait + forward) is at least this many times the median rank's
     for straggler_intervals logged intervals in a row gets a `straggler` event (0: never)."""

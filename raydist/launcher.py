@@ -143,7 +143,7 @@ from raydist.ray_cluster import (RAY_TRAIN_ENV, connect_ray, resolve_use_gpu, wa
 def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False):
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchTrainer
 
     from raydist.elastic import warm
     from raydist.elastic.ray_session import ray_worker_entry
@@ -169,8 +169,10 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
             from raydist.elastic.replica_groups import ReplicaGroupsConfig
 
             torch_config = ReplicaGroupsConfig(dict(LIGHTHOUSE_KWARGS), workers_per_replica(cfg), **backend)
-    else:
-        torch_config = TorchConfig(**backend)
+    else:  # group timeouts after raydist's own hang detection, NCCL's flight recorder on (see there)
+        from raydist.elastic.torch_backend import torch_config as watched_torch_config
+
+        torch_config = watched_torch_config(cfg, use_gpu)
     if strict.enabled() and not use_gpu:  # gloo under NCCL's rules (raydist.strict)
         from raydist.strict.ray_train import strict_torch_config
 

@@ -34,7 +34,7 @@ from raydist.data.readers import make_reader
 from raydist.data.stream import SampleStream, Split
 from raydist.elastic.live import Replicas, live_slice, micro_batch_for
 from raydist.elastic.policy import plan_layout
-from raydist.hang import ACTIONS, doing
+from raydist.hang import ACTIONS, doing, group_timeout_s
 from raydist.kernels import apply_kernels
 from raydist.layout import Layout
 from raydist.metrics.kernels import kernel_calls, kernels_ran
@@ -46,7 +46,8 @@ from raydist.models.init import init_weights, materialize
 from raydist.parallel import ParallelModel, parallelize
 from raydist.peft import apply_peft, check_pipeline_stages, is_adapter, parameter_counts
 from raydist.runner import StepOutput, StepTimings, make_runner
-from raydist.runtime import HOST, keep_large_host_allocations_unpooled, new_group, set_default_timeout, to_device
+from raydist.runtime import (DEVICE, HOST, group_backend, keep_large_host_allocations_unpooled, new_group,
+                             set_default_timeout, to_device)
 
 # the (0-based) step whose pipeline actions are kept for the report, after warm-up (read with the next logged step)
 TIMELINE_STEP = 2
@@ -147,9 +148,12 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         # Groups over the active ranks only (idle workers take part in no collective), both on the host:
         # CPU bookkeeping in the training thread, and the checkpoint writer's thread on a group of its own.
-        # Every group, the mesh's included, times out after elastic.collective_timeout_s.
+        # Every group, the mesh's included, times out after elastic.collective_timeout_s; the mesh's later where
+        # raydist's hang monitor watches and ends a stuck collective itself first (Ray workers on NCCL or under
+        # the strict mode: hang.group_timeout_s).
         timeout_s = cfg.elastic.collective_timeout_s
-        set_default_timeout(timeout_s)
+        device_backend = group_backend(DEVICE, device.type)
+        set_default_timeout(group_timeout_s(timeout_s, device_backend, cfg.monitor.heartbeat_interval_s))
         active = list(range(self.world_size))
         self.group = new_group(active, HOST, device.type, timeout_s)
         self.checkpoint_group = new_group(active, HOST, device.type, timeout_s)

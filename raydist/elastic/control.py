@@ -4,7 +4,9 @@ Ray Train's `report` is a barrier over all workers, so a worker that fits no lay
 exactly when the active ones do. Rank 0 publishes each report in the process group's key-value store
 (`raydist/ctl/<n>`) and a heartbeat (`raydist/ctl/heartbeat`); idle workers follow the messages and
 give up, with an error, if the heartbeat stops for longer than the collective timeout (so a dead rank 0
-ends in a restart, not a hang).
+ends in a restart, not a hang). The store's server lives in rank 0's process: a stopped rank 0 would block
+a follower's store call forever, so every call is bounded (raydist.bounded_store) and a store that does not
+answer counts as a silent rank 0.
 
 `Watchdog` ends this process if the current phase of the worker's life (construction, resume, the first
 step, a step, evaluation, a save, a report to Ray Train) makes no progress within that phase's limit: a hang
@@ -24,12 +26,15 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from raydist.bounded_store import BoundedStore
+
 PREFIX = "raydist/ctl/"
 
 
 class ControlChannel:
     def __init__(self, store: dist.Store, rank: int):
         self.store = store
+        self.bounded = BoundedStore(store)  # a follower's reads (rank 0, the store's host, writes to itself)
         self.rank = rank
         self.sent = 0
 
@@ -50,15 +55,17 @@ class ControlChannel:
         while True:
             key = f"{PREFIX}{index}"
             try:
-                self.store.wait([key], datetime.timedelta(seconds=poll_s))
-            except Exception:  # a timeout: check that rank 0 is still alive
+                self.bounded.wait([key], datetime.timedelta(seconds=poll_s))
+            except Exception:  # a timeout, or no answer: check that rank 0 is still alive
+                if not self.bounded.reachable:  # (a stuck store fails at once: no busy loop)
+                    time.sleep(min(poll_s, 1.0))
                 beat = self._get(f"{PREFIX}heartbeat")
                 if beat != last_beat:
                     last_beat, last_change = beat, time.monotonic()
                 elif time.monotonic() - last_change > timeout_s:
                     raise RuntimeError(f"idle worker: no heartbeat from rank 0 for {timeout_s:.0f}s") from None
                 continue
-            message = json.loads(self.store.get(key))
+            message = json.loads(self.bounded.get(key))
             index += 1
             if message["kind"] == "done":
                 return
@@ -66,8 +73,8 @@ class ControlChannel:
 
     def _get(self, key: str) -> str | None:
         try:
-            self.store.wait([key], datetime.timedelta(seconds=0.1))
-            return self.store.get(key).decode()
+            self.bounded.wait([key], datetime.timedelta(seconds=0.1))
+            return self.bounded.get(key).decode()
         except Exception:
             return None
 

@@ -9,10 +9,16 @@ raydist adds here:
 - committed checkpoints are reported to Ray Train (no upload: they already are on the run's storage);
 - a step watchdog ends a worker whose training stops making progress (`control.Watchdog`), so a hang no
   collective notices becomes a failure Ray Train restarts;
+- where collectives never raise in Python (NCCL, the strict-collectives mode), the hang monitor watches this
+  rank's in-flight collectives (raydist.inflight) and, when one has waited longer than
+  `elastic.collective_timeout_s`, diagnoses and ends the worker, before the group's own (later) timeout
+  aborts it without a word (`hang.group_timeout_s`, given to the groups by the launcher and the Trainer);
 - `launch` and `worker_error` lines in events.jsonl (restart timing, the first error each worker saw);
 - hang diagnosis (`raydist.hang`): every rank publishes what it is doing; when a collective times out or
   the watchdog fires, the rank names the ranks that never arrived, writes every live rank's stack to
-  RUN_DIR/logs/hang-<time>/ and a `hang` event, then fails so that Ray Train restarts the run.
+  RUN_DIR/logs/hang-<time>-rank<r>/ and a `hang` event, then fails so that Ray Train restarts the run. The
+  diagnosis is bounded (hang.DIAGNOSE_BUDGET_S) whatever the rendezvous store does: its server lives in
+  rank 0's process, which may be the stopped one.
 
 With `elastic.live_recovery` each replica is a Ray Train replica group of dp_shard x cp x tp x pp workers
 whose own process group is its world (raydist.elastic.replica_groups), and joins the others through torchft
@@ -27,6 +33,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+import sys
+import threading
 import time
 from typing import Any
 
@@ -37,7 +45,8 @@ from raydist.config import Config
 from raydist.elastic import failures, warm
 from raydist.elastic.control import ControlChannel, Watchdog
 from raydist.elastic.session import Idle, Session, layout_through_store
-from raydist.hang import ACTIONS, HangMonitor, is_hang, track_collectives
+from raydist import inflight, strict
+from raydist.hang import ACTIONS, HangMonitor, is_hang, track_collectives, watched
 from raydist.layout import Layout
 from raydist.metrics.goodput import EventLog, Goodput
 
@@ -50,6 +59,8 @@ class RaySession(Session):
         self.replica = self.identity.replica if self.live else None
         self.rank = dist.get_rank()
         self.channel = ControlChannel(dist.distributed_c10d._get_default_store(), self.rank)
+        self._diagnosis_lock = threading.Lock()
+        self._diagnosed = threading.Event()  # set when this worker's diagnosis is over
         e = cfg.elastic
         step_s = 2 * e.collective_timeout_s
         self.limits = {"start": e.startup_timeout_s, "resume": e.startup_timeout_s,
@@ -62,8 +73,11 @@ class RaySession(Session):
             if self.live:
                 raise RuntimeError("not with live recovery")
             track_collectives()
+            watch = watch_collectives()
             self.monitor = HangMonitor(self.rank, dist.get_world_size(), run_dir, cfg.monitor.heartbeat_interval_s,
-                                       cfg.monitor.hang_stacks, on_hang=self._hang_event).start()
+                                       cfg.monitor.hang_stacks, on_hang=self._hang_event, flight=watch,
+                                       collective_timeout_s=e.collective_timeout_s if watch else None,
+                                       on_stuck=self._collective_stuck).start()
         except Exception as exc:
             if not self.live:
                 print(f"warning: rank {self.rank}: hang monitoring is off ({type(exc).__name__}: {exc})", flush=True)
@@ -71,7 +85,6 @@ class RaySession(Session):
         self.watchdog = Watchdog(self.limits["start"], phase="start", on_hang=self._watchdog_fired).start()
         self.heartbeat_interval_s = heartbeat_interval_s
         self._last_beat = 0.0
-        self._diagnosed = False
         self.timings: dict[str, float | None] = {}  # this worker process's start, the train function's entry
         self._spares_due = 0.0  # time.monotonic() of the next spares top-up (inf: none)
         self._spares_thread = None
@@ -101,23 +114,49 @@ class RaySession(Session):
         self._spares_thread = threading.Thread(target=ask, daemon=True, name="raydist-spares")
         self._spares_thread.start()
 
-    def _diagnose(self, trigger: str, error: BaseException | None = None) -> None:
-        if self.monitor is None or self._diagnosed:
+    def _diagnose(self, trigger: str, error: BaseException | None = None, stuck: dict | None = None) -> None:
+        """Once per worker, whoever asks first (a collective's exception, the monitor, the watchdog); a later
+        caller waits for that diagnosis to end (it is bounded) instead of starting another."""
+        if self.monitor is None:
             return
-        self._diagnosed = True
+        if not self._diagnosis_lock.acquire(blocking=False):
+            self._diagnosed.wait(self.monitor.budget_s + 5.0)
+            return
         try:
-            self.monitor.diagnose(trigger, error)
+            self.monitor.diagnose(trigger, error, stuck)
         except Exception as exc:  # the diagnosis must never hide the failure itself
             print(f"warning: rank {self.rank}: hang diagnosis failed ({type(exc).__name__}: {exc})", flush=True)
+        finally:
+            self._diagnosed.set()
 
     def _hang_event(self, diagnosis: dict) -> None:
         run_event(self.run_dir, self.start_time, "hang", step=ACTIONS.step, rank=self.rank,
                   trigger=diagnosis["trigger"], culprits=diagnosis["culprits"], waiting=diagnosis["waiting"],
-                  stacks=diagnosis["stacks"], stacks_written=diagnosis["stacks_written"])
+                  collective=diagnosis.get("collective"), store_reachable=diagnosis.get("store_reachable"),
+                  stacks=diagnosis["stacks"], stacks_written=diagnosis["stacks_written"],
+                  **({"incomplete": diagnosis["incomplete"]} if diagnosis.get("incomplete") else {}))
 
     def _watchdog_fired(self) -> None:
         self._diagnose(f"watchdog: no progress in phase '{self.watchdog.name}' for {self.watchdog.timeout_s:.0f}s")
         self.watchdog._exit()
+
+    def _collective_stuck(self, op: dict) -> None:
+        """The monitor saw `op` pending longer than elastic.collective_timeout_s (its thread calls this): a
+        thread of its own diagnoses and ends the worker, so the monitor keeps beating and answering the
+        diagnoser's stack request meanwhile."""
+        waited = time.time() - op["since"]
+        trigger = (f"collective stuck: {inflight.describe_op(op)} pending for {waited:.0f}s "
+                   f"(elastic.collective_timeout_s={self.cfg.elastic.collective_timeout_s:g})")
+        threading.Thread(target=self._end_stuck, args=(trigger, op), daemon=True, name="raydist-hang").start()
+
+    def _end_stuck(self, trigger: str, op: dict) -> None:
+        self.watchdog.stop()
+        self._diagnose(trigger, stuck=op)
+        run_event(self.run_dir, self.start_time, "worker_error", rank=self.rank, error=trigger[:300],
+                  deterministic=False)
+        print(f"error: rank {self.rank}: {trigger}; ending this worker so the run restarts", file=sys.stderr,
+              flush=True)
+        os._exit(Watchdog.EXIT_CODE)
 
     def share_layout(self, cfg: Config) -> Layout:
         # through the store: the world group may be bound to the GPU only after every rank knows whether
@@ -188,6 +227,21 @@ class RaySession(Session):
         self._fill_spares()
         self.channel.follow(lambda m: ray.train.report(m["metrics"], checkpoint=None),
                             self.cfg.elastic.collective_timeout_s)
+
+
+def watch_collectives() -> bool:
+    """Whether the monitor watches this worker's in-flight collectives (hang.watched): on NCCL, and under the
+    strict-collectives mode, whose flight record it then reads (registered here, before the first beat; only
+    where the groups are strict ones: on a GPU run the mode is off and NCCL's recorder is read)."""
+    backend = str(dist.get_backend())
+    if strict.BACKEND in backend:
+        source = inflight.strict_source()
+        if source is None:
+            print(f"warning: rank {dist.get_rank()}: the strict mode's flight record (raydist.strict.flight) is "
+                  "missing: stuck collectives are not watched", flush=True)
+            return False
+        inflight.register_flight_source("strict", source)
+    return watched(backend)
 
 
 def ray_worker_entry(payload: dict[str, Any]) -> None:
