@@ -45,7 +45,7 @@ class Deadlock:
 
 
 def _describe(op: list) -> str:
-    kind, name, n, peer, tag = op
+    kind, name, n, peer = op[:4]
     if kind == "coll":
         return f"{name} #{n}"
     return f"{name} {'to' if kind == 'send' else 'from'} rank {peer} (message {n} of the pair)"
@@ -58,7 +58,7 @@ def _unit_text(unit: dict) -> str:
 
 def _counterpart(op: list, me: int) -> tuple[str, int, int]:
     """What matches `op` (issued by rank `me`) on its peer: (kind, n, peer-of-the-counterpart)."""
-    kind, _, n, peer, _ = op
+    kind, _, n = op[:3]
     if kind == "send":
         return "recv", n, me
     if kind == "recv":
@@ -168,3 +168,27 @@ def _unit(state: dict, group: str, uid: int) -> dict:
         if unit["id"] == uid:
             return unit
     return {"ops": [["?", "an operation", uid, -1, 0]]}
+
+
+def mismatch(states: dict[int, dict], me: int) -> tuple[str, list[str]] | None:
+    """Two members of a group whose pending collectives of the same sequence number differ (kind or size),
+    one of them rank `me`: (the message, the groups of `me` it breaks), or None. Collectives are otherwise
+    compared by their fingerprints every few operations (raydist.strict.group); this names a mismatch that
+    hangs before that."""
+    mine = states.get(me, {}).get("groups", {})
+    for name, group in mine.items():
+        for unit in group["units"]:
+            for op in unit["ops"]:
+                if op[0] != "coll":
+                    continue
+                for q in group["ranks"]:
+                    theirs = states.get(q, {}).get("groups", {}).get(name) if q != me else None
+                    for other in (o for u in (theirs or {}).get("units", []) for o in u["ops"]):
+                        if other[0] == "coll" and other[2] == op[2] and (other[1], other[5:]) != (op[1], op[5:]):
+                            size = lambda o: f" ({o[5]})" if len(o) > 5 and o[5] else ""  # noqa: E731
+                            return (f"strict collectives: group '{name}' (ranks {group['ranks']}): rank {me} issued "
+                                    f"{op[1]} #{op[2]}{size(op)} where rank {q} issued {other[1]} #{other[2]}"
+                                    f"{size(other)}; NCCL needs every member to issue a group's collectives in the "
+                                    "same order with the same kind, dtype, size and root (it would hang or mix the "
+                                    "data)", [name])
+    return None

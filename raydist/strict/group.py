@@ -47,6 +47,9 @@ OPCODES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "r
 # dtypes NCCL carries (bool as uint8); the index is the fingerprint's code
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
           torch.int64, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)
+HEADER_BYTES = 24  # a message's header: tag, numel, dtype code (int64 each)
+CHECK_EACH_UNTIL = 32  # a group's first collectives are each checked before the next runs (setup, short tests)
+CHECK_EVERY = 8  # then the fingerprints of every 8 collectives in one all-gather
 NCCL_REDUCTIONS = (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.MIN, dist.ReduceOp.MAX,
                    dist.ReduceOp.AVG, dist.ReduceOp.PREMUL_SUM)  # (RedOpType values)
 
@@ -79,7 +82,7 @@ class Op:
         return f"{self.name} {arrow} (message {self.n} of the pair, tag {self.tag}, {self.size})"
 
     def state(self) -> list:
-        return [self.kind, self.name, self.n, self.peer, self.tag]
+        return [self.kind, self.name, self.n, self.peer, self.tag, self.size]
 
 
 class CommFailure(Exception):
@@ -161,6 +164,7 @@ class StrictProcessGroup(dist.ProcessGroup):
         self._collectives = 0
         self._issued: dict[tuple[str, int], int] = collections.defaultdict(int)  # (send|recv, peer group rank)
         self.completed = {"coll": 0, "send": collections.Counter(), "recv": collections.Counter()}
+        self._unchecked: list[tuple[Op, list[int]]] = []  # collectives run, fingerprints not yet compared
         self.pending: collections.deque[Unit] = collections.deque()  # issued, not completed; [0] runs
         self.broken: StrictCollectiveError | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -241,33 +245,55 @@ class StrictProcessGroup(dist.ProcessGroup):
             fingerprint = [OPCODES.index(name), op.n, dtype, numel, root, reduction]
 
             def execute(unit: Unit) -> None:
-                self._agree(unit, op, fingerprint)
+                self._unchecked.append((op, fingerprint))
+                if op.n <= CHECK_EACH_UNTIL:  # compared before the collective starts (a gloo collective of
+                    self._agree(unit, *self._exchange())  # mismatched sizes may break the connection)
+                    self._wait_inner(unit, run())
+                    return
                 self._wait_inner(unit, run())
+                if len(self._unchecked) >= CHECK_EVERY:
+                    self._agree(unit, *self._exchange())
 
             return Unit(self, uid, [op], execute, outputs)
 
         return self._enqueue(make)
 
-    def _agree(self, unit: Unit, op: Op, mine: list[int]) -> None:
-        """Every member issued the same collective as its n-th on this group, or name who did not."""
+    def _exchange(self):
+        """Start the all-gather of the fingerprints (kind, sequence number, dtype, size, root, reduction) of
+        the collectives run since the last check: (pending, work, rows)."""
+        pending, self._unchecked = self._unchecked, []
         if self.size() == 1:
+            return pending, None, None
+        mine = torch.tensor([fp for _, fp in pending], dtype=torch.int64).reshape(-1)
+        rows = torch.empty(self.size() * mine.numel(), dtype=torch.int64)
+        return pending, self.inner._allgather_base(rows, mine), rows
+
+    def _agree(self, unit: Unit, pending, work, rows) -> None:
+        """Every member issued the same collectives, in the same order, as this rank since the last check;
+        or name the first that differs. Each of the group's first CHECK_EACH_UNTIL collectives is checked
+        before it runs, then every CHECK_EVERY together after they ran: every member checks at the same sequence
+        numbers. A mismatch that hangs in between is named sooner by the deadlock finder
+        (raydist.strict.deadlock.mismatch)."""
+        if work is None:
             return
-        local = torch.tensor(mine, dtype=torch.int64)
-        rows = torch.empty(self.size() * len(mine), dtype=torch.int64)
-        self._wait_inner(unit, self.inner._allgather_base(rows, local))
-        for r, row in enumerate(rows.view(self.size(), len(mine)).tolist()):
-            same = row[:3] == mine[:3] and row[4:] == mine[4:]
-            if same and (row[3] == mine[3] or -1 in (row[3], mine[3])):
-                continue
-            theirs = (f"{OPCODES[row[0]] if 0 <= row[0] < len(OPCODES) else '?'} #{row[1]} ({_dtype_name(row[2])}"
-                      f", {row[3]} elements, root {row[4]}, reduction {row[5]})")
-            ours = (f"{op.name} #{op.n} ({_dtype_name(mine[2])}, {mine[3]} elements, root {mine[4]}, "
-                    f"reduction {mine[5]})")
-            raise StrictCollectiveError(
-                f"strict collectives: {self.describe()}: rank {self.global_ranks[self.rank()]} issued {ours} "
-                f"where rank {self.global_ranks[r]} issued {theirs}; NCCL needs every member to issue a group's "
-                "collectives in the same order with the same kind, dtype, size and root (it would hang or mix "
-                "the data)")
+        width = len(pending[0][1])
+        self._wait_inner(unit, work)
+        every = rows.view(self.size(), len(pending), width).tolist()
+        for i, (op, fp) in enumerate(pending):
+            for r, theirs in enumerate(every):
+                row = theirs[i]
+                same = row[:3] == fp[:3] and row[4:] == fp[4:]
+                if same and (row[3] == fp[3] or -1 in (row[3], fp[3])):
+                    continue
+                other = (f"{OPCODES[row[0]] if 0 <= row[0] < len(OPCODES) else '?'} #{row[1]} "
+                         f"({_dtype_name(row[2])}, {row[3]} elements, root {row[4]}, reduction {row[5]})")
+                ours = (f"{op.name} #{op.n} ({_dtype_name(fp[2])}, {fp[3]} elements, root {fp[4]}, "
+                        f"reduction {fp[5]})")
+                raise StrictCollectiveError(
+                    f"strict collectives: {self.describe()}: rank {self.global_ranks[self.rank()]} issued {ours} "
+                    f"where rank {self.global_ranks[r]} issued {other}; NCCL needs every member to issue a "
+                    "group's collectives in the same order with the same kind, dtype, size and root (it would "
+                    "hang or mix the data)")
 
     def _p2p(self, entries: list[tuple[str, torch.Tensor, int, int]]) -> list[StrictWork]:
         """entries: (send|recv, tensor, peer group rank, caller's tag); one unit."""
@@ -293,37 +319,36 @@ class StrictProcessGroup(dist.ProcessGroup):
         return (n * 2 + int(data)) * 2 + int(sender < receiver)
 
     def _run_p2p(self, unit: Unit, entries: list[tuple[str, torch.Tensor, int, int]]) -> None:
-        """Sends post their header and data at once; each receive takes its header, checks it, then its
-        data: no operation of the unit waits for another of the same unit (NCCL's group semantics)."""
+        """Every operation is posted at once (NCCL's group semantics: none waits for another of the unit). A
+        message is one gloo message: a header (the sender's tag, size, dtype) then the tensor's bytes; the
+        receiver checks the header against what it asked for."""
         me = self.rank()
-        works, headers = [], []
+        works, receives = [], []
         for op, (kind, tensor, peer, tag) in zip(unit.ops, entries):
+            data = _contiguous(tensor).view(-1).view(torch.uint8)
             if kind == "send":
                 header = torch.tensor([tag, tensor.numel(), _dtype_code(tensor.dtype)], dtype=torch.int64)
-                works.append(self.inner.send([header], peer, self._slot(me, peer, op.n, False)))
-                works.append(self.inner.send([_contiguous(tensor)], peer, self._slot(me, peer, op.n, True)))
+                message = torch.cat([header.view(torch.uint8), data])
+                works.append((self.inner.send([message], peer, self._slot(me, peer, op.n, True)), message))
             else:
-                header = torch.empty(3, dtype=torch.int64)
-                headers.append((op, tensor, peer, header, self.inner.recv([header], peer,
-                                                                          self._slot(peer, me, op.n, False))))
-        receives = []
-        for op, tensor, peer, header, work in headers:
+                message = torch.empty(HEADER_BYTES + data.numel(), dtype=torch.uint8)
+                receives.append((op, tensor, message))
+                works.append((self.inner.recv([message], peer, self._slot(peer, me, op.n, True)), message))
+        for work, _ in works:
             self._wait_inner(unit, work)
-            tag, numel, dtype = header.tolist()
+        for op, tensor, message in receives:
+            tag, numel, dtype = message[:HEADER_BYTES].view(torch.int64).tolist()
             if (numel, dtype) != (tensor.numel(), _dtype_code(tensor.dtype)) or tag != op.tag:
                 raise StrictCollectiveError(
                     f"strict collectives: {self.describe()}: rank {self.global_ranks[me]}'s {op.describe()} is "
                     f"matched by rank {op.peer}'s message {op.n} to it, sent with tag {tag}, {numel} elements of "
                     f"{_dtype_name(dtype)}: NCCL matches messages by issue order per pair, not by tag, so the "
                     "two ranks must issue them in the same order")
-            buffer = _contiguous(tensor)
-            receives.append((tensor, buffer))
-            works.append(self.inner.recv([buffer], peer, self._slot(peer, me, op.n, True)))
-        for work in works:
-            self._wait_inner(unit, work)
-        for tensor, buffer in receives:
-            if buffer is not tensor:
-                tensor.copy_(buffer)
+            payload = message[HEADER_BYTES:]
+            if tensor.is_contiguous():
+                tensor.view(-1).view(torch.uint8).copy_(payload)
+            else:
+                tensor.copy_(payload.view(tensor.dtype).view(tensor.shape))
 
     def _wait_inner(self, unit: Unit, work) -> None:
         """Wait for a gloo work within the unit's timeout (from its issue, as NCCL's watchdog counts); a

@@ -122,6 +122,10 @@ class StrictRuntime:
                 self.store.set(f"state/{self.rank}", json.dumps(mine))
                 states = self._read(dist.get_world_size())
                 states[self.rank] = mine
+                differ = deadlock.mismatch(states, self.rank)
+                if differ is not None:
+                    self._fail_groups(*differ)
+                    continue
                 found = deadlock.find(states, me=self.rank)
                 if found is None:
                     suspect = None
@@ -146,6 +150,14 @@ class StrictRuntime:
                 group = self.groups.get(node[2])
                 if group is not None:
                     group.fail(error)
+
+    def _fail_groups(self, message: str, names: list[str]) -> None:
+        print(f"rank {self.rank}: {message}", flush=True)
+        error = StrictCollectiveError(message)
+        for name in names:
+            group = self.groups.get(name)
+            if group is not None:
+                group.fail(error)
 
     def watchdog_abort(self, group, unit, exc: BaseException) -> None:
         from raydist.strict.group import abort_process

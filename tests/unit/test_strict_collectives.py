@@ -138,6 +138,26 @@ def test_a_collective_of_different_sizes_fails(strict_mode):
     assert "4 elements" in error and "5 elements" in error, error
 
 
+def _silent_mismatch_later() -> str:
+    from raydist.strict.group import CHECK_EACH_UNTIL, CHECK_EVERY
+
+    t = torch.ones(4)
+    for _ in range(CHECK_EACH_UNTIL + 3):
+        dist.all_reduce(t)
+    # gloo completes this (same size), each rank reducing differently: the data is silently wrong
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if dist.get_rank() == 0 else dist.ReduceOp.MAX)
+    for _ in range(CHECK_EVERY):
+        dist.all_reduce(t)
+    return "finished"
+
+
+def test_a_mismatch_that_completes_is_named_at_the_next_check(strict_mode):
+    from raydist.strict.group import CHECK_EACH_UNTIL
+
+    _, error = _expect(_silent_mismatch_later)
+    assert f"issued all_reduce #{CHECK_EACH_UNTIL + 4}" in error and "reduction 0" in error and "reduction 4" in error, error
+
+
 def _bitwise() -> str:
     dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.BAND)
     return "finished"
