@@ -195,6 +195,14 @@ def test_main_records_each_part_and_writes_the_json_after_each(tmp_path, monkeyp
     assert written[0] is None and list(written[1]["parts"]) == ["tests"] and list(written[2]["parts"]) == ["tests", "attention"]
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == figures
 
+    # a CUDA test skipped on a CUDA machine (Triton missing, say) fails the tests part
+    monkeypatch.setattr(gpu_suite, "run_tests", part(10, {"exit_status": 0, "passed": 2, "failed": 0, "errors": 0,
+                                                         "skipped": 1, "ray_imports": [], "cases": []}))
+    assert gpu_suite.main(["--out", str(out), "--skip-tests"]) == 1  # (--skip-tests: the benchmarks alone)
+    assert "tests" not in json.loads(out.read_text())["parts"]
+    assert gpu_suite.main(["--out", str(out), "--budget-s", "200"]) == 1
+    assert json.loads(out.read_text())["parts"]["tests"]["status"] == "failed"
+
 
 @needs_triton
 def test_benchmark_code_runs_under_the_interpreter(monkeypatch):
