@@ -112,7 +112,9 @@ def _gpu_suite():
 def test_run_tests_reports_every_gpu_test_skipped_here():
     """What the suite runs (`-m cuda`) is exactly the tests that need CUDA: here all skipped, with the reason."""
     gpu_suite = _gpu_suite()
-    result = gpu_suite.run_tests(gpu_suite.TEST_PATHS, 120)
+    paths = gpu_suite.test_paths()
+    assert paths[-1] == "tests/gpu/test_kernels_cuda.py" and "tests/gpu/test_training_cuda.py" in paths
+    result = gpu_suite.run_tests(paths, 120)
     assert result["exit_status"] == 0 and "error" not in result and result["failed"] == 0 and result["passed"] == 0
     assert result["skipped"] == len(result["cases"]) >= 20
     assert all("needs a CUDA GPU" in case["message"] for case in result["cases"])
