@@ -1,21 +1,41 @@
 """The GPU check suite: one command that checks and measures raydist on a CUDA machine, one JSON of figures.
 
-    python benchmarks/gpu_suite.py [--out gpu_suite.json] [--quick] [--skip-tests]
+    python benchmarks/gpu_suite.py [--out gpu_suite.json] [--json] [--quick] [--skip-tests] [--budget-s 420]
 
-On any CUDA machine, in order:
-1. `pytest tests/gpu`: the Triton kernels against their references in bf16/fp16, `Trainer` + `fit` under a
-   1-rank NCCL group, FSDP2 with bf16 mixed precision, the pipeline executor with a 1-stage schedule, and
-   checkpoints saved from and loaded into GPU memory (counts and every test's outcome go to the JSON);
-2. the kernel benchmark at Llama 3 8B/70B shapes (benchmarks/kernels.py `--llama`): causal GQA attention
-   forward+backward, Triton vs `F.scaled_dot_product_attention`, T = 2k, 4k, 8k; the MLP GEMMs of
-   4096 x 14336 and 8192 x 28672, Triton vs `torch.matmul`; bf16;
-3. the MFU of a Llama-3-8B-shaped block stack (benchmarks/mfu.py), Triton kernels and torch's.
+On a machine with no network and no Ray (the GPU machines this project borrows), from the repository root:
 
-Exit status: 0 when every test passed (or, without CUDA, after the skip), 1 when a test failed; the
-benchmarks' own failures are recorded in the JSON and fail the run too. Without CUDA it prints why it
-skipped and exits 0 (and writes {"skipped": reason} with --out): nothing here means anything on a CPU.
-The suite needs no Ray and no network: it imports none, and the tests prepare a tiny corpus on the fly.
-`--quick` shortens the benchmarks (one sequence length, fewer steps) for a first look.
+    python3 -m pip install -q --no-deps --no-build-isolation -e . && \
+        python3 benchmarks/gpu_suite.py --out $OUT/gpu_suite.json --json
+
+(`--no-build-isolation`: pip's isolated build would download setuptools.) On any CUDA machine, in order,
+each part in its own process under its own time budget:
+1. tests: `pytest -m cuda` on tests/gpu (the kernel tests last: they spend most of their time compiling and
+   autotuning Triton kernels): `Trainer` + `fit` under a 1-rank NCCL group, FSDP2 with bf16 mixed
+   precision, the pipeline executor with a 1-stage schedule, checkpoints saved from and loaded into GPU
+   memory, no host sync on unlogged steps, the Triton kernels against their references in bf16/fp16.
+   Every test's outcome and time go to the JSON, and every attempt to import Ray (blocked, as the GPU
+   machines have none: tests/gpu/no_ray) is listed;
+2. attention: benchmarks/kernels.py's causal GQA attention at the Llama 3 8B/70B heads, forward+backward,
+   Triton vs `F.scaled_dot_product_attention`, T = 2k, 4k, 8k (4k with --quick), bf16;
+3. gemm: the MLP GEMMs of 4096 x 14336 and 8192 x 28672 over 8192 tokens, Triton vs `torch.matmul`, bf16;
+4. mfu: the MFU of a Llama-3-8B-shaped stack of 4 blocks at T = 8192 (benchmarks/mfu.py), Triton kernels
+   and torch's, 10 timed steps (3 with --quick).
+
+Budgets (seconds): tests 270, attention 50, gemm 40, mfu 60, and all together at most --budget-s (420):
+a part that runs out is killed with its processes and recorded as timed out (with the outcomes of the
+tests that finished), and a part with under 15 s of the total left is not started. The JSON is rewritten
+after every part, so a failure or a kill leaves what was measured. So the command ends within about 7.5
+minutes on any machine (budgets plus the interpreter's and pip's start). Estimate on one H100, not yet
+measured there: 5 to 7 minutes, nearly all of it Triton compiling and autotuning (counted from the shapes:
+6-8 autotuning configs per kernel for each dtype, head dim and alignment the tests use make about 200
+kernel builds in tests/gpu and about 60 in the benchmarks, at ~1 s a build), then about 30 s of timed GPU
+work in the benchmarks and the MFU steps; if the tests part runs out of budget on a
+cold Triton cache, the kernel tests (run last) are the ones cut, and the JSON says which finished.
+
+Exit status: 0 when every test passed (none skipped) and every part finished (or, without CUDA, after the skip), 1 when a
+test failed or a part failed or timed out, 2 on bad arguments. Without CUDA it prints why it skipped and
+exits 0 (writing {"skipped": reason} with --out): nothing here means anything on a CPU.
+`--json` ends the output with one line: the figures as JSON.
 """
 
 from __future__ import annotations
@@ -24,15 +44,31 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NO_RAY = ROOT / "tests" / "gpu" / "no_ray"  # a sitecustomize that blocks `import ray` and logs each attempt
+BUDGET_S = {"tests": 270.0, "attention": 50.0, "gemm": 40.0, "mfu": 60.0}
+TOTAL_BUDGET_S = 420.0
+MIN_PART_S = 15.0  # a part is not started with less of the total budget left
+PER_TEST_TIMEOUT_S = 150.0  # pytest-timeout, where installed: one hung test does not eat the whole budget
+BENCHMARKS = ("attention", "gemm", "mfu")
+
+
+def test_paths() -> list[str]:
+    """Every test file of tests/gpu, the kernel tests last: they spend most of their time compiling Triton
+    kernels, so a tests part that runs out of budget cuts them, not the training tests."""
+    files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests" / "gpu").glob("test_*.py"))
+    return sorted(files, key=lambda f: f.endswith("/test_kernels_cuda.py"))
 
 
 def skip_reason() -> str | None:
@@ -64,83 +100,262 @@ def environment() -> dict:
     return info
 
 
-def run_tests(paths: list[str]) -> dict:
-    """pytest on `paths` in a subprocess; counts and every test case's outcome from its JUnit XML."""
+# ---- running a part: a subprocess under a time limit ------------------------------------------------
+
+@dataclass
+class Finished:
+    """How a subprocess ended: exit status (None: killed at the limit), its output lines, seconds, and the
+    Ray imports it (or any process it started) tried."""
+
+    exit_status: int | None
+    lines: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    ray_imports: list[str] = field(default_factory=list)
+
+    @property
+    def timed_out(self) -> bool:
+        return self.exit_status is None
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(self.lines[-n:])
+
+
+def run_limited(cmd: list[str], timeout_s: float) -> Finished:
+    """Runs `cmd` in the repository root in a new process group, echoing its output as it comes; at
+    `timeout_s` the whole group (the forked ranks of a test included) is killed. Whatever the group left
+    running when `cmd` ends is killed too, so a part never outlives its budget. The repository is on its
+    PYTHONPATH (the suite runs without `pip install` too), and so is tests/gpu/no_ray: `import ray` fails
+    in it and in every process it starts, as on the GPU machines, and each attempt is recorded."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ray_log = os.path.join(tmp, "ray_imports.txt")
+        path = os.pathsep.join(p for p in (str(NO_RAY), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        done = _run_group(cmd, timeout_s, dict(os.environ, PYTHONPATH=path, RAYDIST_RAY_IMPORT_LOG=ray_log))
+        if os.path.exists(ray_log):
+            done.ray_imports = sorted(set(Path(ray_log).read_text().splitlines()))
+    return done
+
+
+def _run_group(cmd: list[str], timeout_s: float, env: dict) -> Finished:
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            errors="replace", start_new_session=True)
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        status: int | None = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        status = None
+    _kill_group(proc.pid)
+    proc.wait()
+    reader.join(timeout=10)
+    return Finished(status, lines, round(time.perf_counter() - start, 1))
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # nothing left in the group
+        pass
+
+
+# ---- the parts --------------------------------------------------------------------------------------
+
+def run_tests(paths: list[str], timeout_s: float, marker: str = "cuda") -> dict:
+    """pytest on `paths` (the tests selected by `-m marker`) in a subprocess under `timeout_s`: counts and
+    every test's outcome from its JUnit XML, or, when it was killed at the limit, from its verbose output
+    (the tests that finished); `error` says what went wrong beyond failed tests."""
+    import importlib.util
+
     with tempfile.TemporaryDirectory() as tmp:
         report = os.path.join(tmp, "junit.xml")
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", *paths, "-q", "-rfEs", "-p", "no:cacheprovider",
-                               f"--junitxml={report}"], cwd=ROOT, text=True)
-        wall = time.perf_counter() - start
-        out = {"paths": paths, "exit_status": proc.returncode, "wall_s": round(wall, 1)}
-        if not os.path.exists(report):
-            out["error"] = "pytest wrote no report (did it start? is pytest installed?)"
-            return out
-        cases = []
-        for case in ET.parse(report).getroot().iter("testcase"):
-            outcome, message = "passed", ""
-            for child in case:
-                if child.tag in ("failure", "error", "skipped"):
-                    outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
-                    message = (child.get("message") or "").splitlines()[0][:300] if child.get("message") else ""
-            cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                          "time_s": float(case.get("time") or 0), **({"message": message} if message else {})})
-    for key in ("passed", "failed", "error", "skipped"):
-        out[key] = sum(c["outcome"] == key for c in cases)
+        cmd = [sys.executable, "-m", "pytest", *paths, "-m", marker, "-v", "-rfEs", "-p", "no:cacheprovider",
+               f"--junitxml={report}"]
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            cmd += ["-o", f"timeout={PER_TEST_TIMEOUT_S:g}"]
+        done = run_limited(cmd, timeout_s)
+        wrote_report = os.path.exists(report)
+        cases = _junit_cases(report) if wrote_report else _verbose_cases(done.lines)
+    out: dict = {"paths": paths, "marker": marker, "exit_status": done.exit_status, "wall_s": done.wall_s}
+    if done.timed_out:
+        out["error"] = f"timed out after {timeout_s:.0f} s (the budget); the outcomes of the tests that finished"
+    elif not wrote_report:
+        out["error"] = f"pytest exited with status {done.exit_status} and wrote no report (is pytest installed?)"
+    elif not cases:
+        out["error"] = f"pytest selected no test (-m {marker})"
+    if out.get("error") or done.exit_status != 0:
+        out["output_tail"] = done.tail(40)
+    for outcome, key in (("passed", "passed"), ("failed", "failed"), ("error", "errors"), ("skipped", "skipped")):
+        out[key] = sum(c["outcome"] == outcome for c in cases)
+    out["ray_imports"] = done.ray_imports
     out["cases"] = cases
     return out
 
 
-def run_benchmarks(quick: bool) -> dict:
-    """The kernel benchmark at Llama shapes and the MFU rows; a failure is recorded with its traceback."""
+def _junit_cases(report: str) -> list[dict]:
+    cases = []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        outcome, message = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                message = (child.get("message") or "").splitlines()[0][:300] if child.get("message") else ""
+        cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                      "time_s": round(float(case.get("time") or 0), 2), **({"message": message} if message else {})})
+    return cases
+
+
+def _verbose_cases(lines: list[str]) -> list[dict]:
+    """`path::test[id] PASSED [ 10%]` lines of `pytest -v`."""
+    words = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped"}
+    cases = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and "::" in parts[0] and parts[1] in words:
+            cases.append({"test": parts[0], "outcome": words[parts[1]]})
+    return cases
+
+
+def benchmark(name: str, quick: bool) -> list[dict]:
+    """One benchmark part, in this process (the `--part` child): its rows."""
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import kernels as kernel_bench
     import mfu as mfu_bench
 
-    out: dict = {}
-    seq_lens = [4096] if quick else [2048, 4096, 8192]
-    for name, fn in (("attention", lambda: kernel_bench.llama_attention_rows(seq_lens, torch.bfloat16, 16384)),
-                     ("gemm", lambda: kernel_bench.llama_gemm_rows(8192, torch.bfloat16)),
-                     ("mfu", lambda: mfu_bench.mfu_rows(layers=4, seq_len=8192, batch=1, steps=3 if quick else 10))):
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = {"error": traceback.format_exc()}
-            print(f"gpu_suite: the {name} benchmark failed:\n{out[name]['error']}", flush=True)
-        torch.cuda.empty_cache()
-    return out
+    if name == "attention":
+        return kernel_bench.llama_attention_rows([4096] if quick else [2048, 4096, 8192], torch.bfloat16, 16384)
+    if name == "gemm":
+        return kernel_bench.llama_gemm_rows(8192, torch.bfloat16)
+    if name == "mfu":
+        return mfu_bench.mfu_rows(layers=4, seq_len=8192, batch=1, steps=3 if quick else 10)
+    raise ValueError(f"no benchmark part {name!r}")
+
+
+def run_benchmark(name: str, quick: bool, timeout_s: float) -> dict:
+    """The benchmark part `name` in a child process under `timeout_s`: {"rows": [...]}, or {"error": ...}
+    with the child's last output lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rows_file = os.path.join(tmp, f"{name}.json")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--part-out", rows_file]
+        done = run_limited(cmd + (["--quick"] if quick else []), timeout_s)
+        rows = json.loads(Path(rows_file).read_text()) if done.exit_status == 0 and os.path.exists(rows_file) else None
+    if rows is not None:
+        return {"rows": rows, "wall_s": done.wall_s, "ray_imports": done.ray_imports}
+    why = (f"timed out after {timeout_s:.0f} s (the budget)" if done.timed_out
+           else f"exited with status {done.exit_status}")
+    return {"error": f"the {name} benchmark {why}", "wall_s": done.wall_s, "ray_imports": done.ray_imports,
+            "output_tail": done.tail(30)}
+
+
+# ---- the suite --------------------------------------------------------------------------------------
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one `error:` line and exit 2, as every raydist command
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="", help="write the figures here (JSON), after every part")
+    parser.add_argument("--json", action="store_true", help="end with one line: the figures as JSON")
+    parser.add_argument("--quick", action="store_true", help="one sequence length, fewer timed steps")
+    parser.add_argument("--skip-tests", action="store_true", help="only the benchmarks")
+    parser.add_argument("--budget-s", type=float, default=TOTAL_BUDGET_S,
+                        help=f"seconds for all parts together (default {TOTAL_BUDGET_S:g})")
+    parser.add_argument("--part", choices=BENCHMARKS, help=argparse.SUPPRESS)  # a child: one benchmark
+    parser.add_argument("--part-out", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s:g}")
+    if args.part and not args.part_out:
+        parser.error("--part needs --part-out")
+    out_dir = Path(args.out).resolve().parent if args.out else None
+    if out_dir is not None and not out_dir.is_dir():
+        parser.error(f"--out {args.out}: folder {out_dir} does not exist")
+    return args
+
+
+def write(figures: dict, out: str) -> None:
+    if out:
+        tmp = f"{out}.tmp"
+        Path(tmp).write_text(json.dumps(figures, indent=1))
+        os.replace(tmp, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="", help="write the figures here (JSON)")
-    parser.add_argument("--quick", action="store_true", help="one sequence length, fewer timed steps")
-    parser.add_argument("--skip-tests", action="store_true", help="only the benchmarks")
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
+    if args.part:  # a child process: one benchmark, its rows to --part-out
+        rows = benchmark(args.part, args.quick)
+        Path(args.part_out).write_text(json.dumps(rows))
+        return 0
+    started = time.perf_counter()
     figures: dict = {"suite": "raydist GPU check suite", "environment": environment()}
     reason = skip_reason()
     if reason is not None:
         print(f"gpu_suite: SKIPPED: {reason}")
         figures["skipped"] = reason
-        if args.out:
-            Path(args.out).write_text(json.dumps(figures, indent=1))
-        return 0
+        return finish(figures, args, ok=True)
     env = figures["environment"]
     print(f"gpu_suite: {env['device']} x{env['device_count']}, torch {env['torch']} (CUDA {env['cuda']}), "
-          f"triton {env['triton']}", flush=True)
+          f"triton {env['triton']}; budget {args.budget_s:g} s", flush=True)
+    figures.update(budget_s=args.budget_s, parts={}, benchmarks={})
+    deadline = started + args.budget_s
+    plan = ([] if args.skip_tests else ["tests"]) + list(BENCHMARKS)
     ok = True
-    if not args.skip_tests:
-        figures["tests"] = tests = run_tests(["tests/gpu"])
-        ok = tests["exit_status"] == 0
-        print(f"gpu_suite: tests/gpu: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} failed, "
-              f"{tests.get('error', 0)} errors, {tests.get('skipped', 0)} skipped", flush=True)
-    figures["benchmarks"] = bench = run_benchmarks(args.quick)
-    ok = ok and not any(isinstance(v, dict) and "error" in v for v in bench.values())
+    for name in plan:
+        left = deadline - time.perf_counter()
+        limit = min(BUDGET_S[name], left)
+        if limit < MIN_PART_S:
+            figures["parts"][name] = {"status": "not run", "why": f"{left:.0f} s of the suite's budget left"}
+            print(f"gpu_suite: {name}: not run ({left:.0f} s of the budget left)", flush=True)
+            ok = False
+            continue
+        print(f"gpu_suite: {name} (budget {limit:.0f} s)", flush=True)
+        part_start = time.perf_counter()
+        try:
+            result = run_tests(test_paths(), limit) if name == "tests" else run_benchmark(name, args.quick, limit)
+        except Exception:  # the suite's own failure in a part: recorded, and the next part still runs
+            result = {"error": traceback.format_exc()}
+        if name == "tests":
+            figures["tests"] = result
+            print(f"gpu_suite: tests/gpu: {result.get('passed', 0)} passed, {result.get('failed', 0)} failed, "
+                  f"{result.get('errors', 0)} errors, {result.get('skipped', 0)} skipped", flush=True)
+        else:
+            figures["benchmarks"][name] = result
+        error = result.get("error")
+        # on a CUDA machine every selected test must run: a skip there (Triton missing, say) is a failure
+        passed = error is None and (name != "tests" or (result["exit_status"] == 0 and result["skipped"] == 0))
+        status = "passed" if passed else "timed out" if error and "timed out" in error else "failed"
+        figures["parts"][name] = {"status": status, "wall_s": round(time.perf_counter() - part_start, 1),
+                                  "budget_s": round(limit), "ray_imports": len(result.get("ray_imports", []))}
+        if result.get("ray_imports"):
+            print(f"gpu_suite: {name}: Ray imports tried (blocked): {result['ray_imports']}", flush=True)
+        ok = ok and passed
+        write(figures, args.out)
+    figures["wall_s"] = round(time.perf_counter() - started, 1)
+    return finish(figures, args, ok)
+
+
+def finish(figures: dict, args: argparse.Namespace, ok: bool) -> int:
+    figures["status"] = "skipped" if "skipped" in figures else "passed" if ok else "failed"
+    write(figures, args.out)
     if args.out:
-        Path(args.out).write_text(json.dumps(figures, indent=1))
         print(f"gpu_suite: figures written to {args.out}")
+    if "parts" in figures:
+        print("gpu_suite: " + ", ".join(f"{name} {part['status']}" for name, part in figures["parts"].items())
+              + f"; {figures['status']} in {figures['wall_s']:.0f} s", flush=True)
+    if args.json:
+        print(json.dumps(figures, separators=(",", ":")), flush=True)
     return 0 if ok else 1
 
 

@@ -113,7 +113,7 @@ def measure_mfu(cfg: ModelConfig, seq_len: int, batch: int, *, steps: int = 10, 
         "step_s": seconds, "tokens_per_s": tokens_per_s, "flops_per_token": per_token,
         "head_flops_share": 6.0 * cfg.vocab_size * cfg.d_model / per_token,
         "achieved_tflops": achieved / 1e12, "peak_tflops": peak / 1e12, "peak_source": source,
-        "mfu": achieved / peak if peak else None, "final_loss": float(loss),
+        "mfu": achieved / peak if peak else None, "final_loss": float(loss.detach()),
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
     }
 

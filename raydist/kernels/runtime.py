@@ -52,10 +52,33 @@ def triton_unusable_reason(device: torch.device | str) -> str | None:
     reason = triton_import_error()
     if reason is not None:
         return f"triton is not importable ({reason}); install triton or pick the torch kernels"
-    if device.type == "cuda" or interpreter_requested():
+    if device.type == "cuda":
         return None
+    if interpreter_requested():
+        return interpreter_error()
     return (f"Triton kernels need a CUDA device, got {device.type!r}; set TRITON_INTERPRET=1 to run them "
             "on CPU through Triton's (slow) interpreter, or pick the torch kernels")
+
+
+@functools.lru_cache(maxsize=1)
+def interpreter_error() -> str | None:
+    """None when Triton's CPU interpreter runs raydist's kernels here, else why not, with the fix. Probed
+    once per process with a tiny kernel (kernels/interpreter_probe.py); call it with TRITON_INTERPRET=1."""
+    import numpy as np
+    import triton
+
+    probe = load_kernel_module("interpreter_probe")
+    out = torch.zeros(1, dtype=torch.int32)
+    try:
+        probe.count_tiles[(1,)](out, 4, BLOCK=2)
+        wrong = None if int(out) == 2 else f"a loop of 2 tiles counted {int(out)}"
+    except Exception as exc:  # the interpreter's own failure, whatever its type
+        wrong = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    if wrong is None:
+        return None
+    return (f"Triton {triton.__version__}'s CPU interpreter cannot run the kernels with numpy {np.__version__} "
+            f"({wrong}); Triton 3.9 runs them, and so does Triton 3.6 with numpy < 2.4. Upgrade triton (or "
+            "pin numpy<2.4 for the interpreter), or pick the torch kernels")
 
 
 def require_triton(device: torch.device | str, what: str) -> None:

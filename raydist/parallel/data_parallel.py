@@ -131,14 +131,21 @@ def make_data_parallel(kind: DataParallelKind, mesh: Mesh, device: torch.device,
 
 
 def apply_ddp(module: nn.Module, group, device: torch.device) -> nn.Module:
+    import inspect
+
     from torch.nn.parallel import DistributedDataParallel
 
+    # No buffer sync in forward: the only buffers are the RoPE tables, identical everywhere. torch 2.13
+    # names it `forward_sync_buffers` (and deprecates `broadcast_buffers`); torch 2.11 has only the latter.
+    no_sync = ({"forward_sync_buffers": False}
+               if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+               else {"broadcast_buffers": False})
     return DistributedDataParallel(
         module,
         process_group=group,
         device_ids=[device.index] if device.type == "cuda" else None,
-        forward_sync_buffers=False,  # the only buffers are the RoPE tables, identical everywhere
         gradient_as_bucket_view=True,
+        **no_sync,
     )
 
 
@@ -179,7 +186,7 @@ def fsdp_split_grad_sync(chunks: Sequence[nn.Module]) -> BackwardHook:
     no-sync accumulation does), and after the chunk's last W this runs FSDP's post-backward on every
     parameter group with sync on (the reduce-scatter, HSDP's all-reduce) and its end-of-backward callback
     (waits for the reductions, resets per-step state) - the calls torch.distributed.pipelining's
-    `perform_reduce_grad` makes (private FSDP2 state: `_get_fsdp_state`, `_fsdp_param_groups`)."""
+    `perform_reduce_grad` makes (private FSDP2 state: `_get_fsdp_state`, its parameter groups)."""
 
     def quiet(chunk: nn.Module) -> None:
         chunk.set_requires_gradient_sync(False)
@@ -191,7 +198,7 @@ def fsdp_split_grad_sync(chunks: Sequence[nn.Module]) -> BackwardHook:
     def hook(chunk_index: int, is_last: bool) -> None:
         chunk = chunks[chunk_index]
         state = chunk._get_fsdp_state()
-        groups = [g for s in state._state_ctx.all_states for g in s._fsdp_param_groups]
+        groups = [g for s in state._state_ctx.all_states for g in fsdp_param_groups(s)]
         if not is_last:
             for param in (p for g in groups for p in g.fsdp_params):
                 param.accumulate_unsharded_grad_if_needed()
@@ -205,3 +212,12 @@ def fsdp_split_grad_sync(chunks: Sequence[nn.Module]) -> BackwardHook:
         quiet(chunk)
 
     return hook
+
+
+def fsdp_param_groups(state) -> list:
+    """The parameter groups of one FSDP2 state: `_fsdp_param_groups` (a list, or None) since torch 2.13,
+    `_fsdp_param_group` (one, or None) before."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups or [])
+    group = state._fsdp_param_group
+    return [] if group is None else [group]

@@ -1,52 +1,65 @@
 """The Triton kernels compiled and run on a CUDA GPU: bf16/fp16 and larger shapes than the interpreter allows.
 
-Skipped without CUDA. The oracle is the plain-torch reference computed in fp32 on the GPU from the same
-inputs; tolerances are normalised max errors per dtype, as in tests/unit/test_kernels.py.
+Each test also runs on the CPU, its body unchanged, on a small shape with the kernels under Triton's
+interpreter (TRITON_INTERPRET=1, as tests/unit/test_kernels.py runs them), so that the GPU's test code is
+proven to run; the CUDA cases are skipped without a GPU (tests/gpu/conftest.py). The oracle is the
+plain-torch reference computed in fp32 on the same device from the same inputs; tolerances are normalised
+max errors per dtype, as in tests/unit/test_kernels.py.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from raydist.kernels import runtime
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)"),
-    pytest.mark.skipif(runtime.triton_import_error() is not None,
-                       reason=f"triton not importable: {runtime.triton_import_error()}"),
-]
+pytestmark = pytest.mark.skipif(runtime.triton_import_error() is not None,
+                                reason=f"triton not importable: {runtime.triton_import_error()}")
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+CUDA = pytest.mark.cuda
 
 
 @pytest.fixture(autouse=True)
-def compiled(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # run the compiled kernels, not the interpreter
+def triton_mode(request, monkeypatch):
+    """The compiled kernels on CUDA, the interpreter on the CPU (where it can run them)."""
+    if request.node.callspec.params["device"] == "cuda":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        reason = runtime.triton_unusable_reason("cpu")
+        if reason is not None:
+            pytest.skip(reason)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((x.float() - ref.float()).abs().max() / ref.float().abs().max())
+    x, ref = x.detach().float(), ref.detach().float()
+    return float((x - ref).abs().max() / ref.abs().max())
 
 
-def make(shape, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(shape, device="cuda", dtype=torch.float32, generator=g).to(dtype).requires_grad_()
+def make(shape, dtype, seed, device):
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(shape, device=device, dtype=torch.float32, generator=g).to(dtype).requires_grad_()
 
 
-@pytest.mark.parametrize("b,h,k,t,s,e,causal,dtype", [
-    (2, 8, 2, 1000, 1000, 64, True, torch.bfloat16),  # GQA 4:1, a tail at every block size
-    (1, 4, 4, 2048, 2048, 128, True, torch.float16),
-    (2, 8, 8, 777, 777, 32, False, torch.bfloat16),
-    (1, 4, 2, 513, 1500, 128, False, torch.bfloat16),  # a ring block: T != S
-    (1, 4, 1, 4096, 4096, 64, True, torch.bfloat16),
-    (1, 2, 1, 300, 300, 64, True, torch.float32),  # fp32 in full precision (no TF32)
-    (2, 4, 4, 129, 129, 16, True, torch.float16),
+@pytest.mark.parametrize("device,b,h,k,t,s,e,causal,dtype", [
+    ("cuda", 2, 8, 2, 1000, 1000, 64, True, torch.bfloat16),  # GQA 4:1, a tail at every block size
+    ("cuda", 1, 4, 4, 2048, 2048, 128, True, torch.float16),
+    ("cuda", 2, 8, 8, 777, 777, 32, False, torch.bfloat16),
+    ("cuda", 1, 4, 2, 513, 1500, 128, False, torch.bfloat16),  # a ring block: T != S
+    ("cuda", 1, 4, 1, 4096, 4096, 64, True, torch.bfloat16),
+    ("cuda", 1, 2, 1, 300, 300, 64, True, torch.float32),  # fp32 in full precision (no TF32)
+    ("cuda", 2, 4, 4, 129, 129, 16, True, torch.float16),
+    ("cpu", 1, 4, 2, 33, 33, 32, True, torch.bfloat16),  # GQA 2:1, a masked tail
+    ("cpu", 1, 2, 1, 17, 40, 32, False, torch.float16),  # T != S
 ])
-def test_attention_cuda_matches_reference(b, h, k, t, s, e, causal, dtype):
+def test_attention_cuda_matches_reference(device, b, h, k, t, s, e, causal, dtype):
     from raydist.kernels import attention_reference, flash_attention
 
-    q, kk, v = make((b, h, t, e), dtype, 0), make((b, k, s, e), dtype, 1), make((b, k, s, e), dtype, 2)
-    w_out, w_lse = torch.randn(b, h, t, e, device="cuda"), torch.randn(b, h, t, device="cuda")
+    q, kk, v = (make(shape, dtype, i, device) for i, shape in enumerate([(b, h, t, e), (b, k, s, e), (b, k, s, e)]))
+    w_out, w_lse = torch.randn(b, h, t, e, device=device), torch.randn(b, h, t, device=device)
     out, lse = flash_attention(q, kk, v, causal=causal, return_lse=True)
     grads = torch.autograd.grad((out.float() * w_out).sum() + (lse * w_lse).sum(), (q, kk, v))
     ref_in = [x.detach().float().requires_grad_() for x in (q, kk, v)]
@@ -59,12 +72,13 @@ def test_attention_cuda_matches_reference(b, h, k, t, s, e, causal, dtype):
         assert rel_err(grad, r) < TOL[dtype], name
 
 
-def test_attention_cuda_memory_is_linear_in_sequence_length():
+@pytest.mark.parametrize("device", ["cuda"])  # CUDA's memory statistics: no CPU counterpart
+def test_attention_cuda_memory_is_linear_in_sequence_length(device):
     """Extra memory of forward+backward at 2T is ~2x that at T (O(T)); the scores would make it 4x."""
     from raydist.kernels import flash_attention
 
     def extra_mb(t):
-        q, k, v = (make((1, 8, t, 64), torch.bfloat16, i) for i in range(3))
+        q, k, v = (make((1, 8, t, 64), torch.bfloat16, i, device) for i in range(3))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -77,14 +91,21 @@ def test_attention_cuda_memory_is_linear_in_sequence_length():
     assert large / small < 2.5, (small, large)
 
 
-@pytest.mark.parametrize("activation,dtype", [("none", torch.bfloat16), ("gelu", torch.float16),
-                                              ("silu", torch.bfloat16), ("gelu", torch.float32)])
-def test_linear_cuda_matches_reference(activation, dtype):
+LARGE_LINEAR, SMALL_LINEAR = (3, 1000, 1024, 1536), (2, 33, 64, 48)  # (batch, rows, in, out)
+
+
+@pytest.mark.parametrize("device,shape,activation,dtype", [
+    ("cuda", LARGE_LINEAR, "none", torch.bfloat16), ("cuda", LARGE_LINEAR, "gelu", torch.float16),
+    ("cuda", LARGE_LINEAR, "silu", torch.bfloat16), ("cuda", LARGE_LINEAR, "gelu", torch.float32),
+    ("cpu", SMALL_LINEAR, "gelu", torch.bfloat16), ("cpu", SMALL_LINEAR, "silu", torch.float32),
+])
+def test_linear_cuda_matches_reference(device, shape, activation, dtype):
     from raydist.kernels import linear, linear_reference
 
-    x, w, bias = make((3, 1000, 1024), dtype, 0), make((1536, 1024), dtype, 1), make((1536,), dtype, 2)
+    b, m, k, n = shape
+    x, w, bias = make((b, m, k), dtype, 0, device), make((n, k), dtype, 1, device), make((n,), dtype, 2, device)
     with torch.no_grad():
-        w.mul_(1 / 32)
+        w.mul_(1 / math.sqrt(k))
     out = linear(x, w, bias, activation)
     g = torch.randn_like(out, dtype=torch.float32)
     grads = torch.autograd.grad((out.float() * g).sum(), (x, w, bias))
@@ -96,14 +117,18 @@ def test_linear_cuda_matches_reference(activation, dtype):
         assert rel_err(grad, r) < TOL[dtype], name
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_swiglu_cuda_matches_reference(dtype):
+@pytest.mark.parametrize("device,shape,dtype", [
+    ("cuda", (2, 1023, 512, 1408), torch.bfloat16), ("cuda", (2, 1023, 512, 1408), torch.float16),
+    ("cpu", (1, 33, 64, 96), torch.float16),
+])
+def test_swiglu_cuda_matches_reference(device, shape, dtype):
     from raydist.kernels import swiglu, swiglu_reference
 
-    x, w1, w3 = make((2, 1023, 512), dtype, 0), make((1408, 512), dtype, 1), make((1408, 512), dtype, 2)
+    b, m, d, f = shape
+    x, w1, w3 = make((b, m, d), dtype, 0, device), make((f, d), dtype, 1, device), make((f, d), dtype, 2, device)
     with torch.no_grad():
-        w1.mul_(1 / 16)
-        w3.mul_(1 / 16)
+        w1.mul_(1 / math.sqrt(d))
+        w3.mul_(1 / math.sqrt(d))
     out = swiglu(x, w1, w3)
     g = torch.randn_like(out, dtype=torch.float32)
     grads = torch.autograd.grad((out.float() * g).sum(), (x, w1, w3))
@@ -115,55 +140,76 @@ def test_swiglu_cuda_matches_reference(dtype):
         assert rel_err(grad, r) < TOL[dtype], name
 
 
-def test_model_trains_on_cuda_with_triton_like_torch():
-    """fp32 on the GPU, full-precision matmuls on both sides: the same losses within 1e-4 relative."""
+# The model tests: on CUDA at a size that autotunes real tiles, with `auto` kernels (Triton there); on the
+# CPU a tiny model with the interpreted kernels asked for by name (`auto` means torch's on a CPU).
+MODELS = {"cuda": (dict(num_layers=2, d_model=256, num_heads=4, num_kv_heads=2, ffn_hidden=704, vocab_size=512),
+                   256, 4, ("auto", "auto")),
+          "cpu": (dict(num_layers=1, d_model=64, num_heads=2, num_kv_heads=1, ffn_hidden=96, vocab_size=512),
+                  16, 2, ("triton", "triton"))}  # (model, seq_len, batch, kernels)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_model_trains_on_cuda_with_triton_like_torch(device):
+    """fp32, full-precision matmuls on both sides: the same losses within 1e-4 relative."""
     from raydist.config import KernelsConfig, ModelConfig
     from raydist.kernels import apply_kernels
+    from raydist.metrics.kernels import kernel_calls, kernels_ran
     from raydist.models.gpt import build_model, cross_entropy
 
-    cfg = ModelConfig(num_layers=2, d_model=256, num_heads=4, num_kv_heads=2, ffn_hidden=704, vocab_size=512)
-    device = torch.device("cuda")
+    shape, seq_len, batch, triton = MODELS[device]
+    cfg = ModelConfig(**shape)
+    device = torch.device(device)
 
     def losses(kernels):
-        model = build_model(cfg, 256, seed=0, device=device)
+        model = build_model(cfg, seq_len, seed=0, device=device)
         chosen = apply_kernels(model, kernels, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(1)
-        out = []
+        out, before = [], kernel_calls()
         for _ in range(3):
-            tokens = torch.randint(0, cfg.vocab_size, (4, 257), generator=g).to(device)
+            tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g).to(device)
             loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             out.append(loss.item())
-        return chosen, out
+        return chosen, kernels_ran(since=before), out
 
     precision = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
-        chosen, triton_losses = losses(KernelsConfig("auto", "auto"))
-        _, torch_losses = losses(KernelsConfig("sdpa", "torch"))
+        chosen, ran, triton_losses = losses(KernelsConfig(*triton))
+        _, torch_ran, torch_losses = losses(KernelsConfig("sdpa", "torch"))
     finally:
         torch.set_float32_matmul_precision(precision)
     assert chosen == {"attention": "triton", "matmul": "triton"}
-    for a, b in zip(triton_losses, torch_losses):
-        assert abs(a - b) <= 1e-4 * abs(b)
+    assert set(ran["attention"]) == {"triton"} and set(ran["matmul"]) == {"triton"}, ran  # no fallback
+    assert set(torch_ran["matmul"]) == {"torch"}, torch_ran
+    for a, b in zip(triton_losses, torch_losses, strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), (triton_losses, torch_losses)
 
 
-def test_bf16_autocast_training_step_runs():
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_bf16_autocast_training_step_runs(device):
     """Under bf16 autocast (the default on CUDA) the kernels take bf16 operands and gradients reach fp32."""
     from raydist.config import KernelsConfig, ModelConfig
     from raydist.kernels import apply_kernels
+    from raydist.metrics.kernels import kernel_calls, kernels_ran
     from raydist.models.gpt import build_model, cross_entropy
 
-    cfg = ModelConfig(num_layers=2, d_model=256, num_heads=2, num_kv_heads=1, ffn_hidden=704, vocab_size=512)
-    model = build_model(cfg, 128, seed=0, device="cuda")
-    apply_kernels(model, KernelsConfig("triton", "triton"), "cuda")
-    tokens = torch.randint(0, cfg.vocab_size, (2, 129), device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+    shape, seq_len, batch, _ = MODELS[device]
+    cfg = ModelConfig(**{**shape, "num_heads": 2, "num_kv_heads": 1})
+    model = build_model(cfg, seq_len, seed=0, device=device)
+    apply_kernels(model, KernelsConfig("triton", "triton"), device)
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=device)
+    before = kernel_calls()
+    with torch.autocast(device, dtype=torch.bfloat16):
+        logits = model(tokens[:, :-1])
+        loss = cross_entropy(logits, tokens[:, 1:])
     loss.backward()
+    ran = kernels_ran(since=before)
+    assert logits.dtype == torch.bfloat16  # the head ran in bf16
+    assert set(ran["attention"]) == {"triton"} and set(ran["matmul"]) == {"triton"}, ran
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
-    assert abs(loss.item() - torch.log(torch.tensor(512.0)).item()) < 0.5  # near-uniform at init
+    assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.5  # near-uniform at init

@@ -12,7 +12,8 @@ import torch
 
 from raydist.schedule.clock import ActionClock
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible to torch)")
+
+@pytest.mark.cuda
 def test_cuda_action_times_are_device_times():
     device = torch.device("cuda")
     a = torch.randn(4096, 4096, device=device)

@@ -4,7 +4,9 @@ memory (async saves stage through pinned host memory).
 
 World size 1 everywhere (one GPU is what a check machine has), but with the backends and devices of a real
 run: NCCL initialised eagerly on cuda:0 (`raydist.runtime.spawn(device="cuda")`), CUDA tensors, Triton
-kernels (`kernels = auto` on CUDA), bf16. Skipped without CUDA (tests/gpu/conftest.py).
+kernels (`kernels = auto` on CUDA), bf16. Each test also runs on the CPU (gloo, fp32, torch's kernels: what
+`auto` picks there), so that its body is proven to run; the CUDA cases are skipped without a GPU
+(tests/gpu/conftest.py).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from raydist.runtime import spawn
 from raydist.testing import run_fit, tiny_config
 
 SMALL = dict(num_layers=2, d_model=128, num_heads=2, num_kv_heads=1, ffn_hidden=352, vocab_size=320)  # head dim 64
+# what `kernels = auto` runs on each device
+AUTO_KERNELS = {"cuda": {"attention": "triton", "matmul": "triton"}, "cpu": {"attention": "sdpa", "matmul": "torch"}}
 
 
 def cuda_config(data: str, **sections) -> dict:
-    """tiny_config on the GPU's defaults: bf16 autocast (train.dtype auto), kernels auto (Triton)."""
+    """tiny_config on the device's defaults (train.dtype auto: bf16 autocast on CUDA, fp32 on the CPU;
+    kernels auto: Triton on CUDA)."""
     sections.setdefault("model", SMALL)
     raw = tiny_config(data, **sections)
     raw["train"]["dtype"] = sections.get("train", {}).get("dtype", "auto")
@@ -31,19 +36,20 @@ def cuda_config(data: str, **sections) -> dict:
 # ---- Trainer + fit under NCCL -----------------------------------------------------------------------
 
 
-def test_fit_on_cuda_with_nccl(tiny_data, tmp_path, monkeypatch):
+def test_fit_on_cuda_with_nccl(tiny_data, tmp_path, monkeypatch, device):
     """The whole loop on cuda:0 with an NCCL group: logging (its collectives), evaluation, async checkpoints
     (pinned staging), the final checkpoint and summary; then a run killed after step 7 resumes from its
     newest committed checkpoint in GPU memory and matches the uninterrupted run."""
-    monkeypatch.setenv("RAYDIST_TEST_DEVICE", "cuda")  # run_fit: NCCL, cuda:0
+    monkeypatch.setenv("RAYDIST_TEST_DEVICE", device)  # run_fit: NCCL on cuda:0, or gloo on the CPU
     raw = cuda_config(tiny_data, train={"steps": 8, "eval_every": 4, "eval_batches": 1, "log_every": 2},
                       checkpoint={"every_steps": 2, "async_save": True})
     [reference] = run_fit(raw, 1, str(tmp_path / "reference"))
     summary = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 8
-    assert summary["kernels_selected"] == {"attention": "triton", "matmul": "triton"}
+    expected = AUTO_KERNELS[device]
+    assert summary["kernels_selected"] == expected
     ran = summary["kernels"]
-    assert set(ran["attention"]) == {"triton"} and set(ran["matmul"]) == {"triton"}, ran  # no fallback
+    assert set(ran["attention"]) == {expected["attention"]} and set(ran["matmul"]) == {expected["matmul"]}, ran
     assert summary["final_val_loss"] < summary["first_val_loss"]
     assert all(torch.isfinite(torch.tensor(reference.losses)))
     committed = sorted(p.parent.name for p in (tmp_path / "reference" / "checkpoints").glob("step_*/COMMIT.json"))
@@ -76,24 +82,25 @@ def _fsdp_bf16(steps: int) -> dict:
     from raydist.parallel.data_parallel import FSDP, NoDataParallel
     from raydist.runtime import pick_device
 
-    device = pick_device()
+    device = pick_device()  # cuda:0 under NCCL, else the CPU
     cfg = ModelConfig(**SMALL)
     layout = Layout(micro_batch=2)
     mesh = layout.spec.build(device.type)
-    tokens = torch.randint(0, cfg.vocab_size, (steps, 2, 65), generator=torch.Generator().manual_seed(0)).to(device)
+    # one batch every step: the model memorises it, so the loss must fall (on fresh random tokens it need not)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0)).to(device)
     out = {}
     for name, strategy in (("fsdp", FSDP(mesh, device, torch.bfloat16)),
                            ("autocast", NoDataParallel(mesh, device, torch.bfloat16))):
         model = build_model(cfg, 64, seed=0)
         apply_kernels(model, KernelsConfig(), device)
-        module, loss_fn, _ = _parallelize_module(model, mesh, layout, strategy, device)
+        module, loss_fn = _parallelize_module(model, mesh, layout, strategy, device)
         seen = []
         hook = model.layers["0"].attention.wq.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         before, losses = kernel_calls(), []
-        for step in range(steps):
+        for _ in range(steps):
             with strategy.autocast(device.type):
-                loss = loss_fn(module(tokens[step, :, :-1]), tokens[step, :, 1:])
+                loss = loss_fn(module(tokens[:, :-1]), tokens[:, 1:])
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -105,13 +112,15 @@ def _fsdp_bf16(steps: int) -> dict:
     return out
 
 
-def test_fsdp_bf16_mixed_precision_on_cuda():
-    [result] = spawn(_fsdp_bf16, 1, 3, device="cuda")
+def test_fsdp_bf16_mixed_precision_on_cuda(device):
+    [result] = spawn(_fsdp_bf16, 1, 3, device=device)
     fsdp, autocast = result["fsdp"], result["autocast"]
     assert fsdp["param_type"] == "DTensor" and fsdp["param_dtype"] == "torch.float32"  # fp32 master shards
     assert fsdp["compute_dtype"] == "torch.bfloat16" and autocast["compute_dtype"] == "torch.bfloat16"
-    # FSDP2 hands the blocks plain unsharded tensors in forward: the Triton kernels run, no fallback
-    assert set(fsdp["kernels"]["matmul"]) == {"triton"} and set(fsdp["kernels"]["attention"]) == {"triton"}
+    # FSDP2 hands the blocks plain unsharded tensors in forward: the device's kernels run, no fallback
+    expected = AUTO_KERNELS[device]
+    assert set(fsdp["kernels"]["matmul"]) == {expected["matmul"]}, fsdp["kernels"]
+    assert set(fsdp["kernels"]["attention"]) == {expected["attention"]}, fsdp["kernels"]
     assert fsdp["losses"][-1] < fsdp["losses"][0]
     for a, b in zip(fsdp["losses"], autocast["losses"]):  # two bf16 paths: close, not equal
         assert abs(a - b) <= 2e-2 * abs(b), (fsdp["losses"], autocast["losses"])
@@ -145,10 +154,10 @@ def _pipeline_one_stage(microbatches: int) -> dict:
             "timeline": stats.timeline, "worst_grad_rel": worst}
 
 
-def test_pipeline_executor_one_stage_on_cuda():
+def test_pipeline_executor_one_stage_on_cuda(device):
     """pp needs 2 ranks in a layout, but the executor runs a 1-stage 1F1B schedule (every action local):
     on CUDA it must give the single-process loss and gradients, and time its actions."""
-    [r] = spawn(_pipeline_one_stage, 1, 4, device="cuda")
+    [r] = spawn(_pipeline_one_stage, 1, 4, device=device)
     assert abs(r["loss"] - r["ref_loss"]) <= 1e-4 * abs(r["ref_loss"])
     assert r["worst_grad_rel"] < 1e-3
     assert [(a["kind"], a["microbatch"]) for a in r["timeline"][:2]] == [("F", 0), ("B", 0)]
@@ -160,21 +169,20 @@ def test_pipeline_executor_one_stage_on_cuda():
 
 
 def _checkpoint_roundtrip(raw: dict, run_dir: str, blocking: bool) -> dict:
-    from raydist.checkpoint import CheckpointManager
-    from raydist.checkpoint import manager as manager_module
+    from raydist.checkpoint import CheckpointManager, staging
     from raydist.config import Config
     from raydist.runtime import pick_device
     from raydist.trainer import Trainer
 
     pinned = []
-    real_pinned_copy = manager_module._pinned_copy
+    real_pinned_copy = staging._pinned_copy
 
     def recording(tensor):
         host = real_pinned_copy(tensor)
         pinned.append((host.to_local() if hasattr(host, "to_local") else host).is_pinned())
         return host
 
-    manager_module._pinned_copy = recording
+    staging._pinned_copy = recording  # `stage` (the async save's host copy) looks it up at each call
     device = pick_device()
     cfg = Config.from_dict(raw)
     trainer = Trainer(cfg, device)
@@ -210,13 +218,13 @@ def _moments(trainer) -> dict[tuple[str, str], torch.Tensor]:
 
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["async-pinned", "blocking"])
-def test_checkpoint_save_and_load_from_gpu_memory(tiny_data, tmp_path, blocking):
+def test_checkpoint_save_and_load_from_gpu_memory(tiny_data, tmp_path, blocking, device):
     raw = cuda_config(tiny_data, train={"steps": 4})
-    [r] = spawn(_checkpoint_roundtrip, 1, raw, str(tmp_path), blocking, device="cuda")
-    assert r["device"] == "cuda:0" and r["on_device"]
+    [r] = spawn(_checkpoint_roundtrip, 1, raw, str(tmp_path), blocking, device=device)
+    assert r["device"] == ("cuda:0" if device == "cuda" else "cpu") and r["on_device"]
     assert r["step"] == 2 and r["params_equal"] and r["moments"] > 0 and r["moments_equal"]
-    if blocking:
-        assert r["pinned"] == []  # blocking saves copy as before (pageable)
+    if blocking or device == "cpu":
+        assert r["pinned"] == []  # blocking saves copy as before (pageable), and host tensors need no staging DMA
     else:
         assert r["pinned"] and all(r["pinned"])  # every CUDA tensor went through pinned host memory
 
@@ -239,6 +247,7 @@ def _bind_after_plain_init() -> tuple[bool, str, float]:
     return bound, str(dist.distributed_c10d._get_default_group().bound_device_id), float(x.sum())
 
 
+@pytest.mark.cuda  # NCCL: no CPU counterpart (a gloo group cannot be bound: tests/unit/test_devices.py)
 def test_bind_device_connects_a_plain_nccl_group_eagerly():
     [(bound, device, total)] = spawn(_bind_after_plain_init, 1, device="cuda")
     assert bound and device == "cuda:0" and total == 4.0

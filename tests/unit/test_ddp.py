@@ -75,3 +75,28 @@ def test_each_dp_rank_reads_only_its_row_groups(tiny_data):
             assert 0 < r["bytes"] < 0.8 * _settled_bytes(whole)
         finally:
             whole.close()
+
+
+def test_apply_ddp_turns_buffer_sync_off_under_either_torch_name(monkeypatch):
+    """torch 2.13's DDP takes `forward_sync_buffers` (`broadcast_buffers` deprecated); 2.11's only
+    `broadcast_buffers`: apply_ddp asks the signature and turns the forward's buffer sync off either way."""
+    import torch.nn.parallel
+
+    from raydist.parallel.data_parallel import apply_ddp
+
+    calls = []
+
+    class Ddp213:
+        def __init__(self, module, device_ids=None, broadcast_buffers=None, process_group=None,
+                     gradient_as_bucket_view=False, forward_sync_buffers=None):
+            calls.append({"broadcast_buffers": broadcast_buffers, "forward_sync_buffers": forward_sync_buffers})
+
+    class Ddp211:
+        def __init__(self, module, device_ids=None, broadcast_buffers=True, process_group=None,
+                     gradient_as_bucket_view=False):
+            calls.append({"broadcast_buffers": broadcast_buffers})
+
+    for fake in (Ddp213, Ddp211):
+        monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", fake)
+        apply_ddp(torch.nn.Linear(2, 2), None, torch.device("cpu"))
+    assert calls == [{"broadcast_buffers": None, "forward_sync_buffers": False}, {"broadcast_buffers": False}]

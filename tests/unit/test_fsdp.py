@@ -49,3 +49,19 @@ def test_untied_embedding_and_head_units_equal_single_process(tiny_data, layout,
     [ref] = run_layout(tiny_config(tiny_data, model=model), 1, steps=4)
     for rank in run_layout(tiny_config(tiny_data, model=model, parallel=layout), world, steps=4):
         assert_equivalent(ref, rank)
+
+
+def test_fsdp_param_groups_reads_either_torch_layout():
+    """FSDP2's private state: a list `_fsdp_param_groups` (torch 2.13, None when empty) or one
+    `_fsdp_param_group` (torch 2.11, None when empty); a fresh state of this torch has no group."""
+    import types
+
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    from raydist.parallel.data_parallel import fsdp_param_groups
+
+    assert fsdp_param_groups(types.SimpleNamespace(_fsdp_param_groups=["a", "b"])) == ["a", "b"]
+    assert fsdp_param_groups(types.SimpleNamespace(_fsdp_param_groups=None)) == []
+    assert fsdp_param_groups(types.SimpleNamespace(_fsdp_param_group="a")) == ["a"]
+    assert fsdp_param_groups(types.SimpleNamespace(_fsdp_param_group=None)) == []
+    assert fsdp_param_groups(FSDPState()) == []

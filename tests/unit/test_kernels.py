@@ -31,6 +31,9 @@ TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 @pytest.fixture(autouse=True)
 def interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    reason = runtime.triton_unusable_reason("cpu")  # an interpreter that cannot run them (kernels/runtime.py)
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -216,3 +219,28 @@ def test_import_touches_neither_triton_nor_the_gpu():
             "print('triton' in sys.modules, torch.cuda.is_initialized())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+# ---- the interpreter probe --------------------------------------------------------------------------
+
+def test_interpreter_probe_passes_here_and_names_a_broken_interpreter(monkeypatch):
+    """The probe runs its tiny kernel through this interpreter (this test runs only where the probe passed);
+    an interpreter that raises or miscounts is reported with the versions and the fix."""
+    assert runtime.interpreter_error.__wrapped__() is None
+
+    class Raising:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("TypeError('only 0-dimensional arrays can be converted to Python scalars')")
+            return launch
+
+    class Miscounting:
+        def __getitem__(self, grid):
+            return lambda out, n, BLOCK: out.fill_(3)
+
+    for kernel, says in ((Raising(), "RuntimeError: TypeError('only 0-dimensional"),
+                         (Miscounting(), "a loop of 2 tiles counted 3")):
+        monkeypatch.setattr(runtime, "load_kernel_module", lambda name, k=kernel: type("Probe", (), {"count_tiles": k}))
+        reason = runtime.interpreter_error.__wrapped__()
+        assert reason.startswith("Triton ") and "CPU interpreter cannot run the kernels with numpy" in reason
+        assert says in reason and "pick the torch kernels" in reason

@@ -22,7 +22,8 @@ from raydist.config import ConfigError, ModelConfig
 from raydist.models.gpt import build_model, cross_entropy
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline, split_model
 from raydist.runtime import spawn
-from raydist.parallel.data_parallel import apply_ddp, ddp_grad_sync, fsdp_grad_sync, fsdp_split_grad_sync
+from raydist.parallel.data_parallel import (apply_ddp, ddp_grad_sync, fsdp_grad_sync, fsdp_param_groups,
+                                            fsdp_split_grad_sync)
 from raydist.schedule.actions import placement_of
 from raydist.schedule.executor import PipelineExecutor, stage_timings
 from raydist.schedule.generators import make_schedule
@@ -79,20 +80,24 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
+# FSDP2's gradient reduce-scatter: `dist.reduce_scatter_single` since torch 2.13, `reduce_scatter_tensor` before
+REDUCE_SCATTER = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+
+
 @contextlib.contextmanager
 def _counting_reduce_scatter(counts: list[int]):
-    """Count FSDP2's gradient reduce-scatters (it calls `dist.reduce_scatter_single`) into counts[0]."""
-    original = dist.reduce_scatter_single
+    """Count FSDP2's gradient reduce-scatters (its calls of `dist.<REDUCE_SCATTER>`) into counts[0]."""
+    original = getattr(dist, REDUCE_SCATTER)
 
     def counted(*args, **kwargs):
         counts[0] += 1
         return original(*args, **kwargs)
 
-    dist.reduce_scatter_single = counted
+    setattr(dist, REDUCE_SCATTER, counted)
     try:
         yield
     finally:
-        dist.reduce_scatter_single = original
+        setattr(dist, REDUCE_SCATTER, original)
 
 
 def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: str, num_layers: int,
@@ -166,7 +171,7 @@ def _run_layout(kind: str, pp: int, virtual: int, microbatches: int, dp_mode: st
         params_equal = len(copies) == 2 and bool(torch.equal(copies[0], copies[1]))
     groups = 0  # FSDP2 parameter groups on this rank: one reduce-scatter each per step when synced once
     if dp_mode == "fsdp":
-        groups = sum(len(m._get_fsdp_state()._fsdp_param_groups) for c in chunks for m in c.modules()
+        groups = sum(len(fsdp_param_groups(m._get_fsdp_state())) for c in chunks for m in c.modules()
                      if hasattr(m, "_get_fsdp_state"))
     return {"losses": losses, "norms": norms, "grads": grads, "pp_rank": pp_rank, "reductions": per_step,
             "fsdp_groups": groups,
