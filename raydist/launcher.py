@@ -339,7 +339,9 @@ def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: fl
         # (get_runtime_context() on an uninitialised Ray would start one: only ask a connected driver)
         gcs = ray.get_runtime_context().gcs_address if ray.is_initialized() else address or cfg.ray.address
         where = "an embedded local Ray" if embedded else f"the Ray cluster at {gcs}"
-        log(f"run {lp.run_name}: {lp.num_workers} worker(s), {'GPU/nccl' if use_gpu else 'CPU/gloo'} on {where}; "
+        backend = "GPU/nccl" if use_gpu else "CPU/gloo under NCCL's rules (strict collectives)" if strict.enabled() \
+            else "CPU/gloo"
+        log(f"run {lp.run_name}: {lp.num_workers} worker(s), {backend} on {where}; "
             f"run directory {lp.run_dir}")
         if console.logs_dir:
             log(f"Ray's own output goes to {console.logs_dir}/ (driver.log, workers.log); --verbose shows it here")

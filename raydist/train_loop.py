@@ -263,7 +263,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         kind = "start" if attempt["attempt"] == 1 else "restart"
         events.event(kind, trainer.step, world_size=trainer.world_size, mesh=trainer.layout.degrees(),
                      idle_workers=dist.get_world_size() - trainer.world_size, layout=trainer.layout.reason,
-                     workers=workers, weights=trainer.weights_from, strict_collectives=strict.enabled(), **attempt)
+                     workers=workers, weights=trainer.weights_from, strict_collectives=strict.active(), **attempt)
         previous = (resumed or {}).get("run", {}).get("world_size")
         if previous is not None and previous != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,

@@ -48,6 +48,18 @@ def enabled() -> bool:
     return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def active() -> bool:
+    """Whether this process's world group is a strict one (the mode is on and the run is on CPU: GPU runs
+    keep NCCL itself)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    from raydist.strict.group import StrictProcessGroup
+
+    return isinstance(dist.distributed_c10d._get_default_group(), StrictProcessGroup)
+
+
 def install() -> str:
     """Register the strict backend and its torch.distributed hooks in this process (idempotent); returns
     the backend name to create the default process group with."""

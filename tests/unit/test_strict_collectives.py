@@ -309,3 +309,31 @@ def test_the_mode_is_switched_by_the_environment(monkeypatch):
     monkeypatch.setenv(strict.ENV, "0")
     assert not strict.enabled() and strict.device_backend("cpu") == "gloo"
     assert os.environ[strict.ENV] == "0"
+
+
+# ---- a run says it is under the mode ---------------------------------------------------------------------
+
+
+def _fit_start_event(raw: dict, run_dir: str) -> dict:
+    import json
+
+    from raydist.config import Config
+    from raydist.train_loop import fit
+    from raydist.trainer import Trainer
+
+    fit(Trainer(Config.from_dict(raw), torch.device("cpu")), run_dir, log=lambda *_: None)
+    dist.barrier()
+    with open(os.path.join(run_dir, "events.jsonl")) as f:
+        return next(e for e in map(json.loads, f) if e["kind"] == "start")
+
+
+@pytest.mark.parametrize("on", [True, False], ids=["strict", "gloo"])
+def test_the_start_event_and_console_say_whether_the_run_is_under_the_mode(tiny_data, tmp_path, monkeypatch, on):
+    from raydist.console import describe_event
+    from raydist.testing import tiny_config
+
+    monkeypatch.setenv(strict.ENV, "1" if on else "0")
+    raw = tiny_config(tiny_data, parallel={"dp_shard": 2}, train={"steps": 2, "log_every": 1})
+    start = spawn(_fit_start_event, 2, raw, str(tmp_path / "run"), timeout_s=120)[0]
+    assert start["strict_collectives"] is on
+    assert ("under strict collectives (NCCL's rules on gloo)" in describe_event(start)) is on
