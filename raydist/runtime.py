@@ -230,7 +230,7 @@ def _reread_import_time_settings() -> None:
 
 
 def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
-           threads: int, device: str, env: dict[str, str], stdio: _CallerStdio) -> None:
+           threads: int, device: str, env: dict[str, str], stdio: _CallerStdio, bound: bool) -> None:
     # The caller's environment and standard streams at the time of the call, as a spawned process would
     # inherit them (the fork server's are those of its own start).
     stdio.adopt()
@@ -246,11 +246,11 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
         if device == "cuda":  # NCCL, one GPU per rank, initialised eagerly on it
             torch.cuda.set_device(rank)
             dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=timeout,
-                                    device_id=torch.device("cuda", rank))
+                                    device_id=torch.device("cuda", rank) if bound else None)
         else:  # gloo, or gloo under NCCL's rules (raydist.strict)
             backend = strict.install() if strict.enabled() else "gloo"
             dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-            if strict.enabled():
+            if strict.enabled() and bound:
                 strict.bind()  # as the cuda branch's device_id binds the NCCL world group
         # Plain pickle, not the queue's tensor-sharing pickler: shared-memory handles would die with
         # this process before the parent reads them.
@@ -263,13 +263,16 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, threads: int = 1,
-          device: str = "cpu") -> list[Any]:
+          device: str = "cpu", bound: bool = True) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes with a process group; return results by rank.
     The processes are forks of a fork server (`start_method_context`) and run with this process's
     environment.
 
     `fn` must be importable (a module-level function). A failure on any rank raises with its traceback.
     device: 'cpu' (gloo), 'cuda' (NCCL, rank r on cuda:r) or 'auto' (see `harness_device`).
+    bound: the world group is bound to the rank's device from the start (cuda: `device_id`; the strict mode:
+    `raydist.strict.bind`), so every later group is a split of it; False leaves it unbound, as Ray Train
+    creates it (`bind_device` binds it later).
     """
     device = harness_device(world_size, device)
     ctx = start_method_context()
@@ -277,7 +280,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, t
     port = free_port()
     env = dict(os.environ)
     procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout_s, threads, device,
-                                              env, _CallerStdio()), daemon=False) for r in range(world_size)]
+                                              env, _CallerStdio(), bound), daemon=False) for r in range(world_size)]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}

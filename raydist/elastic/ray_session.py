@@ -44,7 +44,7 @@ import torch.distributed as dist
 from raydist.config import Config
 from raydist.elastic import failures, warm
 from raydist.elastic.control import ControlChannel, Watchdog
-from raydist.elastic.session import Idle, Session, layout_through_store
+from raydist.elastic.session import Idle, Session, bind_when_all_train, layout_through_store
 from raydist import inflight, strict
 from raydist.hang import ACTIONS, HangMonitor, is_hang, track_collectives, watched
 from raydist.layout import Layout
@@ -249,7 +249,6 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     entered = time.time()  # (with the process's start: where a restart's time goes, in the `launch` event)
     import ray.train
 
-    from raydist.runtime import bind_device
     from raydist.train_loop import fit
     from raydist.trainer import Trainer, TrainerOptions
 
@@ -276,11 +275,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     session.driver_node = payload.get("driver_node")
     try:
         started = session.start(cfg)
-        # Bind the world group to the device (NCCL's eager init: later groups are splits of it, which every
-        # world rank must make) only when every worker trains: idle workers build no mesh, so with them the
-        # mesh's groups are made lazily by their members alone. Every rank reaches the same answer.
-        if not isinstance(started, Idle) and started.world_size == dist.get_world_size():
-            bind_device(device)
+        bind_when_all_train(started, device)  # (not with idle workers: they build no mesh to split)
         if isinstance(started, Idle):
             print(f"worker {dist.get_rank()} is idle: {started.reason}", flush=True)
             session.follow()

@@ -64,6 +64,19 @@ def layout_through_store(cfg: Config, store: dist.Store, key: str = "raydist/lay
     return _received(json.loads(store.get(key)))
 
 
+def bind_when_all_train(started: "Layout | Idle", device) -> bool:
+    """Bind the world group to this rank's device (raydist.runtime.bind_device: NCCL's eager init, after
+    which torch makes every new NCCL group by ncclCommSplit, a collective of the whole world) only when
+    every rank trains. Idle workers build no mesh and would leave the active ones blocked in the mesh's
+    splits; with idle workers the mesh's groups are created lazily by their members instead. Every rank
+    reaches the same answer from the layout it received. Returns whether it bound."""
+    from raydist.runtime import bind_device
+
+    if not isinstance(started, Idle) and started.world_size == dist.get_world_size():
+        return bind_device(device)
+    return False
+
+
 class Session:
     """The interface, with no-op defaults."""
 

@@ -22,11 +22,11 @@ def strict_mode(monkeypatch):
     monkeypatch.setenv(strict.ENV, "1")
 
 
-def _expect(fn, world=2, timeout_s=60.0, *args):
+def _expect(fn, world=2, timeout_s=60.0, *args, **kwargs):
     """Run `fn` under the mode; return (seconds, error text) of the failure it must end in."""
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
-        spawn(fn, world, *args, timeout_s=timeout_s)
+        spawn(fn, world, *args, timeout_s=timeout_s, **kwargs)
     return time.monotonic() - start, str(info.value)
 
 
@@ -337,3 +337,44 @@ def test_the_start_event_and_console_say_whether_the_run_is_under_the_mode(tiny_
     start = spawn(_fit_start_event, 2, raw, str(tmp_path / "run"), timeout_s=120)[0]
     assert start["strict_collectives"] is on
     assert ("under strict collectives (NCCL's rules on gloo)" in describe_event(start)) is on
+
+
+# ---- elastic runs with idle workers: the world is bound only when every rank trains ------------------------
+
+
+def _elastic_with_an_idle_rank(data: str, bind_first: bool) -> str:
+    from raydist.config import Config
+    from raydist.elastic.session import Idle, LocalSession, bind_when_all_train
+    from raydist.runtime import bind_device
+    from raydist.testing import tiny_config
+    from raydist.trainer import Trainer
+
+    raw = tiny_config(data, parallel={"dp_replicate": -1, "dp_shard": 1}, train={"steps": 2, "global_batch": 8},
+                      elastic={"min_workers": 2, "max_workers": 3})
+    cfg = Config.from_dict(raw)
+    device = torch.device("cpu")
+    if bind_first:  # what Ray workers did: bind, then learn that one of three idles (dp 3 divides no batch of 8)
+        bind_device(device)
+    started = LocalSession().start(cfg)
+    if not bind_first:
+        bind_when_all_train(started, device)
+    if isinstance(started, Idle):
+        return "idle"
+    trainer = Trainer(cfg, device, started)
+    for _ in range(2):
+        trainer.train_step()
+    trainer.close()
+    dist.barrier(group=trainer.group)
+    return "trained"
+
+
+@pytest.mark.parametrize("bind_first", [True, False], ids=["bound-before-the-layout", "bound-when-all-train"])
+def test_an_elastic_run_with_an_idle_worker(strict_mode, tiny_data, bind_first):
+    """Ray Train creates the world unbound (spawn's bound=False); the workers used to bind it before they
+    knew one of them idles, then the active ones built the mesh alone."""
+    if bind_first:
+        _, error = _expect(_elastic_with_an_idle_rank, 3, 30.0, tiny_data, True, bound=False)
+        assert "rank(s) [2] never took part" in error and "ncclCommSplit" in error, error
+    else:
+        assert spawn(_elastic_with_an_idle_rank, 3, tiny_data, False, timeout_s=60, bound=False) == [
+            "trained", "trained", "idle"]
