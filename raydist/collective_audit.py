@@ -72,6 +72,12 @@ class _MarkHostTensors(TorchFunctionMode):
         return out
 
 
+def marking_host_tensors() -> TorchFunctionMode:
+    """The marking alone, as a context manager: under the strict-collectives mode (raydist.strict) a marked
+    tensor on a device group fails the collective, as NCCL would refuse it."""
+    return _MarkHostTensors()
+
+
 def _tensors(value: Any):
     if isinstance(value, torch.Tensor):
         yield value

@@ -409,6 +409,9 @@ class HostSyncCounter:
             path = frame.f_code.co_filename.replace("\\", "/")
             if "/torch/optim/" in path:
                 return
+            if path.endswith("/raydist/collective_audit.py"):  # the strict mode's host-tensor marking passes
+                frame = frame.f_back                            # calls on: the caller is further out
+                continue
             if "/raydist/" in path or "/tests/" in path:
                 name = path.rsplit("/raydist/", 1)[-1] if "/raydist/" in path else path.rsplit("/", 1)[-1]
                 where = f"{name}:{frame.f_lineno}"

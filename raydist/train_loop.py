@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from raydist import strict
+from raydist.collective_audit import marking_host_tensors
 from raydist.checkpoint import CheckpointManager, compat
 from raydist.checkpoint.manager import read_extra
 from raydist.elastic.session import LocalSession, Session
@@ -209,8 +211,12 @@ def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
     rank0 = dist.get_rank() == 0
     # rank 0's progress.json, metrics and event lines are written by one background thread, off the step
     bookkeeping = BackgroundWriter() if run_dir and rank0 else None
+    # under NCCL's rules on the CPU, tensors made without a device are host tensors, which fail on a device
+    # group as NCCL refuses CPU tensors (raydist.strict, raydist.collective_audit)
+    marking = marking_host_tensors() if strict.active() else contextlib.nullcontext()
     try:
-        summary = _fit(trainer, run_dir, session, log, bookkeeping)
+        with marking:
+            summary = _fit(trainer, run_dir, session, log, bookkeeping)
     except BaseException:
         if bookkeeping is not None:
             try:

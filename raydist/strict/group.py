@@ -1,30 +1,40 @@
 """`StrictProcessGroup`: a process group over gloo that runs its operations as NCCL runs them.
 
-Each group holds a gloo process group (`inner`) and one stream thread. Every operation the group is asked
-for becomes a `Unit` (one collective, one send or receive, or one `batch_isend_irecv` batch) appended to the
-group's queue under a lock, so issue order is queue order; the stream thread runs the units one at a time:
+Each group holds two gloo process groups (`inner` for the operations, `side` for the collectives'
+fingerprints) and a queue: every operation the group is asked for becomes a `Unit` (one collective, one
+send or receive, or one `batch_isend_irecv` batch) appended under a lock, so issue order is queue order,
+and only the queue's head runs (NCCL's one stream per communicator). A unit starts when it becomes the
+head, from the thread that made it so: the issuing host when the stream was idle, else the thread that
+completed the unit before it. So a synchronous collective on an idle group costs no thread hand-off beyond
+gloo's own.
 
-    collective:  allgather of a fingerprint (kind, sequence number, dtype, size, root, reduction) over the
-                 members, compared; then the gloo collective, waited
-    point-to-point batch:  each send first sends a header (its tag, size, dtype), each receive takes its
-                 header and compares; then every op's data is posted and the unit waits for all of them
-                 (gloo's sends do not complete before their receive is posted: no buffering). Messages go
-                 on gloo tags made from the message's index on its (sender, receiver) pair, so they match
-                 by issue order per pair whatever the caller's tags, as on NCCL
+    collective:  the gloo collective, and for the group's first CHECK_EACH_UNTIL collectives (then every
+                 CHECK_EVERY) an all-gather of the fingerprints (kind, sequence number, dtype, size, root,
+                 reduction) over the side group; gloo's worker threads complete both, the fingerprints are
+                 compared as soon as they arrive (a mismatch fails the unit without waiting for the
+                 collective, which a mismatch may hang)
+    point-to-point batch:  every send and receive posted at once (none of the unit waits for another, as in
+                 an NCCL group call), each message one gloo message of a header (the sender's tag, size,
+                 dtype) and the data, on a gloo tag made from the message's index on its (sender, receiver)
+                 pair, so messages match by issue order per pair whatever the caller's tags; the receiver
+                 checks the header. gloo completes sends and receives only while something waits for them,
+                 so these units run on the group's waiter thread; gloo's TCP sends do not complete before
+                 their receive is posted: nothing buffers
 
 A unit's `Work` is waited on by the host (`StrictWork.wait`), or its future is read by DDP's reducer and
 torch's functional collectives (the trampoline of torch's Python ProcessGroup routes them here).
 
-Timeouts: a unit still running `timeout` after it was issued ends the process (os.abort after one line on
-stderr and the rank's pending operations), as ProcessGroupNCCL's watchdog does. A unit that the deadlock
-finder fails (raydist.strict.runtime) raises `StrictCollectiveError` in the waiting host instead, naming
-the cycle, and the group stays broken (a communicator that failed stays failed).
+Timeouts: an operation not done at the group's timeout ends the process (os.abort after one line on stderr
+and the rank's pending operations), as ProcessGroupNCCL's watchdog does; so does a lost peer. A unit that the
+deadlock finder fails (raydist.strict.runtime) raises `StrictCollectiveError` in the waiting host instead,
+naming the cycle, and the group stays broken (a communicator that failed stays failed).
 """
 
 from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import os
 import queue
 import sys
@@ -73,7 +83,13 @@ class Op:
     n: int
     peer: int = -1
     tag: int = 0
-    size: str = ""  # shape and dtype, for messages
+    shape: tuple = ()
+    dtype: torch.dtype | None = None
+
+    @property
+    def size(self) -> str:
+        """Shape and dtype, formatted only when a message or a state needs them."""
+        return f"{tuple(self.shape)} {str(self.dtype).replace('torch.', '')}" if self.dtype is not None else ""
 
     def describe(self) -> str:
         if self.kind == "coll":
@@ -90,36 +106,71 @@ class CommFailure(Exception):
 
 
 class Unit:
-    """What the stream runs as one: a collective, one send/receive, or one batch of them."""
+    """What the stream runs as one: a collective, one send/receive, or one batch of them.
 
-    def __init__(self, group: "StrictProcessGroup", uid: int, ops: list[Op], run: Callable[["Unit"], None],
-                 outputs: list[torch.Tensor]):
-        self.group, self.id, self.ops, self.run, self.outputs = group, uid, ops, run, outputs
+    A collective's `post()` starts its gloo operations (whichever thread makes it the stream's head: the
+    issuing host, or the thread that completed the unit before it) and gloo's worker threads complete them,
+    after which `check()` runs; a point-to-point unit's `run()` runs on the group's waiter thread (gloo
+    completes a send or a receive only while something waits for it)."""
+
+    def __init__(self, group: "StrictProcessGroup", uid: int, ops: list[Op], outputs: list[torch.Tensor], *,
+                 post: Callable[["Unit"], list] | None = None, run: Callable[["Unit"], None] | None = None):
+        self.group, self.id, self.ops, self.outputs = group, uid, ops, outputs
+        self.post, self.run = post, run
+        self.fingerprints: tuple | None = None  # (the side group's all-gather, its check), when checked
         self.issued = time.time()
+        self.claimed = False  # made the stream's head by some thread (under the group's lock)
         self.started: float | None = None
+        self.left = 0  # gloo parts not completed
         self.done = threading.Event()
         self.error: BaseException | None = None
-        self.future: Future = Future()
+        self._future: Future | None = None
+        self._future_lock = threading.Lock()
 
     def describe(self) -> str:
         if len(self.ops) == 1:
             return self.ops[0].describe()
         return "batch [" + ", ".join(op.describe() for op in self.ops) + "]"
 
+    @property
+    def future(self) -> Future:
+        """Made when first asked for (DDP's reducer and functional collectives ask; most callers wait)."""
+        with self._future_lock:
+            if self._future is None:
+                self._future = Future()
+                if self.done.is_set():
+                    self._settle(self._future)
+            return self._future
+
+    def _settle(self, future: Future) -> None:
+        if self.error is None:
+            future.set_result(self.outputs)
+        else:
+            future.set_exception(self.error)
+
     def finish(self, error: BaseException | None) -> bool:
         """Complete (or fail) once; False if it already was."""
-        if self.done.is_set():
-            return False
-        self.error = error
-        self.done.set()
-        if error is None:
-            self.future.set_result(self.outputs)
-        else:
-            self.future.set_exception(error)
+        with self._future_lock:
+            if self.done.is_set():
+                return False
+            self.error = error
+            self.done.set()
+            future = self._future
+        if future is not None:
+            self._settle(future)
         return True
 
     def state(self) -> dict:
         return {"id": self.id, "started": self.started is not None, "ops": [op.state() for op in self.ops]}
+
+
+@dataclass
+class _Part:
+    """A collective's gloo work that has no future (the waiter thread waits for it)."""
+
+    unit: Unit
+    work: object
+    check: Callable[[], None] | None
 
 
 class StrictWork(dist.Work):
@@ -156,6 +207,8 @@ class StrictProcessGroup(dist.ProcessGroup):
         self.global_ranks = list(global_ranks) or list(range(size))
         self.timeout = timeout
         self.inner = dist.ProcessGroupGloo(dist.PrefixStore("strict_gloo/", store), rank, size, timeout)
+        # the collectives' fingerprints travel on connections of their own (see _collective)
+        self.side = dist.ProcessGroupGloo(dist.PrefixStore("strict_side/", store), rank, size, timeout)
         self.runtime = runtime_for(store, self.global_ranks[rank], world=not global_ranks)
         if not global_ranks:
             self.runtime.world_group = self
@@ -168,7 +221,7 @@ class StrictProcessGroup(dist.ProcessGroup):
         self.pending: collections.deque[Unit] = collections.deque()  # issued, not completed; [0] runs
         self.broken: StrictCollectiveError | None = None
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"raydist-strict-{name}")
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"raydist-strict-p2p-{name}")
         self._thread.start()
         self.runtime.register(self)
 
@@ -228,56 +281,135 @@ class StrictProcessGroup(dist.ProcessGroup):
             self._units += 1
             unit = make(self._units)
             self.pending.append(unit)
-            self._queue.put(unit)
+            head = len(self.pending) == 1
+            unit.claimed = head
         self.runtime.changed()
+        if head:  # nothing runs on the stream: it starts now, from this thread
+            self._start(unit)
         return StrictWork(unit)
 
+    def _start(self, unit: Unit) -> None:
+        """`unit` is the stream's head (claimed by this thread): start it."""
+        unit.started = time.time()
+        self.runtime.changed()
+        if self.broken is not None:
+            self._complete(unit, self.broken)
+            return
+        if unit.post is None:
+            self._queue.put(unit)  # point-to-point: the waiter thread
+            return
+        try:
+            parts = unit.post(unit)
+        except Exception as exc:  # refused on issue (bad arguments): the host raises it
+            self._complete(unit, _as_strict(unit, self, exc))
+            return
+        unit.left = len(parts)
+        if not parts:
+            self._complete(unit, None)
+        for work, early_check in parts:
+            try:
+                future = work.get_future()
+            except RuntimeError:  # gloo's reduce_scatter has none: the waiter thread waits for it
+                self._queue.put(_Part(unit, work, early_check))
+                continue
+            future.add_done_callback(functools.partial(self._part_done, unit, early_check))
+
+    def _part_done(self, unit: Unit, early_check, future) -> None:
+        """A gloo part of a collective completed (on gloo's worker thread)."""
+        try:
+            future.value()
+        except Exception as exc:
+            self._part_failed(unit, early_check, exc)
+            return
+        self._part_succeeded(unit, early_check)
+
+    def _part_failed(self, unit: Unit, early_check, exc: Exception) -> None:
+        """A timeout, or the peer's connection lost: NCCL's watchdog aborts the process."""
+        if unit.fingerprints is not None and early_check is None:
+            self._explain(unit)  # unless the fingerprints say why (a collective of mismatched sizes)
+        if not unit.done.is_set():  # (else the deadlock finder failed it already and told the host)
+            self.runtime.watchdog_abort(self, unit, CommFailure(str(exc).splitlines()[0] if str(exc) else
+                                                                type(exc).__name__))
+
+    def _part_succeeded(self, unit: Unit, early_check) -> None:
+        if early_check is not None:  # the fingerprints: a mismatch fails the unit without waiting for the rest
+            try:
+                early_check()
+            except StrictCollectiveError as exc:
+                self._complete(unit, exc)
+                return
+        with self._lock:
+            unit.left -= 1
+            last = unit.left == 0
+        if last:
+            self._complete(unit, None)
+
+    def _explain(self, unit: Unit) -> None:
+        """The collective failed in gloo: wait (bounded) for its fingerprints and fail the unit with their
+        mismatch, if they differ, before the watchdog's abort."""
+        work, check = unit.fingerprints
+        try:
+            work.get_future().wait()
+            check()
+        except StrictCollectiveError as exc:
+            self._complete(unit, exc)
+        except Exception:
+            pass
+
+    def _complete(self, unit: Unit, error: BaseException | None) -> None:
+        """The stream's head is done (or failed): retire it, tell the host, start the next."""
+        if unit.done.is_set():
+            return
+        self._retire(unit)
+        unit.finish(error)
+        if error is not None:
+            self.fail(error)
+        self.runtime.changed()
+        with self._lock:
+            following = self.pending[0] if self.pending and not self.pending[0].claimed else None
+            if following is not None:
+                following.claimed = True
+        if following is not None:
+            self._start(following)
+
     def _collective(self, name: str, tensors: list[torch.Tensor], outputs: list[torch.Tensor],
-                    run: Callable[[], dist.Work], *, numel: int = -1, root: int = -1, reduce_op=None) -> StrictWork:
+                    run: Callable[[], "dist.Work | list[dist.Work]"], *, numel: int = -1, root: int = -1, reduce_op=None) -> StrictWork:
         self._check(name, tensors)
         reduction = -1 if reduce_op is None else self._reduction(name, reduce_op)
         dtype = _dtype_code(tensors[0].dtype) if tensors else -1
-        size = f"{tuple(tensors[0].shape)} {tensors[0].dtype}".replace("torch.", "") if tensors else ""
+        shape, torch_dtype = (tuple(tensors[0].shape), tensors[0].dtype) if tensors else ((), None)
 
         def make(uid: int) -> Unit:
             self._collectives += 1
-            op = Op("coll", name, self._collectives, size=size)
+            op = Op("coll", name, self._collectives, shape=shape, dtype=torch_dtype)
             fingerprint = [OPCODES.index(name), op.n, dtype, numel, root, reduction]
 
-            def execute(unit: Unit) -> None:
+            def post(unit: Unit) -> list:
+                # the fingerprints go over the side group, beside the collective itself: a collective of
+                # mismatched sizes may break its own connections, never the side group's
                 self._unchecked.append((op, fingerprint))
-                if op.n <= CHECK_EACH_UNTIL:  # compared before the collective starts (a gloo collective of
-                    self._agree(unit, *self._exchange())  # mismatched sizes may break the connection)
-                    self._wait_inner(unit, run())
-                    return
-                self._wait_inner(unit, run())
-                if len(self._unchecked) >= CHECK_EVERY:
-                    self._agree(unit, *self._exchange())
+                parts = []
+                if self.size() > 1 and (op.n <= CHECK_EACH_UNTIL or len(self._unchecked) >= CHECK_EVERY):
+                    pending, self._unchecked = self._unchecked, []
+                    mine = torch.tensor([fp for _, fp in pending], dtype=torch.int64).reshape(-1)
+                    rows = torch.empty(self.size() * mine.numel(), dtype=torch.int64)
+                    unit.fingerprints = (self.side._allgather_base(rows, mine),
+                                         functools.partial(self._agree, pending, rows))
+                    parts.append(unit.fingerprints)
+                started = run()  # one gloo work, or several (the coalesced collectives gloo lacks)
+                parts.extend((work, None) for work in (started if isinstance(started, list) else [started]))
+                return parts
 
-            return Unit(self, uid, [op], execute, outputs)
+            return Unit(self, uid, [op], outputs, post=post)
 
         return self._enqueue(make)
 
-    def _exchange(self):
-        """Start the all-gather of the fingerprints (kind, sequence number, dtype, size, root, reduction) of
-        the collectives run since the last check: (pending, work, rows)."""
-        pending, self._unchecked = self._unchecked, []
-        if self.size() == 1:
-            return pending, None, None
-        mine = torch.tensor([fp for _, fp in pending], dtype=torch.int64).reshape(-1)
-        rows = torch.empty(self.size() * mine.numel(), dtype=torch.int64)
-        return pending, self.inner._allgather_base(rows, mine), rows
-
-    def _agree(self, unit: Unit, pending, work, rows) -> None:
+    def _agree(self, pending: list[tuple[Op, list[int]]], rows: torch.Tensor) -> None:
         """Every member issued the same collectives, in the same order, as this rank since the last check;
-        or name the first that differs. Each of the group's first CHECK_EACH_UNTIL collectives is checked
-        before it runs, then every CHECK_EVERY together after they ran: every member checks at the same sequence
-        numbers. A mismatch that hangs in between is named sooner by the deadlock finder
-        (raydist.strict.deadlock.mismatch)."""
-        if work is None:
-            return
+        or name the first that differs. Each of the group's first CHECK_EACH_UNTIL collectives is checked on
+        its own, then every CHECK_EVERY together, always at the same sequence numbers on every member. A
+        mismatch that hangs before its check is named by the deadlock finder (deadlock.mismatch)."""
         width = len(pending[0][1])
-        self._wait_inner(unit, work)
         every = rows.view(self.size(), len(pending), width).tolist()
         for i, (op, fp) in enumerate(pending):
             for r, theirs in enumerate(every):
@@ -308,8 +440,8 @@ class StrictProcessGroup(dist.ProcessGroup):
                 n = self._issued[(kind, peer)]
                 self._issued[(kind, peer)] += 1
                 ops.append(Op(kind, "isend" if kind == "send" else "irecv", n, self.global_ranks[peer], tag,
-                              f"{tuple(tensor.shape)} {tensor.dtype}".replace("torch.", "")))
-            return Unit(self, uid, ops, lambda unit: self._run_p2p(unit, entries), [e[1] for e in entries])
+                              tuple(tensor.shape), tensor.dtype))
+            return Unit(self, uid, ops, [e[1] for e in entries], run=lambda unit: self._run_p2p(unit, entries))
 
         work = self._enqueue(make)
         return [work] * len(entries)
@@ -363,32 +495,32 @@ class StrictProcessGroup(dist.ProcessGroup):
 
     # ---- the stream --------------------------------------------------------------------------------------
     def _loop(self) -> None:
+        """The waiter: runs point-to-point units, which gloo completes only while waited for."""
         while True:
             unit = self._queue.get()
             if unit is None:
                 return
-            if unit.done.is_set():  # failed while queued (the group broke)
-                self._retire(unit)
+            if isinstance(unit, _Part):  # a collective's part without a future
+                part = unit
+                try:
+                    self._wait_inner(part.unit, part.work)
+                except CommFailure as exc:
+                    self._part_failed(part.unit, part.check, exc)
+                    continue
+                self._part_succeeded(part.unit, part.check)
                 continue
-            unit.started = time.time()
-            self.runtime.changed()
+            if unit.done.is_set():  # failed while queued (the group broke)
+                continue
             error = None
             try:
-                if self.broken is not None:
-                    raise self.broken
                 unit.run(unit)
             except CommFailure as exc:  # a timeout, or the peer's connection lost: NCCL's watchdog aborts
                 if unit.done.is_set():  # the deadlock finder already failed it and told the host: stop here
                     return
                 self.runtime.watchdog_abort(self, unit, exc)
-            except Exception as exc:  # refused on issue (a mismatch, bad arguments): the host raises it
-                error = exc if isinstance(exc, StrictCollectiveError) else StrictCollectiveError(
-                    f"strict collectives: {unit.describe()} on {self.describe()} failed: {type(exc).__name__}: {exc}")
-            self._retire(unit)
-            unit.finish(error)
-            if error is not None:
-                self.fail(error)
-            self.runtime.changed()
+            except Exception as exc:  # a header that does not match what was asked for
+                error = _as_strict(unit, self, exc)
+            self._complete(unit, error)
 
     def _retire(self, unit: Unit) -> None:
         with self._lock:
@@ -464,8 +596,7 @@ class StrictProcessGroup(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.AllgatherOptions()
         return self._collective("all_gather_into_tensor_coalesced", inputs, outputs,
-                                lambda: _sequence([lambda o=o, i=i: self.inner._allgather_base(o, i, opts)
-                                                   for o, i in zip(outputs, inputs)]),
+                                lambda: [self.inner._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)],
                                 numel=sum(t.numel() for t in inputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
@@ -487,8 +618,7 @@ class StrictProcessGroup(dist.ProcessGroup):
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         return self._collective("reduce_scatter_tensor_coalesced", inputs, outputs,
-                                lambda: _sequence([lambda o=o, i=i: self.inner._reduce_scatter_base(o, i, opts)
-                                                   for o, i in zip(outputs, inputs)]),
+                                lambda: [self.inner._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)],
                                 numel=sum(t.numel() for t in inputs), reduce_op=opts.reduceOp)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
@@ -549,22 +679,11 @@ class StrictProcessGroup(dist.ProcessGroup):
         return self._p2p(entries)
 
 
-class _Sequence:
-    """Several gloo works run one after another as one (the coalesced collectives gloo lacks)."""
-
-    def __init__(self, starts: list[Callable[[], dist.Work]]):
-        self.starts = starts
-
-    def wait(self, timeout: datetime.timedelta) -> bool:
-        deadline = time.time() + timeout.total_seconds()
-        for start in self.starts:
-            if not start().wait(datetime.timedelta(seconds=max(deadline - time.time(), 0.001))):
-                return False
-        return True
-
-
-def _sequence(starts):
-    return _Sequence(starts)
+def _as_strict(unit: Unit, group: "StrictProcessGroup", exc: Exception) -> StrictCollectiveError:
+    if isinstance(exc, StrictCollectiveError):
+        return exc
+    return StrictCollectiveError(f"strict collectives: {unit.describe()} on {group.describe()} failed: "
+                                 f"{type(exc).__name__}: {exc}")
 
 
 _REGISTERED = False
