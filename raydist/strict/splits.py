@@ -30,6 +30,7 @@ from raydist.strict import BACKEND, StrictCollectiveError
 
 _ORIGINAL = None
 POLL_S = 0.05
+POLL_FIRST_S = 0.001  # ranks make a mesh's groups back to back: most arrive within milliseconds
 
 
 def install() -> None:
@@ -114,9 +115,12 @@ def rendezvous(entry: dict, world: int, me: int, timeout_s: float, kind: str = "
     state.rendezvous, state.rendezvous_error = (kind, k, world, time.time()), None
     state.changed()
     try:
+        pause = POLL_FIRST_S
         while True:
-            missing = [r for r in range(world) if not store.check([keys[r]])]
-            arrived = {r: json.loads(store.get(keys[r])) for r in range(world) if r not in missing}
+            everyone = store.check(list(keys.values()))  # one round trip while all goes well
+            missing = [] if everyone else [r for r in range(world) if not store.check([keys[r]])]
+            present = [r for r in range(world) if r not in missing]
+            arrived = {r: json.loads(v) for r, v in zip(present, store.multi_get([keys[r] for r in present]))}
             firsts: dict[tuple, int] = {}  # each member list posted, with the first rank that posted it
             for r, e in arrived.items():
                 if "split" in e:
@@ -143,7 +147,8 @@ def rendezvous(entry: dict, world: int, me: int, timeout_s: float, kind: str = "
                     f"strict collectives: {key} of the world: {_describe(me, entry)}, but rank(s) {gone or missing} "
                     f"never took part ({why}); {rule}: make every rank create it (idle workers too), or create a "
                     "group only its members call with use_local_synchronization=True and a gloo (HOST) backend")
-            time.sleep(POLL_S)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
     finally:
         state.rendezvous = None
         state.changed()
@@ -156,8 +161,9 @@ def _leave_together(store, key: str, world: int, me: int, timeout_s: float) -> N
     store.set(f"{key}/read/{me}", "1")
     if me != 0:
         return
-    deadline = time.monotonic() + timeout_s
+    deadline, pause, read = time.monotonic() + timeout_s, POLL_FIRST_S, [f"{key}/read/{r}" for r in range(world)]
     while time.monotonic() < deadline:
-        if all(store.check([f"{key}/read/{r}"]) for r in range(world)):
+        if store.check(read):
             return
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_S)
