@@ -8,11 +8,12 @@ head, from the thread that made it so: the issuing host when the stream was idle
 completed the unit before it. So a synchronous collective on an idle group costs no thread hand-off beyond
 gloo's own.
 
-    collective:  the gloo collective, and for the group's first CHECK_EACH_UNTIL collectives (then every
-                 CHECK_EVERY) an all-gather of the fingerprints (kind, sequence number, dtype, size, root,
-                 reduction) over the side group; gloo's worker threads complete both, the fingerprints are
-                 compared as soon as they arrive (a mismatch fails the unit without waiting for the
-                 collective, which a mismatch may hang)
+    collective:  the gloo collective; each of the group's first CHECK_EACH_UNTIL collectives starts only
+                 after an all-gather of the fingerprints (kind, sequence number, dtype, size, root,
+                 reduction) over the side group found them equal (a mismatch fails the unit naming both
+                 ops; run, a collective of mismatched sizes would end the process inside gloo, or hang);
+                 then every CHECK_EVERY collectives the fingerprints since the last check go beside the
+                 collective and are compared as they arrive. gloo's worker threads complete both (futures)
     point-to-point batch:  every send and receive posted at once (none of the unit waits for another, as in
                  an NCCL group call), each message one gloo message of a header (the sender's tag, size,
                  dtype) and the data, on a gloo tag made from the message's index on its (sender, receiver)
@@ -303,9 +304,19 @@ class StrictProcessGroup(dist.ProcessGroup):
         except Exception as exc:  # refused on issue (bad arguments): the host raises it
             self._complete(unit, _as_strict(unit, self, exc))
             return
-        unit.left = len(parts)
         if not parts:
             self._complete(unit, None)
+        self._attach(unit, parts)
+
+    @staticmethod
+    def _works(started) -> list:
+        """A collective's gloo works (one, or several for the coalesced collectives gloo lacks), unchecked."""
+        return [(work, None) for work in (started if isinstance(started, list) else [started])]
+
+    def _attach(self, unit: Unit, parts: list) -> None:
+        """Complete `unit` when its gloo `parts` ((work, check to run when it is done)) all are."""
+        with self._lock:
+            unit.left += len(parts)
         for work, early_check in parts:
             try:
                 future = work.get_future()
@@ -325,8 +336,6 @@ class StrictProcessGroup(dist.ProcessGroup):
 
     def _part_failed(self, unit: Unit, early_check, exc: Exception) -> None:
         """A timeout, or the peer's connection lost: NCCL's watchdog aborts the process."""
-        if unit.fingerprints is not None and early_check is None:
-            self._explain(unit)  # unless the fingerprints say why (a collective of mismatched sizes)
         if not unit.done.is_set():  # (else the deadlock finder failed it already and told the host)
             self.runtime.watchdog_abort(self, unit, CommFailure(str(exc).splitlines()[0] if str(exc) else
                                                                 type(exc).__name__))
@@ -343,18 +352,6 @@ class StrictProcessGroup(dist.ProcessGroup):
             last = unit.left == 0
         if last:
             self._complete(unit, None)
-
-    def _explain(self, unit: Unit) -> None:
-        """The collective failed in gloo: wait (bounded) for its fingerprints and fail the unit with their
-        mismatch, if they differ, before the watchdog's abort."""
-        work, check = unit.fingerprints
-        try:
-            work.get_future().wait()
-            check()
-        except StrictCollectiveError as exc:
-            self._complete(unit, exc)
-        except Exception:
-            pass
 
     def _complete(self, unit: Unit, error: BaseException | None) -> None:
         """The stream's head is done (or failed): retire it, tell the host, start the next."""
@@ -385,20 +382,32 @@ class StrictProcessGroup(dist.ProcessGroup):
             fingerprint = [OPCODES.index(name), op.n, dtype, numel, root, reduction]
 
             def post(unit: Unit) -> list:
-                # the fingerprints go over the side group, beside the collective itself: a collective of
-                # mismatched sizes may break its own connections, never the side group's
+                # Each of the first CHECK_EACH_UNTIL collectives starts only once the fingerprints agree:
+                # gloo ends the process (a C++ enforce, before any Python sees it) on a collective of
+                # mismatched sizes, which the check names instead. Later checks (every CHECK_EVERY) go
+                # beside the collective, so a steady state pays no extra round trip: a mismatch there is
+                # named when they arrive, unless gloo has ended the process first. The side group's
+                # connections are ones such a collective cannot break.
                 self._unchecked.append((op, fingerprint))
-                parts = []
                 if self.size() > 1 and (op.n <= CHECK_EACH_UNTIL or len(self._unchecked) >= CHECK_EVERY):
                     pending, self._unchecked = self._unchecked, []
                     mine = torch.tensor([fp for _, fp in pending], dtype=torch.int64).reshape(-1)
                     rows = torch.empty(self.size() * mine.numel(), dtype=torch.int64)
-                    unit.fingerprints = (self.side._allgather_base(rows, mine),
-                                         functools.partial(self._agree, pending, rows))
-                    parts.append(unit.fingerprints)
-                started = run()  # one gloo work, or several (the coalesced collectives gloo lacks)
-                parts.extend((work, None) for work in (started if isinstance(started, list) else [started]))
-                return parts
+                    agree = functools.partial(self._agree, pending, rows)
+
+                    def agree_then_run() -> None:
+                        agree()
+                        try:
+                            started = run()
+                        except Exception as exc:  # refused by gloo (bad arguments): the host raises it
+                            raise _as_strict(unit, self, exc) from exc
+                        self._attach(unit, self._works(started))
+
+                    unit.fingerprints = (self.side._allgather_base(rows, mine), agree)
+                    if op.n <= CHECK_EACH_UNTIL:
+                        return [(unit.fingerprints[0], agree_then_run)]
+                    return [unit.fingerprints, *self._works(run())]  # later checks ride beside it
+                return self._works(run())
 
             return Unit(self, uid, [op], outputs, post=post)
 
