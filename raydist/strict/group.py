@@ -110,15 +110,14 @@ class Unit:
     """What the stream runs as one: a collective, one send/receive, or one batch of them.
 
     A collective's `post()` starts its gloo operations (whichever thread makes it the stream's head: the
-    issuing host, or the thread that completed the unit before it) and gloo's worker threads complete them,
-    after which `check()` runs; a point-to-point unit's `run()` runs on the group's waiter thread (gloo
+    issuing host, or the thread that completed the unit before it) and returns them, each with the check to
+    run when gloo's worker threads complete it; a point-to-point unit's `run()` runs on the group's waiter thread (gloo
     completes a send or a receive only while something waits for it)."""
 
     def __init__(self, group: "StrictProcessGroup", uid: int, ops: list[Op], outputs: list[torch.Tensor], *,
                  post: Callable[["Unit"], list] | None = None, run: Callable[["Unit"], None] | None = None):
         self.group, self.id, self.ops, self.outputs = group, uid, ops, outputs
         self.post, self.run = post, run
-        self.fingerprints: tuple | None = None  # (the side group's all-gather, its check), when checked
         self.issued = time.time()
         self.claimed = False  # made the stream's head by some thread (under the group's lock)
         self.started: float | None = None
@@ -330,11 +329,11 @@ class StrictProcessGroup(dist.ProcessGroup):
         try:
             future.value()
         except Exception as exc:
-            self._part_failed(unit, early_check, exc)
+            self._part_failed(unit, exc)
             return
         self._part_succeeded(unit, early_check)
 
-    def _part_failed(self, unit: Unit, early_check, exc: Exception) -> None:
+    def _part_failed(self, unit: Unit, exc: Exception) -> None:
         """A timeout, or the peer's connection lost: NCCL's watchdog aborts the process."""
         if not unit.done.is_set():  # (else the deadlock finder failed it already and told the host)
             self.runtime.watchdog_abort(self, unit, CommFailure(str(exc).splitlines()[0] if str(exc) else
@@ -403,10 +402,10 @@ class StrictProcessGroup(dist.ProcessGroup):
                             raise _as_strict(unit, self, exc) from exc
                         self._attach(unit, self._works(started))
 
-                    unit.fingerprints = (self.side._allgather_base(rows, mine), agree)
+                    gathered = self.side._allgather_base(rows, mine)
                     if op.n <= CHECK_EACH_UNTIL:
-                        return [(unit.fingerprints[0], agree_then_run)]
-                    return [unit.fingerprints, *self._works(run())]  # later checks ride beside it
+                        return [(gathered, agree_then_run)]
+                    return [(gathered, agree), *self._works(run())]  # later checks ride beside it
                 return self._works(run())
 
             return Unit(self, uid, [op], outputs, post=post)
@@ -514,7 +513,7 @@ class StrictProcessGroup(dist.ProcessGroup):
                 try:
                     self._wait_inner(part.unit, part.work)
                 except CommFailure as exc:
-                    self._part_failed(part.unit, part.check, exc)
+                    self._part_failed(part.unit, exc)
                     continue
                 self._part_succeeded(part.unit, part.check)
                 continue
