@@ -27,14 +27,28 @@ def records(run_dir, name="metrics.jsonl") -> list[dict]:
     return jsonl(os.path.join(run_dir, name))
 
 
-def wait_for(predicate, timeout_s, what):
+def wait_for(predicate, timeout_s, what, job=None, run_dir=None):
+    """Polls `predicate` until it returns something true (returned). With `job` (a Background), a run that
+    ended first fails at once; with `run_dir`, a failure lists the run's newest events."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        ended = job is not None and not job.thread.is_alive()
         value = predicate()
         if value:
             return value
+        if ended:
+            raise AssertionError(f"the run ended (error: {job.error!r}) before {what}{_events_tail(run_dir)}")
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}{_events_tail(run_dir)}")
+
+
+def _events_tail(run_dir, n=15) -> str:
+    if run_dir is None:
+        return ""
+    events = records(run_dir, "events.jsonl")[-n:]
+    keys = ("step", "world_size", "attempt", "reason", "error")
+    return "; its newest events: " + " | ".join(
+        " ".join([e.get("kind", "?")] + [f"{k}={e[k]}" for k in keys if k in e]) for e in events)
 
 
 class Background:
