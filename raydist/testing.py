@@ -1,8 +1,11 @@
 """The equivalence harness: run a layout on N gloo processes and the same config on one, compare.
 
-Every parallel feature is proven the same way: same seed, same data, fp32 on CPU, losses within 1e-4
-relative at every step, the last step's gradients and the parameters after the last step close, and every
-parameter of the model received a gradient. Tests and benchmarks use `run_layout`, which spawns the ranks
+Every parallel feature is proven the same way: same seed, same data, fp32 on CPU, losses and gradient
+norms before clipping within 1e-4 relative at every step, the last step's gradients (before clipping) and
+the parameters after the last step close, and every parameter of the model received a gradient. The tiny
+config clips at 3.0, above most steps' norms (1.8-4.2 in its first 10 steps): clipping every step would
+hide a gradient's scale from the parameters. tests/unit/test_harness_mutations.py plants the bugs this must
+catch. Tests and benchmarks use `run_layout`, which spawns the ranks
 with `raydist.runtime.spawn` and plans the layout through a `LocalSession` (rank 0 plans, all receive).
 
 Devices, explicitly (`raydist.runtime.harness_device`, $RAYDIST_TEST_DEVICE = auto | cpu | cuda): with at
@@ -32,7 +35,7 @@ def tiny_config(data_path: str, seq_len: int = 32, **sections: dict[str, Any]) -
         "model": dict(TINY_MODEL),
         "data": {"path": data_path, "seq_len": seq_len, "reader": "arrow"},
         "train": {"steps": 10, "global_batch": 8, "micro_batch": 2, "lr": 3e-3, "warmup_steps": 2,
-                  "eval_every": 0, "log_every": 1, "seed": 0, "dtype": "fp32"},
+                  "eval_every": 0, "log_every": 1, "seed": 0, "dtype": "fp32", "grad_clip": 3.0},
         "parallel": {"dp_replicate": 1, "dp_shard": 1},
     }
     for name, values in sections.items():
@@ -43,11 +46,12 @@ def tiny_config(data_path: str, seq_len: int = 32, **sections: dict[str, Any]) -
 @dataclass
 class LayoutResult:
     losses: list[float]
-    grad_norms: list[float]
-    grads: dict[str, torch.Tensor]  # the last step's full gradients, by parameter name
+    grad_norms: list[float]  # per step, the whole model's gradient norm before clipping
+    grads: dict[str, torch.Tensor]  # the last step's full gradients before clipping, by parameter name
     sample_ids: list[np.ndarray]  # per step, this rank's samples (batch leaders only, when recorded)
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full parameters after the last step
     covered: frozenset[str] = frozenset()  # parameter names held by any rank of the layout
+    clipped_norms: list[float] = field(default_factory=list)  # per step, the gradient norm after clipping
 
 
 def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> LayoutResult:
@@ -61,19 +65,22 @@ def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> La
     layout = LocalSession().start(cfg)
     trainer = Trainer(cfg, pick_device(), layout, options=TrainerOptions(record_samples=record_samples,
                                                                          capture_grads=capture_grads))
-    losses, norms = [], []
+    losses, norms, clipped = [], [], []
     try:
         for _ in range(steps):
             stats = trainer.train_step()
             losses.append(stats.loss)
             norms.append(stats.grad_norm)
+            if capture_grads:
+                clipped.append(trainer.last_clipped_norm)
     finally:
         trainer.close()
     grads = getattr(trainer, "last_grads", {}) if capture_grads else {}
     params = trainer.full_parameters() if capture_grads else {}
     names: list = [None] * dist.get_world_size()
     dist.all_gather_object(names, sorted(params))
-    return LayoutResult(losses, norms, grads, trainer.sample_log, params, frozenset(n for part in names for n in part))
+    return LayoutResult(losses, norms, grads, trainer.sample_log, params, frozenset(n for part in names for n in part),
+                        clipped)
 
 
 def run_layout(raw: dict, world_size: int, steps: int = 10, *, record_samples: bool = False,
@@ -82,18 +89,34 @@ def run_layout(raw: dict, world_size: int, steps: int = 10, *, record_samples: b
     return spawn(_run, world_size, raw, steps, record_samples, capture_grads, device=harness_device(world_size))
 
 
+def assert_same_steps(reference: LayoutResult, candidate: LayoutResult, rtol: float = 1e-4) -> None:
+    """Every step's loss and gradient norm before clipping within rtol (relative). The norm is what catches
+    a wrong gradient scale (a sum instead of a mean over ranks, a micro-batch counted twice): the losses of
+    the first steps and AdamW's updates barely react to a uniform scale, and clipping hides it."""
+    for what, ref, got in (("losses", reference.losses, candidate.losses),
+                           ("gradient norms before clipping", reference.grad_norms, candidate.grad_norms)):
+        ref, got = np.asarray(ref, dtype=np.float64), np.asarray(got, dtype=np.float64)
+        assert len(ref) == len(got), f"{what}: {len(got)} steps against the reference's {len(ref)}"
+        assert len(ref), f"no {what} recorded"
+        rel = np.abs(got - ref) / np.abs(ref)
+        assert (rel <= rtol).all(), f"{what} differ: max relative {rel.max():.2e} at step {int(rel.argmax()) + 1}\n" \
+                                    f"ref {ref.tolist()}\ngot {got.tolist()}"
+
+
 def assert_equivalent(reference: LayoutResult, candidate: LayoutResult, rtol: float = 1e-4,
                       grad_rtol: float = 1e-4, grad_atol: float = 1e-6, grad_scale_atol: float = 1e-3) -> None:
-    """Losses within rtol (relative) at every step; every gradient the candidate holds close to the
-    reference's; every parameter it holds within rtol of the reference's after the last step (relative
-    norm of the difference) and with a gradient; the layout's ranks together hold every parameter of the
-    reference model."""
-    ref, got = np.asarray(reference.losses), np.asarray(candidate.losses)
-    assert len(ref) == len(got), (len(ref), len(got))
-    rel = np.abs(got - ref) / np.abs(ref)
-    assert (rel <= rtol).all(), f"losses differ: max relative {rel.max():.2e} at step {int(rel.argmax()) + 1}\n" \
-                                f"ref {ref.tolist()}\ngot {got.tolist()}"
+    """Losses and gradient norms before clipping within rtol (relative) at every step; every gradient the
+    candidate holds (the last step's, before clipping) close to the reference's; every parameter it holds
+    within rtol of the reference's after the last step (relative norm of the difference) and with a
+    gradient; the layout's ranks together hold every parameter of the reference model."""
+    assert_same_steps(reference, candidate, rtol)
+    if reference.clipped_norms:  # clipping scaled every shard by the one global factor
+        ref, got = np.asarray(reference.clipped_norms), np.asarray(candidate.clipped_norms)
+        assert len(ref) == len(got) and (np.abs(got - ref) <= rtol * ref).all(), \
+            f"gradient norms after clipping differ:\nref {ref.tolist()}\ngot {got.tolist()}"
     assert candidate.grads, "the candidate captured no gradients"
+    missing = sorted(set(candidate.params) - set(candidate.grads))
+    assert not missing, f"parameters that received no gradient in the last step: {missing}"
     for name, grad in candidate.grads.items():
         assert name in reference.grads, f"{name} not in the reference model"
         ref_grad = reference.grads[name]
@@ -109,8 +132,6 @@ def assert_equivalent(reference: LayoutResult, candidate: LayoutResult, rtol: fl
     if not reference.params:  # a reference run without parameters (capture_grads=False): nothing more
         return
     assert candidate.params, "the candidate captured no parameters"
-    missing = sorted(set(candidate.params) - set(candidate.grads))
-    assert not missing, f"parameters that received no gradient in the last step: {missing}"
     assert candidate.covered == frozenset(reference.params), \
         f"the layout's ranks hold {sorted(candidate.covered ^ frozenset(reference.params))} differently"
     for name, param in candidate.params.items():

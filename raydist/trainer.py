@@ -124,7 +124,7 @@ class StepStats:
 @dataclass
 class TrainerOptions:
     record_samples: bool = False  # keep every sample id this rank's batch leader consumed (tests)
-    capture_grads: bool = False  # keep each step's full (unsharded) gradients by parameter name (tests)
+    capture_grads: bool = False  # keep each step's full (unsharded) gradients before clipping, by name (tests)
     start_time: float = field(default_factory=time.time)  # the run's wall-clock origin for elapsed_s
     # Leave the weights uninitialised until `init_weights()` or a checkpoint load (`fit` resumes first and
     # initialises only when there was nothing to resume); the step methods refuse to run before either.
@@ -317,10 +317,12 @@ class Trainer:
         data_wait = time.perf_counter() - start
         with doing("forward/backward"):
             out = self.runner.step(tokens, record_timeline=self.step == TIMELINE_STEP)
+        if self.options.capture_grads:  # before clipping: clipping would hide a gradient's scale
+            self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
         with doing("clip: gradient norm"):
             grad_norm = self.runner.clip(self.cfg.train.grad_clip)
-        if self.options.capture_grads:
-            self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
+        if self.options.capture_grads:  # what clipping left (max_norm 0: measure only)
+            self.last_clipped_norm = float(self.runner.clip(0.0))
         lr = self.scheduler.get_last_lr()[0]
         with doing("optimizer step"):
             self.optimizer.step()
@@ -357,13 +359,13 @@ class Trainer:
             # data-parallel strategy averaged their gradients)
             loss = self._reduce_over_replicas(self._data_mean(out.loss.detach().float().reshape(())),
                                               (span[1] - span[0]) / g)
+            if self.options.capture_grads:  # before clipping, as in train_step
+                self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
             grad_norm = self.runner.clip(self.cfg.train.grad_clip)
             if self.replicas.should_commit():
                 break
             self.optimizer.zero_grad(set_to_none=True)  # a replica was lost inside the step: redo it
             self.retried_steps += 1
-        if self.options.capture_grads:
-            self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

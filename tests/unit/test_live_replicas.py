@@ -78,7 +78,8 @@ def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expe
             time.sleep(1.0)
         stats = trainer.train_step()
         ids = None if stats.sample_ids is None else stats.sample_ids.tolist()  # (batch leaders only)
-        steps.append({"step": trainer.step, "loss": stats.loss, "count": stats.replicas, "ids": ids})
+        steps.append({"step": trainer.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
+                      "count": stats.replicas, "ids": ids})
     # a collective in the replica; under a pipeline each rank holds its stages' parameters only
     params = {k: v.numpy() for k, v in trainer.full_parameters().items()}
     grads = {k: v.numpy() for k, v in trainer.last_grads.items() if k not in no_grad}
@@ -130,8 +131,9 @@ def _check(results: list[dict], single: LayoutResult) -> None:
     for res in results:
         held = frozenset(name for other in results if other["replica"] == res["replica"] for name in other["params"])
         ran = [rec["step"] for rec in res["steps"]]
-        reference = LayoutResult([single.losses[s - 1] for s in ran], [], single.grads, [], single.params)
-        candidate = LayoutResult([rec["loss"] for rec in res["steps"]], [],
+        reference = LayoutResult([single.losses[s - 1] for s in ran], [single.grad_norms[s - 1] for s in ran],
+                                 single.grads, [], single.params)
+        candidate = LayoutResult([rec["loss"] for rec in res["steps"]], [rec["grad_norm"] for rec in res["steps"]],
                                  {k: torch.from_numpy(v) for k, v in res["grads"].items()}, [],
                                  {k: torch.from_numpy(v) for k, v in res["params"].items()}, held)
         try:

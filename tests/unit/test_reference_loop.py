@@ -5,6 +5,7 @@ where such a bug shows."""
 
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -15,10 +16,25 @@ from raydist.testing import tiny_config
 STEPS = 8
 
 
-def _train_both(raw: dict) -> tuple[list[float], list[float], dict, dict]:
+def _train_both(raw: dict, plant: float | None = None) -> tuple[list[float], list[float], list[float], list[float],
+                                                                 dict, dict]:
+    """(the loop's losses, the Trainer's, the loop's gradient norms before clipping, the Trainer's, the loop's
+    parameters after the last step, the Trainer's). `plant`: a planted bug, the Trainer's gradients scaled by
+    it after backward."""
     from raydist.models.gpt import build_model
+    from raydist.runner import AccumulationRunner
     from raydist.trainer import Trainer
 
+    if plant is not None:
+        unplanted = AccumulationRunner.step
+
+        def scaled(self, *args, **kwargs):
+            out = unplanted(self, *args, **kwargs)
+            for param in self.params:
+                param.grad.mul_(plant)
+            return out
+
+        AccumulationRunner.step = scaled
     cfg = Config.from_dict(raw)
     t = cfg.train
     trainer = Trainer(cfg, torch.device("cpu"))
@@ -37,31 +53,49 @@ def _train_both(raw: dict) -> tuple[list[float], list[float], dict, dict]:
         progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
         return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    mine, theirs = [], []
+    mine, theirs, my_norms, their_norms = [], [], [], []
     for step in range(STEPS):
         tokens, ids = trainer.next_batch()
-        theirs.append(trainer.train_step((tokens, ids)).loss)
+        stats = trainer.train_step((tokens, ids))
+        theirs.append(stats.loss)
+        their_norms.append(stats.grad_norm)
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        my_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
         opt.step()
         mine.append(loss.item())
     trainer.close()
-    return mine, theirs, {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.full_parameters()
+    return (mine, theirs, my_norms, their_norms, {n: p.detach().clone() for n, p in model.named_parameters()},
+            trainer.full_parameters())
 
 
-def test_trainer_equals_a_hand_written_loop(tiny_data):
-    raw = tiny_config(tiny_data, train={"steps": STEPS, "global_batch": 8, "micro_batch": 2, "grad_clip": 0.5,
-                                        "warmup_steps": 3})
-    [(mine, theirs, reference, trained)] = spawn(_train_both, 1, raw)
+def _compare(raw: dict, plant: float | None = None) -> None:
+    [(mine, theirs, my_norms, their_norms, reference, trained)] = spawn(_train_both, 1, raw, plant)
     assert len(mine) == len(theirs) == STEPS and mine[0] > mine[-1]  # it trained
     for step, (a, b) in enumerate(zip(mine, theirs)):
-        assert abs(a - b) / a < 1e-4, (step, mine, theirs)
+        assert abs(a - b) / a < 1e-4, ("losses", step, mine, theirs)
+    for step, (a, b) in enumerate(zip(my_norms, their_norms)):  # clip_grad_norm_'s return: before clipping
+        assert abs(a - b) / a < 1e-4, ("gradient norms", step, my_norms, their_norms)
     assert set(reference) == set(trained)
     for name, param in reference.items():
         error = float((trained[name] - param).norm() / param.norm())
         assert error < 1e-4, (name, error)
+
+
+# clipping at 1.5 acts on some steps (norms 1.8-4.2) and, late in the run, not on others
+RAW = dict(train={"steps": STEPS, "global_batch": 8, "micro_batch": 2, "grad_clip": 1.5, "warmup_steps": 3})
+
+
+def test_trainer_equals_a_hand_written_loop(tiny_data):
+    _compare(tiny_config(tiny_data, **RAW))
+
+
+@pytest.mark.parametrize("plant", [4.0, 0.5])
+def test_a_trainer_whose_gradients_are_scaled_differs_from_the_loop(tiny_data, plant):
+    """A planted bug (what a sum over 4 ranks instead of a mean does, or a halved gradient) fails the comparison."""
+    with pytest.raises(AssertionError, match="gradient norms|losses"):
+        _compare(tiny_config(tiny_data, **RAW), plant)
