@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from durations import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks: seconds by file)
+
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 # Every multi-process test runs under NCCL's rules (raydist.strict): the ranks raydist.runtime.spawn starts and
 # the Ray Train workers of the local clusters the tests start (their processes inherit this environment).

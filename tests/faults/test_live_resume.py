@@ -15,7 +15,7 @@ from raydist.testing import run_fit
 from ray_runs import Background, jsonl, ray_4cpu, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 from test_live_recovery import committed_steps, small
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]  # 50-80 s here, the default 180 s is tight on CI
 
 
 def test_a_live_run_whose_every_worker_dies_resumes_from_its_durable_checkpoint(ray_4cpu, tiny_data, tmp_path):

@@ -16,7 +16,7 @@ import yaml
 
 from cluster_harness import LocalHead, job_status
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]  # 50-80 s here, the default 180 s is tight on CI
 
 ROOT = Path(__file__).resolve().parents[2]
 SCALE_UP = re.compile(r"^scale-up: the cluster holds (\d+) workers after (\d+\.\d)s$", re.M)

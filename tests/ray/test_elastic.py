@@ -17,7 +17,7 @@ from raydist.elastic import warm
 from raydist.launcher import launch
 from ray_runs import Background, ray_4cpu, records, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]  # the node-loss run: 2-5 min
 
 
 def small(tiny_data, run_root, *extra):
