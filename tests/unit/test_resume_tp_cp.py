@@ -1,6 +1,7 @@
-"""Resuming a tensor-parallel or context-parallel run, then training on: a TP 2 (+ SP) or CP 2 run killed after
-step 4 resumes from its step-3 checkpoint, in the same layout or another, and trains steps 4..6 with the
-uninterrupted run's losses (1e-4 relative) to its final parameters (1e-4, relative norm per tensor). The
+"""Resuming a tensor-parallel or context-parallel run, then training on: a TP 2 (+ SP) or CP 2 run's step-3
+checkpoint (a copy of the 6-step run without its final checkpoint: as if killed before writing it) resumes in
+the same layout or another and trains steps 4..6 with the uninterrupted run's losses (1e-4 relative) to its
+final parameters (1e-4, relative norm per tensor). A crash itself is tests/unit/test_checkpoint_resume.py's. The
 logits right after a load are tests/unit/test_tensor_parallel_checkpoint.py's; this adds the optimizer
 state, the scheduler, the data position and the RNG, which only training after the load shows."""
 
@@ -15,7 +16,7 @@ import torch
 from raydist.config import Config
 from raydist.testing import run_fit, tiny_config
 
-STEPS, EVERY, CRASH = 6, 3, 4
+STEPS, EVERY = 6, 3
 LAYOUTS = {  # name: (parallel section, world size)
     "tp2": ({"tp": 2, "sequence_parallel": True}, 2),
     "cp2": ({"cp": 2}, 2),
@@ -44,18 +45,16 @@ def final_parameters(raw: dict, run_dir: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def saved(tiny_data, tmp_path_factory):
-    """Per saving layout, made once: (its uninterrupted run's rank-0 losses and final parameters, a run
-    directory of the same config killed right after step CRASH, holding the step-EVERY checkpoint)."""
+    """Per saving layout, made once: (its uninterrupted run's rank-0 losses, final parameters, run directory)."""
     made = {}
 
     def get(layout: str):
         if layout not in made:
             raw, world = config(tiny_data, layout), LAYOUTS[layout][1]
             root = tmp_path_factory.mktemp(f"saved-{layout}")
-            reference = run_fit(raw, world, str(root / "reference"))
+            reference = run_fit(raw, world, str(root / "run"))
             assert len(reference[0].losses) == STEPS
-            assert run_fit(raw, world, str(root / "killed"), crash_after_step=CRASH) is None
-            made[layout] = (reference[0].losses, final_parameters(raw, str(root / "reference")), root / "killed")
+            made[layout] = (reference[0].losses, final_parameters(raw, str(root / "run")), root / "run")
         return made[layout]
 
     return get
@@ -63,9 +62,10 @@ def saved(tiny_data, tmp_path_factory):
 
 @pytest.mark.parametrize("before, after", [("tp2", "tp2"), ("tp2", "dp2"), ("cp2", "cp2"), ("cp2", "single")])
 def test_resume_then_train_equals_the_uninterrupted_run(tiny_data, tmp_path, saved, before, after):
-    ref_losses, ref_params, killed = saved(before)
+    ref_losses, ref_params, ref_dir = saved(before)
     run_dir = str(tmp_path / "run")
-    shutil.copytree(killed, run_dir)  # (each resume writes into its own copy)
+    shutil.copytree(ref_dir, run_dir)
+    shutil.rmtree(f"{run_dir}/checkpoints/step_{STEPS:08d}")  # the step-3 checkpoint is the newest
     raw = config(tiny_data, after)
     [first, *_] = run_fit(raw, LAYOUTS[after][1], run_dir)
 
