@@ -143,7 +143,8 @@ def test_report_of_the_resumed_run(runs, tmp_path, capsys):
     finally:
         plt.close(fig)
     first, second = lines["loss (attempt 1)"], lines["loss (attempt 2)"]
-    assert list(first.get_xdata()) == list(range(CRASH)) and list(second.get_xdata()) == list(range(EVERY + 1, STEPS + 1))
+    assert list(first.get_xdata()) == list(range(CRASH))
+    assert list(second.get_xdata()) == list(range(EVERY + 1, STEPS + 1))
     assert list(second.get_ydata()) == resumed.losses  # the resumed attempt's own losses
     assert list(first.get_ydata())[1:] == pytest.approx(reference.losses[:CRASH - 1], rel=1e-6)
     assert list(second.get_ydata()) == pytest.approx(reference.losses[EVERY:], rel=1e-6)
