@@ -1,4 +1,5 @@
-"""Shared fixtures: a small prepared corpus (real text: a slice of the Python standard library)."""
+"""Shared fixtures: a small prepared corpus (real text: a slice of the Python standard library). And the
+skip policy: under CI=true a skip for any reason but the want of a CUDA GPU fails (tests/skip_policy.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import pytest
 
 from durations import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks: seconds by file)
+from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks: CI's skips)
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 # Every multi-process test runs under NCCL's rules (raydist.strict): the ranks raydist.runtime.spawn starts and

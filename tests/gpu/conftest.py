@@ -1,9 +1,10 @@
 """tests/gpu: what the GPU check suite (benchmarks/gpu_suite.py) runs on a CUDA machine.
 
 A test needs CUDA when it carries the `cuda` mark or runs with `device == "cuda"` (a `device` parameter,
-or the `device` fixture below); without a CUDA device those are skipped with the reason, and the rest, the
-same test bodies on the CPU (gloo instead of NCCL, Triton under TRITON_INTERPRET=1 on small shapes), run
-in the normal suite, so that the code the GPU runs cannot rot unseen. Every test needing CUDA gets the
+or the `device` fixture below); without a CUDA device those alone are skipped, with a reason made by
+tests/skip_policy.py's `needs_cuda` (the one kind of skip a CI run allows). The rest, the same test bodies
+on the CPU (gloo instead of NCCL, Triton under TRITON_INTERPRET=1 on small shapes), run in the normal
+suite, so that the code the GPU runs cannot rot unseen. Every test needing CUDA gets the
 `cuda` mark here, and the suite selects those alone (`pytest tests/gpu -m cuda`).
 
 Nothing here may import Ray (the GPU machines have none): the trainer, the loop and the harness import no
@@ -16,8 +17,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-NO_CUDA = None if torch.cuda.is_available() else (
-    f"needs a CUDA GPU: none visible to torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
+from skip_policy import needs_cuda
+
+NO_CUDA = None if torch.cuda.is_available() else needs_cuda(
+    f"none visible to torch {torch.__version__} (CUDA build: {torch.version.cuda or 'none'})")
 
 
 @pytest.fixture(params=["cpu", "cuda"])
