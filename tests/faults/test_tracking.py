@@ -10,14 +10,13 @@ import sys
 import time
 import urllib.request
 
+import mlflow
 import pytest
 
 from fault_runs import small_config
 from raydist.cli import main
 from raydist.config import dump_toml
 from raydist.runtime import free_port
-
-mlflow = pytest.importorskip("mlflow")
 
 
 @pytest.fixture(scope="module")

@@ -9,15 +9,15 @@ import os
 import shutil
 
 import pytest
+import tokenizers  # noqa: F401  (the tests below build and read tokenizer.json files with it)
 import torch
+import transformers
 
 from raydist.config import ModelConfig
 from raydist.generate import generate_ids
 from raydist.models.gpt import KVCache, build_model
 from raydist.testing import TINY_MODEL, save_tiny_llama, tiny_config
 
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PROMPT = "def wrap(text, width=70):\n    "

@@ -9,14 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch  # noqa: F401  (raydist.models.hf reads and writes with it)
 import torch
+import transformers
 
 from raydist.config import ConfigError, ModelConfig
 from raydist.models import hf
 from raydist.models.gpt import GPT, build_model
-
-transformers = pytest.importorskip("transformers")
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128)

@@ -8,12 +8,11 @@ import os
 
 import pytest
 import torch
+import transformers
 
 from raydist.config import Config, ConfigError
 from raydist.runtime import spawn
 from raydist.testing import save_tiny_llama, tiny_config
-
-transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -150,7 +149,6 @@ def test_cli_init_from_errors_before_workers(tmp_path, llama_dirs, tiny_data, ca
 
     from raydist.cli import main
 
-    pytest.importorskip("tokenizers")
     empty = tmp_path / "no-weights"
     empty.mkdir()
     shutil.copy(os.path.join(llama_dirs["tied"], "config.json"), empty / "config.json")

@@ -12,8 +12,7 @@ import socket
 import time
 
 import pytest
-
-pytest.importorskip("torchft")
+import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
 
 LATE_S = 2.0  # how much later replica 1 asks for its first quorum
 

@@ -21,12 +21,11 @@ import time
 import numpy as np
 import pytest
 import torch
+import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
 
 from raydist.config import Config, ConfigError
 from raydist.runtime import free_port
 from raydist.testing import LayoutResult, assert_equivalent, run_layout, tiny_config
-
-pytest.importorskip("torchft")
 
 STEPS, ALONE_STEPS = 6, 3
 WORKERS = 2  # per replica

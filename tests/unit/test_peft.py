@@ -10,12 +10,12 @@ import os
 
 import pytest
 import torch
+import transformers
 
 from raydist.config import Config, ConfigError
 from raydist.runtime import spawn
 from raydist.testing import assert_same_steps, run_layout, save_tiny_llama, tiny_config
 
-transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 LORA = {"method": "lora", "lora_rank": 4, "lora_alpha": 8.0, "lora_targets": "all"}

@@ -11,23 +11,20 @@ import inspect
 from types import SimpleNamespace
 
 import pytest
+import ray
+import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
+from ray.train.torch.config import _TorchBackend
+from ray.train.v2._internal.callbacks.backend_setup import BackendSetupCallback
+from ray.train.v2._internal.execution.controller.controller import TrainController
+from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGroup
+from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus
+from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState
+from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata, Worker
+from ray.train.v2.torch.torchft_config import _TorchftBackend
 
-pytest.importorskip("torchft")
-
-import ray  # noqa: E402
-from ray.train.torch.config import _TorchBackend  # noqa: E402
-from ray.train.v2._internal.callbacks.backend_setup import BackendSetupCallback  # noqa: E402
-from ray.train.v2._internal.execution.controller.controller import TrainController  # noqa: E402
-from ray.train.v2._internal.execution.worker_group import ReplicaGroup, WorkerGroup  # noqa: E402
-from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus, WorkerStatus  # noqa: E402
-from ray.train.v2._internal.execution.worker_group.state import WorkerGroupState  # noqa: E402
-from ray.train.v2._internal.execution.worker_group.worker import ActorMetadata, Worker  # noqa: E402
-from ray.train.v2.torch.torchft_config import _TorchftBackend  # noqa: E402
-
-from raydist.elastic.live import IDENTITY_ENV, ReplicaIdentity  # noqa: E402
-from raydist.elastic.replica_groups import (ReplicaGroupsConfig,  # noqa: E402
-                                            check_ray_version, identities, regroup)
-from raydist.errors import ConfigError  # noqa: E402
+from raydist.elastic.live import IDENTITY_ENV, ReplicaIdentity
+from raydist.elastic.replica_groups import ReplicaGroupsConfig, check_ray_version, identities, regroup
+from raydist.errors import ConfigError
 
 # sha256 of the source of every Ray 2.60.0 function whose behaviour raydist.elastic.replica_groups relies on
 PINNED = {

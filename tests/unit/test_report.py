@@ -8,14 +8,13 @@ import math
 from html.parser import HTMLParser
 from pathlib import Path
 
+import matplotlib  # noqa: F401  (a dependency: the report draws with it; missing, this is an error, not a skip)
 import pytest
 
-pytest.importorskip("matplotlib")
-
-from raydist.cli import main  # noqa: E402
-from raydist.report import build_report, load_run  # noqa: E402
-from raydist.report.data import goodput  # noqa: E402
-from raydist.report.plots import PANELS  # noqa: E402
+from raydist.cli import main
+from raydist.report import build_report, load_run
+from raydist.report.data import goodput
+from raydist.report.plots import PANELS
 
 
 def _one_f_one_b(stages: int, microbatches: int, f_s: float = 0.01, b_s: float = 0.02) -> list[dict]:

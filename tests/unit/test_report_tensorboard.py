@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-pytest.importorskip("tensorboard")
-
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
-
-from raydist.metrics.tensorboard import open_tensorboard  # noqa: E402
+from raydist.metrics.tensorboard import open_tensorboard
 
 RECORDS = [
     {"step": 0, "loss": 5.8, "val_loss": 5.8, "tokens_per_s": 0.0, "world_size": 2},
