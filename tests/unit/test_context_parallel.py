@@ -2,8 +2,6 @@
 full gradients close): ring cp 2 and 4 (causal, zig-zag), Ulysses cp 2, cp 2 x FSDP 2, cp 2 x TP 2; and the
 layout errors for sequences or heads that do not split."""
 
-import importlib.util
-
 import pytest
 
 from raydist.config import Config, ConfigError
@@ -12,8 +10,6 @@ from raydist.mesh import MeshSpec
 from raydist.elastic.policy import resolve_layout
 from raydist.runtime import spawn
 from raydist.testing import assert_equivalent, run_layout, tiny_config
-
-HAS_TENSOR_PARALLEL = importlib.util.find_spec("raydist.parallel.tensor") is not None
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +57,6 @@ def test_ring_on_triton_blocks_equals_single_process(tiny_data, monkeypatch):
         assert calls.get("attention.triton") == 2 * 2 * 2, calls
 
 
-@pytest.mark.skipif(not HAS_TENSOR_PARALLEL, reason="raydist/parallel/tensor.py (tensor parallelism) is not in "
-                                                    "this checkout yet; cp x tp runs once it is merged")
 @pytest.mark.parametrize("impl,sequence_parallel", [("ring", False), ("ulysses", False), ("ring", True)],
                          ids=["ring", "ulysses", "ring-sp"])
 def test_context_parallel_with_tensor_parallel_equals_single_process(tiny_data, single, impl, sequence_parallel):

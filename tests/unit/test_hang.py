@@ -74,9 +74,9 @@ def test_culprits_are_silent_ranks_else_ranks_somewhere_else(store, tmp_path):
 SLEEPER = "import time\nprint('ready', flush=True)\nwhile True:\n    time.sleep(0.05)\n"
 
 
-@pytest.mark.skipif(py_spy() is None, reason="py-spy is not installed")
 def test_a_diagnosis_names_the_stopped_rank_and_writes_the_stacks(store, tmp_path):
     """Rank 1 is another process that published its record and was then stopped; rank 0 diagnoses."""
+    assert py_spy() is not None, "py-spy is a dependency of raydist (pyproject.toml): pip install py-spy"
     victim = subprocess.Popen([sys.executable, "-c", SLEEPER], stdout=subprocess.PIPE, text=True)
     try:
         assert victim.stdout.readline() == "ready\n"  # its interpreter is up before it is stopped
