@@ -1,7 +1,8 @@
-"""The GPU check suite on a CPU machine: a clean skip with the reason, no Ray or CUDA touched by anything it
-imports or runs (the CPU cases of the training tests under its Ray blocker), its runner's time limits and
-failure records, and its benchmark code on tiny shapes with the Triton kernels under TRITON_INTERPRET=1
-(the figures mean nothing on a CPU; that the code runs and the kernels agree with torch does)."""
+"""The GPU check suite on a CPU machine (on a GPU machine too, its devices hidden from the suite): a clean skip
+with the reason, no Ray or CUDA touched by anything it imports or runs (the CPU cases of the training tests
+under its Ray blocker), its runner's time limits and failure records, and its benchmark code on tiny shapes
+with the Triton kernels under TRITON_INTERPRET=1 (the figures mean nothing on a CPU; that the code runs and
+the kernels agree with torch does)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import pytest
 import torch
 
 from raydist.kernels import runtime
+from skip_policy import CUDA_SKIP
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_triton = pytest.mark.skipif(runtime.triton_import_error() is not None,
                                   reason=f"triton not importable: {runtime.triton_import_error()}")
-no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the suite would run")
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}  # a CPU machine, on a GPU machine too: torch sees no CUDA device
 
 
 def _env(**extra) -> dict:
@@ -34,12 +36,11 @@ def _suite(*args, **env) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@no_cuda
 def test_cpu_run_of_the_suite_skips_with_the_reason(tmp_path):
     """The entry point end to end on a CPU machine: exit 0, the reason printed and in the JSON file, and
     the same figures as the `--json` line that ends the output."""
     out = tmp_path / "figures.json"
-    proc = _suite("--out", str(out), "--json")
+    proc = _suite("--out", str(out), "--json", **NO_GPU)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "gpu_suite: SKIPPED: no CUDA device visible to torch" in proc.stdout
     figures = json.loads(out.read_text())
@@ -108,16 +109,17 @@ def _gpu_suite():
     return gpu_suite
 
 
-@no_cuda
-def test_run_tests_reports_every_gpu_test_skipped_here():
-    """What the suite runs (`-m cuda`) is exactly the tests that need CUDA: here all skipped, with the reason."""
+def test_run_tests_reports_every_gpu_test_skipped_here(monkeypatch):
+    """What the suite runs (`-m cuda`) is exactly the tests that need CUDA: without one all skipped, with the
+    reason, the one kind of skip a CI run allows (tests/skip_policy.py)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", NO_GPU["CUDA_VISIBLE_DEVICES"])  # the suite's pytest inherits it
     gpu_suite = _gpu_suite()
     paths = gpu_suite.test_paths()
     assert paths[-1] == "tests/gpu/test_kernels_cuda.py" and "tests/gpu/test_training_cuda.py" in paths
     result = gpu_suite.run_tests(paths, 120)
     assert result["exit_status"] == 0 and "error" not in result and result["failed"] == 0 and result["passed"] == 0
     assert result["skipped"] == len(result["cases"]) >= 20
-    assert all("needs a CUDA GPU" in case["message"] for case in result["cases"])
+    assert all(case["message"].startswith(CUDA_SKIP) for case in result["cases"]), result["cases"][:2]
     assert result["ray_imports"] == []
 
 
