@@ -1,0 +1,99 @@
+"""bf16 training on the CPU, so that CI checks it without a GPU: FSDP2 over 2 ranks with its bf16
+MixedPrecisionPolicy (bf16 parameters in compute, fp32 master shards and fp32 gradient reduction) against
+the single process under bf16 autocast (`train.dtype = "bf16"`), 5 AdamW steps of the tiny config; and a
+doubled gradient, which that comparison must catch.
+
+The two bf16 paths round differently (FSDP computes from bf16 copies of the weights, autocast casts per
+op), so the fp32 contract of raydist.testing.assert_equivalent (1e-4) does not apply; the tolerances
+below come from measuring the two paths against each other (see BF16_*).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raydist.runtime import spawn
+from raydist.testing import LayoutResult, _run, tiny_config
+
+STEPS = 5
+
+# Measured on 4 seeds (0-3), 5 steps, FSDP2 dp_shard=2 bf16 against the single process under bf16 autocast:
+# losses differ by at most 5.5e-4 relative (the gap grows over the steps), the whole model's gradient norm
+# by at most 3.0e-3, each parameter's last gradient by at most 3.2e-2 (relative norm of the difference).
+# For scale, the single process in bf16 against fp32: 1.1e-4, 8.2e-4 and 2.9e-2; FSDP2 against the single
+# process in fp32: 0 and 7e-7. The tolerances leave about 10x (losses: bf16's unit roundoff, 2^-8 = 3.9e-3,
+# rounded up), 7x and 3x of room; a gradient summed instead of averaged over the 2 ranks is off by 100%.
+BF16_LOSS_RTOL = 5e-3
+BF16_GRAD_NORM_RTOL = 2e-2
+BF16_GRAD_RTOL = 1e-1
+
+
+def bf16_config(data: str, **parallel) -> dict:
+    return tiny_config(data, train={"dtype": "bf16", "steps": STEPS}, parallel=parallel)
+
+
+def on_cpu(fn, world: int, raw: dict) -> list[LayoutResult]:
+    """raydist.testing.run_layout's run (`_run`, or a wrapper of it) on `world` gloo ranks on the CPU, whatever
+    GPUs the machine has: the tolerances were measured there."""
+    return spawn(fn, world, raw, STEPS, False, True, device="cpu")
+
+
+def assert_bf16_close(reference: LayoutResult, candidate: LayoutResult) -> None:
+    """Per step, the loss and the gradient norm (before clipping) within the bf16 tolerances; every
+    gradient of the last step within BF16_GRAD_RTOL (relative norm of the difference)."""
+    for what, got, want, rtol in (("loss", candidate.losses, reference.losses, BF16_LOSS_RTOL),
+                                  ("grad norm", candidate.grad_norms, reference.grad_norms, BF16_GRAD_NORM_RTOL)):
+        got, want = np.asarray(got), np.asarray(want)
+        assert len(got) == len(want) == STEPS, (what, got, want)
+        rel = np.abs(got - want) / np.abs(want)
+        assert (rel <= rtol).all(), (f"{what} differs by {rel.max():.2e} relative at step {int(rel.argmax()) + 1} "
+                                     f"(bf16 tolerance {rtol:g})\nref {want.tolist()}\ngot {got.tolist()}")
+    assert candidate.grads and candidate.grads.keys() <= reference.grads.keys()
+    for name, grad in candidate.grads.items():
+        want = reference.grads[name]
+        error = float((grad - want).norm() / want.norm().clamp_min(1e-12))
+        assert error <= BF16_GRAD_RTOL, f"gradient of {name} differs by {error:.2e} (relative norm)"
+
+
+@pytest.fixture(scope="module")
+def single_bf16(tiny_data) -> LayoutResult:
+    [ref] = on_cpu(_run, 1, bf16_config(tiny_data))
+    return ref
+
+
+def test_fsdp2_bf16_mixed_precision_matches_the_single_process_in_bf16(tiny_data, single_bf16):
+    ranks = on_cpu(_run, 2, bf16_config(tiny_data, dp_shard=2))
+    for rank in ranks:
+        assert_bf16_close(single_bf16, rank)
+    assert single_bf16.losses[-1] < single_bf16.losses[0]  # it trains
+
+
+def _run_with_doubled_gradients(*args) -> LayoutResult:
+    """On each spawned rank: raydist.testing's run, with every gradient doubled before the norm and the
+    clipping (as if the data-parallel reduction summed the 2 ranks' gradients instead of averaging them)."""
+    import raydist.runner
+
+    clip = raydist.runner.clip_grad_norm
+
+    def doubled(params, max_norm, **kwargs):
+        params = list(params)
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(2)
+        return clip(params, max_norm, **kwargs)
+
+    raydist.runner.clip_grad_norm = doubled
+    return _run(*args)
+
+
+def test_doubled_gradients_are_caught(tiny_data, single_bf16):
+    """The comparison fails on the gradient norm. The losses alone would pass: AdamW's update does not see
+    a gradient's scale, and clipping to train.grad_clip hides it anyway (the norms here are above 1)."""
+    [mutant, _] = on_cpu(_run_with_doubled_gradients, 2, bf16_config(tiny_data, dp_shard=2))
+    with pytest.raises(AssertionError, match="grad norm differs by"):
+        assert_bf16_close(single_bf16, mutant)
+    ratio = np.asarray(mutant.grad_norms) / single_bf16.grad_norms
+    assert np.allclose(ratio, 2, rtol=BF16_GRAD_NORM_RTOL), ratio
+    rel = np.abs(np.asarray(mutant.losses) - single_bf16.losses) / np.abs(single_bf16.losses)
+    assert (rel <= BF16_LOSS_RTOL).all(), rel
