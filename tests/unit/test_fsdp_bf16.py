@@ -33,7 +33,7 @@ def bf16_config(data: str, **parallel) -> dict:
     return tiny_config(data, train={"dtype": "bf16", "steps": STEPS}, parallel=parallel)
 
 
-def on_cpu(fn, world: int, raw: dict) -> list[LayoutResult]:
+def on_cpu(fn, world: int, raw: dict) -> list:
     """raydist.testing.run_layout's run (`_run`, or a wrapper of it) on `world` gloo ranks on the CPU, whatever
     GPUs the machine has: the tolerances were measured there."""
     return spawn(fn, world, raw, STEPS, False, True, device="cpu")
@@ -41,7 +41,8 @@ def on_cpu(fn, world: int, raw: dict) -> list[LayoutResult]:
 
 def assert_bf16_close(reference: LayoutResult, candidate: LayoutResult) -> None:
     """Per step, the loss and the gradient norm (before clipping) within the bf16 tolerances; every
-    gradient of the last step within BF16_GRAD_RTOL (relative norm of the difference)."""
+    gradient of the last step (after clipping, as the harness captures them) within BF16_GRAD_RTOL, by the
+    relative norm of the difference."""
     for what, got, want, rtol in (("loss", candidate.losses, reference.losses, BF16_LOSS_RTOL),
                                   ("grad norm", candidate.grad_norms, reference.grad_norms, BF16_GRAD_NORM_RTOL)):
         got, want = np.asarray(got), np.asarray(want)
@@ -56,15 +57,35 @@ def assert_bf16_close(reference: LayoutResult, candidate: LayoutResult) -> None:
         assert error <= BF16_GRAD_RTOL, f"gradient of {name} differs by {error:.2e} (relative norm)"
 
 
+def _run_noting_matmul_dtypes(*args) -> tuple[LayoutResult, list[str]]:
+    """On each spawned rank: raydist.testing's run, and the dtypes the model's nn.Linear layers computed in
+    (bf16 must really be on: FSDP2 in fp32 would pass the bf16 tolerances too)."""
+    from torch import nn
+
+    seen = set()
+
+    def note(module, inputs, output):
+        if isinstance(module, nn.Linear):
+            seen.add(str(output.dtype))
+
+    hook = nn.modules.module.register_module_forward_hook(note)
+    try:
+        return _run(*args), sorted(seen)
+    finally:
+        hook.remove()
+
+
 @pytest.fixture(scope="module")
 def single_bf16(tiny_data) -> LayoutResult:
-    [ref] = on_cpu(_run, 1, bf16_config(tiny_data))
+    [(ref, dtypes)] = on_cpu(_run_noting_matmul_dtypes, 1, bf16_config(tiny_data))
+    assert dtypes == ["torch.bfloat16"], dtypes  # autocast
     return ref
 
 
 def test_fsdp2_bf16_mixed_precision_matches_the_single_process_in_bf16(tiny_data, single_bf16):
-    ranks = on_cpu(_run, 2, bf16_config(tiny_data, dp_shard=2))
-    for rank in ranks:
+    ranks = on_cpu(_run_noting_matmul_dtypes, 2, bf16_config(tiny_data, dp_shard=2))
+    for rank, dtypes in ranks:
+        assert dtypes == ["torch.bfloat16"], dtypes  # the mixed-precision policy's bf16 parameters
         assert_bf16_close(single_bf16, rank)
     assert single_bf16.losses[-1] < single_bf16.losses[0]  # it trains
 
