@@ -104,7 +104,6 @@ def test_goodput_after_a_crash_and_resume(runs):
 
 
 def test_report_of_the_resumed_run(runs, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
     from raydist.cli import main
