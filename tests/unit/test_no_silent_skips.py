@@ -56,8 +56,8 @@ GENERATED = {
 
 def pytest_run(args: list[str], cwd: Path, ci: bool, hidden: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m pytest ARGS` in `cwd`, with tests/ (skip_policy), the stand-ins in `hidden` and the
-    repository first on the path."""
-    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    repository first on the path (and no $RAYDIST_TEST_DURATIONS: the figures are the outer run's)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "RAYDIST_TEST_DURATIONS")}
     if ci:
         env["CI"] = "true"
     path = [str(p) for p in (hidden, TESTS, ROOT) if p is not None]
