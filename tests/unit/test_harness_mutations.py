@@ -37,6 +37,23 @@ CASES = {
 CLIPPING = 1.0  # the clipping case clips (the tiny config's 3.0 lets most steps through)
 
 
+def scale_gradients(factor: float) -> None:
+    """Plant in this process: every gradient scaled by `factor` after each step's backward (a sum over
+    `factor` data-parallel ranks where a mean belongs). Also planted by test_reference_loop and
+    test_fsdp_bf16."""
+    from raydist.runner import AccumulationRunner
+
+    step = AccumulationRunner.step
+
+    def scaled(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        for param in self.params:
+            param.grad.mul_(factor)
+        return out
+
+    AccumulationRunner.step = scaled
+
+
 def _plant(bug: str) -> None:
     """Patch this process's raydist with `bug` (each rank is a fresh process: nothing leaks out)."""
     import torch.distributed as dist
@@ -46,16 +63,7 @@ def _plant(bug: str) -> None:
     from raydist.runner import AccumulationRunner
 
     if bug.startswith("gradients x"):
-        factor = float(bug.removeprefix("gradients x"))
-        step = AccumulationRunner.step
-
-        def scaled(self, *args, **kwargs):
-            out = step(self, *args, **kwargs)
-            for param in self.params:
-                param.grad.mul_(factor)
-            return out
-
-        AccumulationRunner.step = scaled
+        scale_gradients(float(bug.removeprefix("gradients x")))
     elif bug == "micro-batch dropped":
         forward_loss, step = AccumulationRunner.forward_loss, AccumulationRunner.step
 

@@ -22,19 +22,11 @@ def _train_both(raw: dict, plant: float | None = None) -> tuple[list[float], lis
     parameters after the last step, the Trainer's). `plant`: a planted bug, the Trainer's gradients scaled by
     it after backward."""
     from raydist.models.gpt import build_model
-    from raydist.runner import AccumulationRunner
     from raydist.trainer import Trainer
+    from test_harness_mutations import scale_gradients
 
     if plant is not None:
-        unplanted = AccumulationRunner.step
-
-        def scaled(self, *args, **kwargs):
-            out = unplanted(self, *args, **kwargs)
-            for param in self.params:
-                param.grad.mul_(plant)
-            return out
-
-        AccumulationRunner.step = scaled
+        scale_gradients(plant)
     cfg = Config.from_dict(raw)
     t = cfg.train
     trainer = Trainer(cfg, torch.device("cpu"))
