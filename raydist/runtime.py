@@ -186,9 +186,12 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 # Imported once by the fork server that starts spawn()'s ranks, not by every rank: a rank is a fork of a
 # process that has imported these and run nothing (no process group, no torch thread pool, no
 # CUDA), so each call still gets fresh processes, as a spawned interpreter would start, without paying
-# for the interpreter and `import torch` (~3 s of CPU) per rank. Triton is not among them: kernels are
-# created when first used, after the rank has taken the caller's environment (TRITON_INTERPRET).
-PRELOAD = ("torch", "torch.distributed", "raydist.trainer", "raydist.testing")
+# for the interpreter and `import torch` (~3 s of CPU) per rank. torch._dynamo too: torch imports it the
+# first time a rank initialises a parameter (`nn.init.normal_`), 0.65 s of CPU alone and 1.1 s of a
+# 4-rank, 3-step layout's 6.2 s on 2 cores (measured side by side). It imports Triton, whose settings
+# (triton.knobs) read the environment when used; raydist's kernels are not preloaded: `triton.jit` picks
+# the interpreter when a kernel is defined, after the rank has taken the caller's TRITON_INTERPRET.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "raydist.trainer", "raydist.testing")
 
 
 def start_method_context():
