@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from durations import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks: seconds by file)
+from durations import (pytest_collection_modifyitems, pytest_runtest_logreport,  # noqa: F401  (hooks: seconds by
+                       pytest_terminal_summary)  # file; the inner loop's `slow` marks)
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks: CI's skips)
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -38,7 +39,7 @@ def tiny_data(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def single_4_layers(tiny_data):
-    """The single-process reference run (10 steps, captured gradients) of the 4-layer tiny config that
+    """The single-process reference run (`run_layout`'s default steps, captured gradients) of the 4-layer tiny config that
     the layout-equivalence tests compare against."""
     from raydist.testing import run_layout, tiny_config
 

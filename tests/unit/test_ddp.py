@@ -1,4 +1,4 @@
-"""2-worker DDP equals 1 worker on the same global batch (gloo, fp32, 10 steps)."""
+"""2-worker DDP equals 1 worker on the same global batch (gloo, fp32, `run_layout`'s default steps)."""
 
 import torch
 
