@@ -1,7 +1,15 @@
-"""Where the suite's time goes: every test's setup + call + teardown seconds, summed per file, printed at the
-end of a run (the ten costliest files) and written as JSON to $RAYDIST_TEST_DURATIONS when it is set
-({"total_s", "files": {file: s}, "tests": {nodeid: s}}), so that a CI run leaves the figures a budget of
-the suite is kept by. pytest's own `--durations` lists single phases of single tests only."""
+"""Where the suite's time goes, and the inner loop it defines.
+
+Every test's setup + call + teardown seconds, summed per file, are printed at the end of a run (the ten
+costliest files) and written as JSON to $RAYDIST_TEST_DURATIONS when it is set ({"total_s", "files":
+{file: s}, "tests": {nodeid: s}}). pytest's own `--durations` lists single phases of single tests only.
+
+The inner loop: `RECORDED` (tests/durations.json) holds every test's seconds from a whole run on a 2-core
+machine (that JSON, as a run writes it). A test recorded at `INNER_LIMIT_S` or more is marked `slow` at
+collection, so `pytest -m "not ray and not slow"` runs the tests that took less, and a test not recorded
+yet (a new one) until the file is rewritten. Refresh it after changing what tests cost:
+`RAYDIST_TEST_DURATIONS=tests/durations.json python -m pytest -q tests`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,28 @@ import json
 import os
 from collections import defaultdict
 
+import pytest
+
+RECORDED = os.path.join(os.path.dirname(__file__), "durations.json")
+INNER_LIMIT_S = 1.5
+
 _TESTS: dict[str, float] = defaultdict(float)
+
+
+def recorded_seconds(path: str = RECORDED) -> dict[str, float]:
+    """Each test's recorded seconds by node id (empty without the file)."""
+    try:
+        with open(path) as f:
+            return json.load(f)["tests"]
+    except FileNotFoundError:
+        return {}
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    seconds = recorded_seconds()
+    for item in items:
+        if seconds.get(item.nodeid, 0.0) >= INNER_LIMIT_S and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_runtest_logreport(report) -> None:
