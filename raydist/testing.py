@@ -4,9 +4,10 @@ Every parallel feature is proven the same way: same seed, same data, fp32 on CPU
 norms before clipping within 1e-4 relative at every step, the last step's gradients (before clipping) and
 the parameters after the last step close, and every parameter of the model received a gradient. The tiny
 config clips at 3.0, above most steps' norms (1.8-4.2 in its first 10 steps; step 5, the one in the default
-6 of `run_layout`, is clipped): clipping every step would hide a gradient's scale from the parameters. tests/unit/test_harness_mutations.py plants the bugs this must
-catch. Tests and benchmarks use `run_layout`, which spawns the ranks
-with `raydist.runtime.spawn` and plans the layout through a `LocalSession` (rank 0 plans, all receive).
+6 of `run_layout`, is clipped): clipping every step would hide a gradient's scale from the parameters.
+tests/unit/test_harness_mutations.py plants the bugs this must catch. Tests and benchmarks use
+`run_layout`, which spawns the ranks with `raydist.runtime.spawn` and plans the layout through a
+`LocalSession` (rank 0 plans, all receive).
 
 Devices, explicitly (`raydist.runtime.harness_device`, $RAYDIST_TEST_DEVICE = auto | cpu | cuda): with at
 least one GPU per rank the ranks run NCCL with rank r on cuda:r, otherwise gloo on the CPU; never gloo with

@@ -39,8 +39,8 @@ def tiny_data(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def single_4_layers(tiny_data):
-    """The single-process reference run (`run_layout`'s default steps, captured gradients) of the 4-layer tiny config that
-    the layout-equivalence tests compare against."""
+    """The single-process reference run (`run_layout`'s default steps, captured gradients) of the 4-layer
+    tiny config that the layout-equivalence tests compare against."""
     from raydist.testing import run_layout, tiny_config
 
     [ref] = run_layout(tiny_config(tiny_data, model={"num_layers": 4}), 1)

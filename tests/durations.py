@@ -4,11 +4,11 @@ Every test's setup + call + teardown seconds, summed per file, are printed at th
 costliest files) and written as JSON to $RAYDIST_TEST_DURATIONS when it is set ({"total_s", "files":
 {file: s}, "tests": {nodeid: s}}). pytest's own `--durations` lists single phases of single tests only.
 
-The inner loop: `RECORDED` (tests/durations.json) holds every test's seconds from a whole run on a 2-core
-machine (that JSON, as a run writes it). A test recorded at `INNER_LIMIT_S` or more is marked `slow` at
-collection, so `pytest -m "not ray and not slow"` runs the tests that took less, and a test not recorded
-yet (a new one) until the file is rewritten. Refresh it after changing what tests cost:
-`RAYDIST_TEST_DURATIONS=tests/durations.json python -m pytest -q tests`.
+The inner loop: `RECORDED` (tests/durations.json) holds the seconds of every test not marked `ray`, from a
+whole run on a 2-core machine (that JSON, as a run writes it). A test recorded at `INNER_LIMIT_S` or more is
+marked `slow` at collection, so `pytest -m "not ray and not slow"` runs the tests that took less, and a test
+not recorded yet (a new one) until the file is rewritten. Refresh it after changing what tests cost:
+`RAYDIST_TEST_DURATIONS=tests/durations.json python -m pytest -q -m "not ray" tests` (as README.md says).
 """
 
 from __future__ import annotations
