@@ -143,9 +143,9 @@ from raydist.ray_cluster import (RAY_TRAIN_ENV, connect_ray, resolve_use_gpu, wa
 def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False):
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from raydist.elastic import warm
+    from raydist.elastic.fresh_view import Trainer
     from raydist.elastic.ray_session import ray_worker_entry
 
     cfg = lp.cfg
@@ -177,7 +177,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
         from raydist.strict.ray_train import strict_torch_config
 
         torch_config = strict_torch_config(torch_config)
-    return TorchTrainer(
+    return Trainer(  # TorchTrainer; an elastic run's group sized from the alive nodes (fresh_view)
         ray_worker_entry,
         train_loop_config=payload,
         torch_config=torch_config,
