@@ -68,7 +68,8 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     assert summary["steps_redone"] <= killed_at - committed_before_kill  # at most the steps since the commit
     assert abs(summary["final_loss"] - reference["final_loss"]) / reference["final_loss"] < 1e-3
     # the restarted workers are the spares, started before the kill, which imported torch, Ray Train and
-    # raydist before the train function was entered; the restarted group's `launch` says where the restart went (benchmarks/recovery.py splits the time so)
+    # raydist before the train function was entered; the restarted group's `launch` says where the restart
+    # went (benchmarks/recovery.py splits the time so)
     assert sorted(w["pid"] for w in events[restart]["workers"]) == spares
     relaunch = next(e for e in events if e["kind"] == "launch" and e["time"] > kill_time)
     assert relaunch["process_started"] < kill_time < relaunch["entered"] <= relaunch["time"], (kill_time, relaunch)

@@ -170,10 +170,9 @@ def test_two_replicas_from_the_first_step_and_a_parameter_without_its_gradient_f
     assert all(DROPPED not in r["grads"] and DROPPED in r["params"] for r in results)
     for res in results:  # every step's loss and gradient norms are the single process's
         ran = [rec["step"] for rec in res["steps"]]
-        assert_same_steps(LayoutResult([single.losses[s - 1] for s in ran], [single.grad_norms[s - 1] for s in ran],
-                                       {}, [], {}),
-                          LayoutResult([rec["loss"] for rec in res["steps"]], [rec["grad_norm"] for rec in res["steps"]],
-                                       {}, [], {}))
+        want = LayoutResult([single.losses[s - 1] for s in ran], [single.grad_norms[s - 1] for s in ran], {}, [], {})
+        got = LayoutResult([rec["loss"] for rec in res["steps"]], [rec["grad_norm"] for rec in res["steps"]], {}, [], {})
+        assert_same_steps(want, got)
     with pytest.raises(AssertionError, match=f"received no gradient in the last step: \\['{DROPPED}'\\]"):
         _check(results, single)
 
