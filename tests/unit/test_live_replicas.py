@@ -171,7 +171,7 @@ def test_two_replicas_from_the_first_step_and_a_parameter_without_its_gradient_f
     for res in results:  # every step's loss and gradient norms are the single process's
         ran = [rec["step"] for rec in res["steps"]]
         want = LayoutResult([single.losses[s - 1] for s in ran], [single.grad_norms[s - 1] for s in ran], {}, [], {})
-        got = LayoutResult([rec["loss"] for rec in res["steps"]], [rec["grad_norm"] for rec in res["steps"]], {}, [], {})
+        got = LayoutResult([r["loss"] for r in res["steps"]], [r["grad_norm"] for r in res["steps"]], {}, [], {})
         assert_same_steps(want, got)
     with pytest.raises(AssertionError, match=f"received no gradient in the last step: \\['{DROPPED}'\\]"):
         _check(results, single)
