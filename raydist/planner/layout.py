@@ -16,7 +16,7 @@ from raydist.config import Config, ModelConfig
 from raydist.layout import Layout, stage_partition
 from raydist.schedule.actions import placement_of, stages_of_rank
 
-__all__ = ["Layout", "Workload", "rank_layer_counts", "holds_stage", "every_k_segment"]
+__all__ = ["Layout", "Workload", "rank_layer_counts", "holds_stage", "holders", "every_k_segment"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,13 @@ def holds_stage(lay: Layout, rank: int, stage: str) -> bool:
     if lay.pp == 1:
         return True
     return rank in _holders(lay.pp, lay.virtual_stages, placement_of(lay.pp_schedule), stage)
+
+
+def holders(lay: Layout, stage: str) -> frozenset[int]:
+    """The pipeline ranks holding the "first" stage or the "last" (`holds_stage` for every rank at once)."""
+    if lay.pp == 1:
+        return frozenset({0})
+    return _holders(lay.pp, lay.virtual_stages, placement_of(lay.pp_schedule), stage)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -42,7 +42,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from raydist.planner.layout import Layout, Workload, every_k_segment, holds_stage, rank_layer_counts
+from raydist.planner.layout import Layout, Workload, every_k_segment, holders, holds_stage, rank_layer_counts
 
 STATE_BYTES_PER_ELEMENT = {"params": 4, "grads": 4, "optimizer": 8}
 
@@ -241,6 +241,22 @@ def head_bytes(w: Workload, lay: Layout) -> dict:
 # ---- the whole rank ----------------------------------------------------------------------------------
 
 
+def _candidate_stages(lay: Layout, counts: list[int]) -> tuple[int, ...]:
+    """The pipeline ranks that can hold the peak: the first rank of each (layers, holds first, holds last).
+    Everything rank_memory adds up depends on those three and on the micro-batches in flight, which never
+    grow with the rank (`in_flight_microbatches`), and the total only grows with them; so a later rank with
+    the same three never holds more, and the earliest rank with the peak is among these."""
+    return _first_of_each_kind(tuple(counts), holders(lay, "first"), holders(lay, "last"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _first_of_each_kind(counts: tuple[int, ...], first: frozenset[int], last: frozenset[int]) -> tuple[int, ...]:
+    seen: dict[tuple, int] = {}
+    for stage, layers in enumerate(counts):
+        seen.setdefault((layers, stage in first, stage in last), stage)
+    return tuple(sorted(seen.values()))
+
+
 def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, float]:
     """Peak bytes on the worst pipeline stage, by term; 'total' is the estimate that must fit."""
     a = w.compute_dtype_bytes
@@ -248,7 +264,7 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
     counts = rank_layer_counts(w, lay)
     m, tp, fsdp = w.model, lay.tp, lay.fsdp_size
     block_local, block_full = _block_elements(m, tp, fsdp, None), _block_elements(m, tp, 1, None)
-    for stage in range(lay.pp):  # the first stages hold more micro-batches in flight, the last the head
+    for stage in _candidate_stages(lay, counts):
         layers = counts[stage]
         first, last = holds_stage(lay, stage, "first"), holds_stage(lay, stage, "last")
         root_local = _root_elements(m, first, last, lay.pp == 1, tp, fsdp, None) if first or last else 0

@@ -45,7 +45,7 @@ import math
 
 from raydist.models.gpt import flops_per_token, param_counts
 from raydist.planner.hardware import Hardware, Link
-from raydist.planner.layout import Layout, Workload, holds_stage, rank_layer_counts
+from raydist.planner.layout import Layout, Workload, holders, rank_layer_counts
 from raydist.schedule.timeline import theoretical_bubble
 from raydist.planner.memory import block_activation_bytes, block_selective_bytes, stage_elements
 
@@ -97,7 +97,9 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     block_fwd = 2 * tokens * counts["block_matmul"] / tp + 4 * tokens * w.seq_len * h / tp
     head_fwd = 2 * tokens * m_cfg.vocab_size * h / tp
     # the busiest rank's forward: its blocks, plus the head on the rank holding the last stage
-    fwd = max(n * block_fwd + (head_fwd if holds_stage(lay, r, "last") else 0.0) for r, n in enumerate(stage_layers))
+    # (every rank's blocks, and the head's holders' blocks plus the head: the same maximum, without asking
+    # each of up to a hundred pipeline ranks whether it holds the head)
+    fwd = max(layers * block_fwd, *(stage_layers[r] * block_fwd + head_fwd for r in holders(lay, "last")))
     compute_mb = 3 * fwd / rate + (layers + 1) * hw.block_overhead_s
     recompute_mb = 0.0
     policy = lay.activation_checkpoint
