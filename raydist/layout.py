@@ -243,18 +243,28 @@ def validate(layout: Layout, model: "ModelConfig", seq_len: int) -> list[str]:
     if lay.micro_batch < 1 or lay.num_microbatches < 1:
         problems.append(f"micro_batch={lay.micro_batch} x num_microbatches={lay.num_microbatches} must both be "
                         ">= 1; raise train.global_batch or lower the data-parallel degree")
-    problems += _tensor_parallel(lay, m, seq_len)
-    if lay.fsdp_size > smallest_tp_rows(m, lay.tp):
-        problems.append(f"parallel.dp_shard={lay.dp_shard} x cp={lay.cp} = {lay.fsdp_size} FSDP shards exceeds the "
-                        f"smallest parameter's first dimension ({smallest_tp_rows(m, lay.tp)}): some ranks would "
-                        "hold empty shards; lower parallel.dp_shard (use dp_replicate for the rest: HSDP)")
-    problems += _context_parallel(lay, m, seq_len)
+    problems += _tensor_parallel(lay, m, seq_len) + _fsdp(lay, m) + _context_parallel(lay, m, seq_len)
     if lay.pp > 1:
         problems += _pipeline(lay, m)
     if lay.activation_checkpoint not in RECOMPUTE_POLICIES:
         problems.append(f"train.activation_checkpoint={lay.activation_checkpoint!r} is not one of "
                         f"{', '.join(RECOMPUTE_POLICIES)}")
     return problems
+
+
+def mesh_problems(layout: Layout, model: "ModelConfig", seq_len: int) -> list[str]:
+    """validate's reasons that come from the mesh's degrees alone (tensor, FSDP, context parallelism): no
+    micro-batch size or count, recompute policy or schedule lifts them (the planner drops such a mesh once
+    instead of validating each of its candidates)."""
+    return _tensor_parallel(layout, model, seq_len) + _fsdp(layout, model) + _context_parallel(layout, model, seq_len)
+
+
+def _fsdp(lay: Layout, m: "ModelConfig") -> list[str]:
+    if lay.fsdp_size <= smallest_tp_rows(m, lay.tp):
+        return []
+    return [f"parallel.dp_shard={lay.dp_shard} x cp={lay.cp} = {lay.fsdp_size} FSDP shards exceeds the smallest "
+            f"parameter's first dimension ({smallest_tp_rows(m, lay.tp)}): some ranks would hold empty shards; "
+            "lower parallel.dp_shard (use dp_replicate for the rest: HSDP)"]
 
 
 def _tensor_parallel(lay: Layout, m: "ModelConfig", seq_len: int) -> list[str]:

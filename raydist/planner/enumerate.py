@@ -26,6 +26,7 @@ from typing import Iterable, Iterator
 from raydist.config import Config, ConfigError, divisors
 from raydist.planner.cost_model import Estimate, complete, estimate, layout_problems
 from raydist.planner.hardware import Hardware, get_hardware
+from raydist.layout import mesh_problems
 from raydist.planner.layout import Layout, Workload, rank_layer_counts
 
 ALL_FEATURES = frozenset({"tp", "cp", "pp"})
@@ -86,6 +87,7 @@ def _candidates(w, world, hw, features, policies, micro_batches):
         sizes = sorted(micro_batches) if micro_batches is not None else divisors(per_rank)
         layers = max(rank_layer_counts(w, shape)) if shape.num_stages <= w.model.num_layers else 0
         fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
+        mesh_ok = not mesh_problems(shape, w.model, w.seq_len)  # (most invalid candidates: once per mesh)
         for policy in policies:
             if policy == "every_k" and layers < 4:  # segments of round(sqrt(L)) = 1 block: same as full
                 continue
@@ -94,7 +96,7 @@ def _candidates(w, world, hw, features, policies, micro_batches):
                 # (a constructor call: dataclasses.replace costs twice as much, half a million times)
                 lay = Layout(**{**fields, "micro_batch": size, "activation_checkpoint": policy,
                                 "num_microbatches": per_rank // size if divides else 1})
-                yield shape, policy, lay, divides and not layout_problems(w, lay)
+                yield shape, policy, lay, divides and mesh_ok and not layout_problems(w, lay)
 
 
 def enumerate_estimates(w: Workload, world: int, hw: Hardware, features: Iterable[str] = ALL_FEATURES,
