@@ -10,7 +10,17 @@ import time
 
 import pytest
 
+from raydist.config import Config
 from raydist.launcher import launch
+
+
+def elastic_config(tiny_data, run_root, *extra) -> Config:
+    """A 2-layer model on the tiny corpus, checkpoints every 10 steps under `run_root`: the elastic runs'."""
+    return Config.load(None, [
+        f"data.path={tiny_data}", "data.seq_len=32", "data.reader=arrow", "model.num_layers=2", "model.d_model=64",
+        "model.ffn_hidden=128", "train.global_batch=8", "train.micro_batch=2", "train.eval_every=0",
+        "train.log_every=2", "checkpoint.every_steps=10", "checkpoint.async_save=false",
+        f"checkpoint.storage={run_root}", "ray.max_pending_s=60", "elastic.collective_timeout_s=60", *extra])
 
 
 def jsonl(path) -> list[dict]:
@@ -71,8 +81,10 @@ class Background:
         return self.result
 
 
-@pytest.fixture
-def ray_4cpu(monkeypatch):
+@pytest.fixture(scope="module")
+def ray_4cpu():
+    """A 4-CPU local cluster shared by a module's tests (starting and stopping one costs 5-6 s here); a
+    module whose other tests start clusters of their own keeps them apart (tests/ray/test_node_loss.py)."""
     import ray
 
     from raydist.elastic import warm
@@ -81,9 +93,12 @@ def ray_4cpu(monkeypatch):
     # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one, its
     # processes inherit raydist's Ray Train settings (the controller's ones only reach it this way), and its
     # job preloads warm spare processes
-    for key, value in train_env(embedded=True).items():
-        monkeypatch.setenv(key, value)
-    ray.init(address="local", num_cpus=4, logging_level="warning", runtime_env=warm.job_runtime_env(),
-             **embedded_dashboard())
-    yield ray
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        for key, value in train_env(embedded=True).items():
+            monkeypatch.setenv(key, value)
+        ray.init(address="local", num_cpus=4, logging_level="warning", runtime_env=warm.job_runtime_env(),
+                 **embedded_dashboard())
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
