@@ -41,8 +41,10 @@ class ElasticConfig:
     """The longest a checkpoint save (or waiting for one in flight) may take before the worker fails."""
     group_start_timeout_s: float = 60.0
     """How long Ray Train waits for a new worker group's resources and processes before it decides its size
-    again (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S). After a node loss an elastic run first asks again for
-    its old size, since Ray's resource view still counts the lost node, and shrinks only after this wait."""
+    again (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S). An elastic run's restart is sized from the nodes alive
+    when it is decided (`raydist/elastic/fresh_view.py`; Ray Train's own policy would count a lost node
+    until its coordinator's next 20 s tick and ask for the old size first, waiting out this timeout), so
+    this wait is for processes slow to start."""
     warm_spares: bool = True
     """Keep one idle, started worker process per worker (Python with Ray, Ray Train, torch and raydist
     imported) on each node, so that a restarted worker group starts in them instead of new processes
