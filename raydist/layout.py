@@ -243,7 +243,7 @@ def validate(layout: Layout, model: "ModelConfig", seq_len: int) -> list[str]:
     if lay.micro_batch < 1 or lay.num_microbatches < 1:
         problems.append(f"micro_batch={lay.micro_batch} x num_microbatches={lay.num_microbatches} must both be "
                         ">= 1; raise train.global_batch or lower the data-parallel degree")
-    problems += _tensor_parallel(lay, m, seq_len) + _fsdp(lay, m) + _context_parallel(lay, m, seq_len)
+    problems += mesh_problems(lay, m, seq_len)
     if lay.pp > 1:
         problems += _pipeline(lay, m)
     if lay.activation_checkpoint not in RECOMPUTE_POLICIES:

@@ -6,7 +6,7 @@ reserved for it. The coordinator recomputes those reservations from `ray.nodes()
 dies, the group fails within a second, and the restart is sized from the last tick: still counting the
 dead node's CPUs, it asks for every worker, the placement group can never be placed, and the run waits
 out `elastic.group_start_timeout_s` (60 s by default) before the next try sees the smaller cluster.
-Measured here on the node-loss test (tests/ray/test_elastic.py): GCS marked the node dead, 0.56 s later
+Measured here on the node-loss test (tests/ray/test_node_loss.py): GCS marked the node dead, 0.56 s later
 Ray Train decided to restart with 4 workers on what was then a 2-worker cluster, and the run trained again
 about 60 s later. A node that joins is likewise seen only at the first resize check after the next tick.
 

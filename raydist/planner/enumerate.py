@@ -24,9 +24,9 @@ import importlib.util
 from typing import Iterable, Iterator
 
 from raydist.config import Config, ConfigError, divisors
+from raydist.layout import mesh_problems
 from raydist.planner.cost_model import Estimate, complete, estimate, layout_problems
 from raydist.planner.hardware import Hardware, get_hardware
-from raydist.layout import mesh_problems
 from raydist.planner.layout import Layout, Workload, rank_layer_counts
 
 ALL_FEATURES = frozenset({"tp", "cp", "pp"})

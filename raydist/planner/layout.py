@@ -67,9 +67,7 @@ def _per_rank(stages: tuple[int, ...], pp: int, virtual_stages: int, placement: 
 def holds_stage(lay: Layout, rank: int, stage: str) -> bool:
     """Whether pipeline rank `rank` holds the "first" stage (embedding) or the "last" (final norm, head,
     loss): ranks 0 and pp - 1, both rank 0 under zbv."""
-    if lay.pp == 1:
-        return True
-    return rank in _holders(lay.pp, lay.virtual_stages, placement_of(lay.pp_schedule), stage)
+    return lay.pp == 1 or rank in holders(lay, stage)
 
 
 def holders(lay: Layout, stage: str) -> frozenset[int]:

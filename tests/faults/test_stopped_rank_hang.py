@@ -55,7 +55,8 @@ def _kill(pid: int) -> None:
 
 
 def _stop_and_wait(run_dir, victim: int, kinds_before: int) -> tuple[dict, dict, float]:
-    """SIGSTOP `victim`; the first hang and restart events after the first `kinds_before` of each."""
+    """SIGSTOP `victim`; the first hang and restart events after the first `kinds_before` of each. (The caller
+    ends the victim, whatever happens here.)"""
     os.kill(victim, signal.SIGSTOP)
     stopped_at = time.time()
 
@@ -63,12 +64,8 @@ def _stop_and_wait(run_dir, victim: int, kinds_before: int) -> tuple[dict, dict,
         return lambda: next(iter([e for e in records(run_dir, "events.jsonl") if e["kind"] == kind][kinds_before:]),
                             None)
 
-    try:
-        hang = wait_for(nth("hang"), BOUND_S + 5, "a hang event")
-        restart = wait_for(nth("restart"), BOUND_S + 5, "a restart")
-    except BaseException:
-        _kill(victim)
-        raise
+    hang = wait_for(nth("hang"), BOUND_S + 5, "a hang event")
+    restart = wait_for(nth("restart"), BOUND_S + 5, "a restart")
     return hang, restart, stopped_at
 
 
