@@ -107,7 +107,14 @@ def _late_peer() -> dict:
     time.sleep(0.5)
     waiting = inflight.gloo_recorder()
     work.wait()
-    return {"waiting": waiting, "after": inflight.gloo_recorder(), "name": sub.group_name}
+    # the recorder's entry is retired on gloo's side of the work, which can lag the wait() returning: CI on a
+    # loaded 2-core machine once read it as still queued right after the wait. Read until it goes (10 s at most)
+    deadline = time.monotonic() + 10.0
+    after = inflight.gloo_recorder()
+    while after and time.monotonic() < deadline:
+        time.sleep(0.05)
+        after = inflight.gloo_recorder()
+    return {"waiting": waiting, "after": after, "name": sub.group_name}
 
 
 def test_a_real_dump_of_gloos_recorder_names_the_collective_a_rank_waits_in(plain_gloo):
