@@ -45,7 +45,7 @@ import tempfile
 import torch
 
 from raydist.config import Config
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 PRESETS = {"750m": dict(d_model=2048, layers=16, ffn=5632, heads=16, kv_heads=16, vocab=32000)}
 
@@ -94,7 +94,7 @@ def _build_on_rank(raw: dict, mode: str, trace: bool = False) -> dict:
     import torch.distributed as dist
 
     from raydist.elastic.policy import plan_layout
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     cfg = Config.from_dict(raw)
     layout = plan_layout(cfg, dist.get_world_size())
@@ -118,7 +118,7 @@ def _build_on_rank(raw: dict, mode: str, trace: bool = False) -> dict:
             handle.remove()
     else:
         from raydist.models.gpt import build_model
-        from raydist.parallel import parallelize
+        from raydist.parallel.parallelize import parallelize
 
         model = build_model(cfg.model, cfg.data.seq_len, cfg.train.seed)
         model = parallelize(model, layout.spec.build("cpu"), layout, torch.device("cpu")).model

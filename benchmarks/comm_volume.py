@@ -31,14 +31,15 @@ import argparse
 import torch
 
 from raydist.config import Config
-from raydist.metrics.comm import _FACTORS, CommCounter, megatron_block_bytes, ring_attention_bytes, ulysses_attention_bytes
-from raydist.runtime import spawn
+from raydist.metrics.comm import (_FACTORS, CommCounter, megatron_block_bytes, ring_attention_bytes,
+                                  ulysses_attention_bytes)
+from raydist.parallel.runtime import spawn
 
 WORLD = 4
 
 
 def _count_on_rank(raw: dict) -> dict:
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
     trainer.train_step()  # warm-up: lazy initialisation is not part of a step
@@ -54,7 +55,7 @@ def _count_on_rank(raw: dict) -> dict:
 
 def _tp_phases_on_rank(raw: dict) -> dict:
     """{num_layers: {"forward"/"backward": {(kind, payload bytes): calls}}} for one micro-batch."""
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     out = {}
     for layers in (1, 2):
@@ -113,7 +114,7 @@ def tensor_parallel_section(cfg: Config) -> None:
 
 def data_parallel_section() -> Config:
     """DDP and FSDP bytes per step against the published figures; returns the config it used."""
-    from raydist.launcher import ensure_data
+    from raydist.driver.launcher import ensure_data
     from raydist.models.gpt import param_counts
 
     cfg = Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0",
@@ -155,7 +156,7 @@ def _attention_layer_on_rank(impl: str, batch: int, heads: int, kv_heads: int, s
 def _activations_on_rank(raw: dict) -> dict:
     """Bytes held for backward at the end of one forward on this rank's shard (no FSDP: parameters stay
     whole and are excluded), by saved-tensor hooks and by live op outputs."""
-    from raydist.mesh import MeshSpec
+    from raydist.parallel.mesh import MeshSpec
     from raydist.metrics.memory import LiveActivations, SavedActivations
     from raydist.models.gpt import build_model, cross_entropy
 
@@ -178,7 +179,7 @@ def _activations_on_rank(raw: dict) -> dict:
 
 
 def context_parallel_section(seq_len: int) -> None:
-    from raydist.launcher import ensure_data
+    from raydist.driver.launcher import ensure_data
 
     cfg = Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0", "train.micro_batch=8"])
     m, batch = cfg.model, cfg.train.micro_batch

@@ -35,7 +35,7 @@ from raydist.data.position import RankPlan, SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
 from raydist.data.readers import ArrowReader, RayDataReader
 from raydist.data.stream import SampleStream, Split
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 
 def _order(path: str, seed: int) -> tuple[Split, SampleOrder]:
@@ -90,7 +90,7 @@ def delivery(path: str, seed: int, g: int, reader, steps: int) -> tuple[float, f
 
 
 def _consume(raw: dict, steps: int) -> float:
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
     times = [trainer.train_step().step_time_s for _ in range(steps)]
@@ -104,7 +104,7 @@ def _moto_s3(local_path: str):
     import s3fs
     from moto.server import ThreadedMotoServer
 
-    from raydist.runtime import free_port
+    from raydist.parallel.runtime import free_port
 
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
@@ -131,7 +131,7 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from raydist.launcher import ensure_data, launch
+    from raydist.driver.launcher import ensure_data, launch
     from raydist.metrics.logger import read_metrics
 
     cfg = ensure_data(Config.load("workloads/gpt_tiny.toml", ["train.eval_every=0", *args.set]), log=print)

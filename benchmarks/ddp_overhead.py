@@ -3,7 +3,7 @@
 Both sides train the default workload's model on the same prepared shards with the same global batch,
 micro-batch and optimizer, one torch thread per process. The baseline is the textbook loop: the whole
 token array in memory, indexed by a fixed permutation, DDP + AdamW, nothing else. raydist runs its
-`Trainer` (stream reader, layout, clipping, schedule, metrics bookkeeping) through `raydist.runtime.spawn`,
+`Trainer` (stream reader, layout, clipping, schedule, metrics bookkeeping) through `raydist.parallel.runtime.spawn`,
 and then the whole job through Ray Train (`launch`), whose steady-state step time is read from
 metrics.jsonl. The three sides alternate in rounds (a Ray Train run in every round, so a slow spell of the
 machine hits every side alike) and the ratio of medians is printed; also the CPU MFU of the default model
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from raydist.config import Config
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 WARMUP = 10  # steps left out of every side's figure
 LOG_EVERY = 5  # the Ray Train run's logged interval: every side's figure is a median of such means
@@ -79,7 +79,7 @@ def baseline(cfg_raw: dict, steps: int) -> list[float]:
 
 def raydist_trainer(cfg_raw: dict, steps: int) -> tuple[list[float], float]:
     from raydist.metrics.flops import measure_cpu_matmul_peak
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     cfg = Config.from_dict(cfg_raw)
     trainer = Trainer(cfg, torch.device("cpu"))
@@ -96,7 +96,7 @@ def steady(times: list[float]) -> float:
 
 def ray_train_run(data_path: str, steps: int) -> tuple[float, float]:
     """The default workload through `launch` (Ray Train): (steady step time, start event -> step-0 line)."""
-    from raydist.launcher import launch
+    from raydist.driver.launcher import launch
     from raydist.metrics.goodput import read_events
     from raydist.metrics.logger import read_metrics
 
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
 
-    from raydist.launcher import ensure_data
+    from raydist.driver.launcher import ensure_data
     from raydist.models.gpt import flops_per_token
 
     # the default run's micro-batch (derived: 8 at dp 2), set explicitly for the hand-written baseline

@@ -30,13 +30,13 @@ import torch
 
 from raydist.config import Config
 from raydist.metrics.memory import LiveActivations, SavedActivations, state_bytes
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 LAYOUTS = {"DDP 4": (4, 1), "FSDP 4": (1, 4), "HSDP 2x2": (2, 2)}
 
 
 def _state_on_rank(raw: dict) -> dict:
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
     trainer.train_step()  # creates the optimizer state
@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--skip-state", action="store_true", help="only the activation tables (no processes)")
     args = parser.parse_args()
     if not args.skip_state:
-        from raydist.launcher import ensure_data
+        from raydist.driver.launcher import ensure_data
 
         state_table(ensure_data(Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0"])))
     act_cfg = Config.load("workloads/gpt_tiny.toml", [f"model.num_layers={args.layers}"])

@@ -85,7 +85,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 P, V = 4, 2
 SHAPE = (1, 4, 8)  # (B_micro, T, D) of the activations passed between stages: tiny, the cost is the sleep

@@ -26,12 +26,12 @@ import time
 import torch
 
 from raydist.config import Config
+from raydist.parallel.runtime import spawn
 from raydist.planner.calibrate import calibrate, format_calibration
 from raydist.planner.cost_model import Estimate
 from raydist.planner.enumerate import ALL_FEATURES, enumerate_estimates
 from raydist.planner.hardware import get_hardware, workload_signature
-from raydist.planner.layout import Layout, Workload
-from raydist.runtime import spawn
+from raydist.planner.placement import Layout, Workload
 
 REFERENCES = [  # (mesh, micro_batch, policy): kept in the measured set to spread the ranking
     ({"dp_replicate": -1, "dp_shard": 1}, 4, "none"),
@@ -48,7 +48,7 @@ def _measure(config_path: str, layouts: list[dict], wanted: int, rounds: int, st
     raise are skipped), plus every reference layout; then rounds of steps."""
     import torch.distributed as dist
 
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     trainers, skipped = {}, {}
     built_ranked = 0
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
-    from raydist.launcher import ensure_data
+    from raydist.driver.launcher import ensure_data
     from raydist.planner.enumerate import implemented_features
 
     from raydist.elastic.policy import plan_layout

@@ -21,7 +21,7 @@ step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metr
     first step -> the first step completed after it
 
 The recovery runs through `launch` as `raydist train` does (an embedded Ray with raydist's Ray Train
-settings, raydist.ray_cluster). --compare runs it a second time, first, with the settings raydist had
+settings, raydist.driver.ray_cluster). --compare runs it a second time, first, with the settings raydist had
 before (PREVIOUS: no warm spare processes), and prints both side by side. What the spares cost is shown
 beside: the first attempt's steps 2-30 (the spares are asked for after step 1, and start and import while
 those steps train) and each spare's memory at the kill, resident and proportional (PSS: shared pages
@@ -60,7 +60,7 @@ import time
 import torch
 
 from raydist.config import Config
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 
 def _lines(path: str) -> list[dict]:
@@ -78,7 +78,7 @@ PARTS = ("detection", "restart", "group down + spawn", "worker start", "entry", 
 def recovery(data_path: str, root: str, name: str = "recovery", overrides: list[str] = ()) -> dict:
     """One kill-and-restart run through `launch` (its embedded Ray); `overrides` are --set settings for this
     run only."""
-    from raydist.launcher import launch
+    from raydist.driver.launcher import launch
 
     cfg = Config.load("workloads/gpt_tiny.toml", [f"data.path={data_path}", "data.reader=arrow", "train.steps=150",
                                                   "train.eval_every=0", "train.log_every=1",
@@ -154,8 +154,8 @@ def _spares() -> dict:
 def live_recovery(data_path: str, root: str, steps: int = 400, shard: int = 1) -> dict[str, float | None]:
     import ray
 
-    from raydist.launcher import launch
-    from raydist.ray_cluster import embedded_dashboard, train_env
+    from raydist.driver.launcher import launch
+    from raydist.driver.ray_cluster import embedded_dashboard, train_env
 
     cfg = Config.load("workloads/gpt_tiny.toml", [f"data.path={data_path}", "data.reader=arrow", f"train.steps={steps}",
                                                   "train.eval_every=0", "train.log_every=1",
@@ -166,7 +166,7 @@ def live_recovery(data_path: str, root: str, steps: int = 400, shard: int = 1) -
                                                   "elastic.live_recovery=true", "elastic.collective_timeout_s=60"])
     run_dir = os.path.join(root, f"live{shard}")
     saved = dict(os.environ)
-    os.environ.update(train_env(embedded=True))  # as raydist's own embedded cluster (raydist.ray_cluster)
+    os.environ.update(train_env(embedded=True))  # as raydist's own embedded cluster (raydist.driver.ray_cluster)
     ray.init(address="local", num_cpus=4, logging_level="warning", **embedded_dashboard())
     try:
         done: list = []
@@ -296,7 +296,7 @@ def main() -> None:
                         help="also measure the recovery with raydist's previous Ray Train settings, side by side")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
-    from raydist.launcher import ensure_data
+    from raydist.driver.launcher import ensure_data
 
     cfg = Config.load("workloads/gpt_tiny.toml")
     cfg = ensure_data(cfg)

@@ -9,7 +9,7 @@
                 rank 1 exits once they are idle (started, imports done); the restarted group's processes
                 are the spares, started before the exit
 
-All on an embedded local Ray started with raydist's Ray Train settings (raydist.ray_cluster.train_env) and
+All on an embedded local Ray started with raydist's Ray Train settings (raydist.driver.ray_cluster.train_env) and
 the job's setup hook (raydist.elastic.warm.job_runtime_env: it imports nothing in the cold runs' workers),
 4 logical CPUs as `raydist train` starts it on this machine.
 
@@ -139,7 +139,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
     from raydist.elastic import warm
-    from raydist.ray_cluster import embedded_dashboard, train_env
+    from raydist.driver.ray_cluster import embedded_dashboard, train_env
 
     saved = dict(os.environ)
     os.environ.update(train_env(embedded=True))

@@ -27,7 +27,7 @@ from torch.distributed import distributed_c10d as c10d
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raydist import strict  # noqa: E402
-from raydist.runtime import spawn  # noqa: E402
+from raydist.parallel.runtime import spawn  # noqa: E402
 
 
 def _ops(n: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -62,9 +62,9 @@ def _ops(n: int, rounds: int) -> dict[str, dict[str, float]]:
 
 def _steps(data: str, steps: int) -> float:
     from raydist.config import Config
-    from raydist.runtime import pick_device
+    from raydist.parallel.runtime import pick_device
     from raydist.testing import tiny_config
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     cfg = Config.from_dict(tiny_config(data, parallel={"dp_shard": 2}))
     trainer = Trainer(cfg, pick_device())

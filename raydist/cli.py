@@ -13,7 +13,7 @@ from pathlib import Path
 
 from raydist.config import DEFAULT_WORKLOAD, Config, ConfigError
 from raydist.data.prepare import DataError
-from raydist.redact import redact
+from raydist.store.redact import redact
 
 
 def _default_config_path() -> str | None:
@@ -29,9 +29,9 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args) -> int:
-    from raydist.launcher import launch
+    from raydist.driver.launcher import launch
 
-    from raydist.console import Console
+    from raydist.driver.console import Console
 
     cfg = Config.load(args.config or _default_config_path(), args.overrides)
     launch(cfg, address=args.address, console=Console(verbose=args.verbose))
@@ -86,8 +86,9 @@ def _optional_commands():
     """Subcommands that live with their subsystem (each module has `register_cli(subparsers)`)."""
     import importlib
 
-    for module in ("raydist.schedule.cli", "raydist.planner.cli", "raydist.report.cli",
-                   "raydist.checkpoint.verify", "raydist.finetune", "raydist.generate", "raydist.status"):
+    for module in ("raydist.schedule.cli", "raydist.planner.cli", "raydist.report.cli", "raydist.checkpoint.verify",
+                   "raydist.inference.evaluate", "raydist.inference.export", "raydist.inference.generate",
+                   "raydist.driver.status"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

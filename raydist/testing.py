@@ -6,10 +6,10 @@ the parameters after the last step close, and every parameter of the model recei
 config clips at 3.0, above most steps' norms (1.8-4.2 in its first 10 steps; step 5, the one in the default
 6 of `run_layout`, is clipped): clipping every step would hide a gradient's scale from the parameters.
 tests/unit/test_harness_mutations.py plants the bugs this must catch. Tests and benchmarks use
-`run_layout`, which spawns the ranks with `raydist.runtime.spawn` and plans the layout through a
+`run_layout`, which spawns the ranks with `raydist.parallel.runtime.spawn` and plans the layout through a
 `LocalSession` (rank 0 plans, all receive).
 
-Devices, explicitly (`raydist.runtime.harness_device`, $RAYDIST_TEST_DEVICE = auto | cpu | cuda): with at
+Devices, explicitly (`raydist.parallel.runtime.harness_device`, $RAYDIST_TEST_DEVICE = auto | cpu | cuda): with at
 least one GPU per rank the ranks run NCCL with rank r on cuda:r, otherwise gloo on the CPU; never gloo with
 CUDA tensors, never two ranks on one GPU. `tiny_config` asks for fp32 so that a GPU run keeps the contract.
 """
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from raydist.config import Config
-from raydist.runtime import harness_device, spawn, to_device
+from raydist.parallel.runtime import harness_device, spawn, to_device
 
 TINY_MODEL = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=320)
 
@@ -59,8 +59,8 @@ def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> La
     import torch.distributed as dist
 
     from raydist.elastic.session import LocalSession
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer, TrainerOptions
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer, TrainerOptions
 
     cfg = Config.from_dict(raw)
     layout = LocalSession().start(cfg)
@@ -168,9 +168,9 @@ def _fit(raw: dict, run_dir: str, crash_after_step: int | None, before_commit_ex
     import os
 
     from raydist.checkpoint import CheckpointManager
-    from raydist.runtime import pick_device
-    from raydist.train_loop import fit
-    from raydist.trainer import Trainer, TrainerOptions
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.loop import fit
+    from raydist.training.trainer import Trainer, TrainerOptions
 
     trainer = Trainer(Config.from_dict(raw), pick_device(), options=TrainerOptions(record_samples=True,
                                                                                    defer_init=True))
@@ -225,8 +225,8 @@ def logits_after_load(raw: dict, run_dir: str | None, tokens: torch.Tensor, step
     `run_dir` (unless None: the untrained model), and return the full logits of `tokens` (checks that the
     checkpoint was at `step`, when given)."""
     from raydist.checkpoint import CheckpointManager
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), pick_device())
     if run_dir is not None:
@@ -252,8 +252,8 @@ class Constructed:
 
 def _construct(raw: dict) -> Constructed:
     from raydist.models.gpt import rope_tables
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     cfg = Config.from_dict(raw)
     trainer = Trainer(cfg, pick_device())
@@ -345,7 +345,7 @@ class HostSyncCounter:
     - host data to the device by a blocking copy: `.to(device)` or `copy_` of a host tensor without
       `non_blocking`, `torch.tensor` / `as_tensor` / `new_tensor` of host data with a device (CUDA copies from pageable
       memory synchronise the stream; only a non-blocking copy from pinned memory does not, which is what
-      `raydist.runtime.to_device` makes on CUDA: its result is a device tensor, not counted);
+      `raydist.parallel.runtime.to_device` makes on CUDA: its result is a device tensor, not counted);
     - `torch.cuda.synchronize`, `synchronize` of CUDA events and streams, `Event.elapsed_time`.
 
     Not counted: torch.optim's own host bookkeeping (on the CPU its step counters are host tensors; raydist's
@@ -364,7 +364,7 @@ class HostSyncCounter:
         class _Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
                 kwargs = kwargs or {}
-                # raydist.runtime.to_device: pinned and non-blocking on CUDA (a plain `.to` elsewhere)
+                # raydist.parallel.runtime.to_device: pinned and non-blocking on CUDA (a plain `.to` elsewhere)
                 moved = func is torch.Tensor.to and sys._getframe(1).f_code is to_device.__code__
                 what = None if moved else counter._classify(func, args, kwargs)
                 if what is not None:

@@ -12,7 +12,7 @@ from durations import (pytest_collection_modifyitems, pytest_runtest_logreport, 
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks: CI's skips)
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-# Every multi-process test runs under NCCL's rules (raydist.strict): the ranks raydist.runtime.spawn starts and
+# Every multi-process test runs under NCCL's rules (raydist.strict): the ranks raydist.parallel.runtime.spawn starts and
 # the Ray Train workers of the local clusters the tests start (their processes inherit this environment).
 # A test of plain gloo's own behaviour asks for the `plain_gloo` fixture; RAYDIST_STRICT_COLLECTIVES=0 runs
 # the whole suite on plain gloo.

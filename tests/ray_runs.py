@@ -11,7 +11,7 @@ import time
 import pytest
 
 from raydist.config import Config
-from raydist.launcher import launch
+from raydist.driver.launcher import launch
 
 
 def elastic_config(tiny_data, run_root, *extra) -> Config:
@@ -88,7 +88,7 @@ def ray_4cpu():
     import ray
 
     from raydist.elastic import warm
-    from raydist.ray_cluster import embedded_dashboard, train_env
+    from raydist.driver.ray_cluster import embedded_dashboard, train_env
 
     # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one, its
     # processes inherit raydist's Ray Train settings (the controller's ones only reach it this way), and its

@@ -41,7 +41,7 @@ from raydist.checkpoint.staging import cuda_devices, stage, wait_for_copies
 from raydist.checkpoint.state import Stateful, merge_state, split_state
 from raydist.checkpoint.storage import EXTRA, join, step_dir_name
 from raydist.errors import ConfigError
-from raydist.redact import redact
+from raydist.store.redact import redact
 
 EXTRA_FORMAT = 2
 METADATA = ".metadata"

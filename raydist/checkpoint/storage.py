@@ -11,7 +11,7 @@ A directory without COMMIT.json is partial (a crash during the write) and never 
 differs from COMMIT.json is corrupt (e.g. truncated) and skipped when looking for the newest checkpoint; a
 chunk whose bytes changed fails its checksum while it is read, and loading falls back to an older
 checkpoint. `raydist verify RUN_DIR` checks every file in full. extra.json and COMMIT.json are written
-atomically (`raydist.atomic`), and a directory is deleted COMMIT.json first (`remove_dir`), so no crash
+atomically (`raydist.store.atomic`), and a directory is deleted COMMIT.json first (`remove_dir`), so no crash
 leaves a directory that looks committed but is not.
 
 DCP writes `.metadata` with pickle. A checksum proves integrity, not authorship (whoever can write the
@@ -37,9 +37,9 @@ import torch
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from raydist.atomic import write_bytes_atomic, write_json_atomic
 from raydist.checkpoint.rawio import RawReader, RawWriter
-from raydist.redact import redact
+from raydist.store.atomic import write_bytes_atomic, write_json_atomic
+from raydist.store.redact import redact
 
 COMMIT = "COMMIT.json"
 EXTRA = "extra.json"

@@ -12,7 +12,7 @@ import json
 from raydist.checkpoint import storage
 from raydist.checkpoint.storage import join
 from raydist.errors import ConfigError
-from raydist.redact import redact
+from raydist.store.redact import redact
 
 
 def verify_run(run_dir: str, step: int | None = None) -> list[dict]:

@@ -20,7 +20,7 @@ stage none, a first or last stage T / cp.
 `BatchTransfer.share` moves them: the leader sends every tp = 0 peer that needs anything its columns,
 point-to-point on the batch-peer group (a scatter whose pieces differ in width), then each tp group that
 needs anything broadcasts its piece from its tp = 0 rank. Both groups are DeviceMesh groups, DEVICE groups
-in raydist.runtime's terms (NCCL on CUDA): the pieces live on the training device.
+in raydist.parallel.runtime's terms (NCCL on CUDA): the pieces live on the training device.
 """
 
 from __future__ import annotations
@@ -149,7 +149,8 @@ class LocalBatch:
         return sft.as_targets(y) if masked else y
 
     def target_counts(self) -> tuple[int, torch.Tensor]:
-        """(local targets, of them the ones that count) for the masked loss's scale (raydist.runner.MaskScale)."""
+        """(local targets, of them the ones that count) for the masked loss's scale
+        (raydist.training.runners.MaskScale)."""
         y = self.needs._parts(self.piece, 1 if self.needs.inputs else 0)
         return y.numel(), (y < sft.NOT_TARGET).sum()
 

@@ -34,10 +34,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydist.atomic import write_json_atomic
 from raydist.config import ConfigError, DataConfig
 from raydist.data import sft
 from raydist.data.tokenizer import get_tokenizer
+from raydist.store.atomic import write_json_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1

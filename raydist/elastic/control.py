@@ -5,7 +5,7 @@ exactly when the active ones do. Rank 0 publishes each report in the process gro
 (`raydist/ctl/<n>`) and a heartbeat (`raydist/ctl/heartbeat`); idle workers follow the messages and
 give up, with an error, if the heartbeat stops for longer than the collective timeout (so a dead rank 0
 ends in a restart, not a hang). The store's server lives in rank 0's process: a stopped rank 0 would block
-a follower's store call forever, so every call is bounded (raydist.bounded_store) and a store that does not
+a follower's store call forever, so every call is bounded (raydist.elastic.bounded_store) and a store that does not
 answer counts as a silent rank 0.
 
 `Watchdog` ends this process if the current phase of the worker's life (construction, resume, the first
@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from raydist.bounded_store import BoundedStore
+from raydist.elastic.bounded_store import BoundedStore
 
 PREFIX = "raydist/ctl/"
 

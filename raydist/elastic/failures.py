@@ -18,9 +18,9 @@ import pickle
 import time
 from typing import Any
 
-from raydist.atomic import read_json_or_none, write_json_atomic
 from raydist.errors import ConfigError
 from raydist.metrics.logger import join
+from raydist.store.atomic import read_json_or_none, write_json_atomic
 
 FATAL = "fatal.json"
 

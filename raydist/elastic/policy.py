@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from raydist.config import Config
 from raydist.errors import ConfigError
-from raydist.layout import Layout, chunks_per_rank, stage_partition, validate
-from raydist.mesh import MeshSpec
+from raydist.parallel.layout import Layout, chunks_per_rank, stage_partition, validate
+from raydist.parallel.mesh import MeshSpec
 
 AUTO_MICRO_BATCH_LIMIT = 8
 

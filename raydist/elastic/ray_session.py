@@ -10,11 +10,11 @@ raydist adds here:
 - a step watchdog ends a worker whose training stops making progress (`control.Watchdog`), so a hang no
   collective notices becomes a failure Ray Train restarts;
 - where collectives never raise in Python (NCCL, the strict-collectives mode), the hang monitor watches this
-  rank's in-flight collectives (raydist.inflight) and, when one has waited longer than
+  rank's in-flight collectives (raydist.elastic.inflight) and, when one has waited longer than
   `elastic.collective_timeout_s`, diagnoses and ends the worker, before the group's own (later) timeout
   aborts it without a word (`hang.group_timeout_s`, given to the groups by the launcher and the Trainer);
 - `launch` and `worker_error` lines in events.jsonl (restart timing, the first error each worker saw);
-- hang diagnosis (`raydist.hang`): every rank publishes what it is doing; when a collective times out or
+- hang diagnosis (`raydist.elastic.hang`): every rank publishes what it is doing; when a collective times out or
   the watchdog fires, the rank names the ranks that never arrived, writes every live rank's stack to
   RUN_DIR/logs/hang-<time>-rank<r>/ and a `hang` event, then fails so that Ray Train restarts the run. The
   diagnosis is bounded (hang.DIAGNOSE_BUDGET_S) whatever the rendezvous store does: its server lives in
@@ -41,14 +41,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from raydist import strict
 from raydist.config import Config
 from raydist.elastic import failures, warm
+from raydist.elastic import inflight
 from raydist.elastic.control import ControlChannel, Watchdog
+from raydist.elastic.hang import ACTIONS, HangMonitor, is_hang, track_collectives, watched
 from raydist.elastic.session import Idle, Session, bind_when_all_train, layout_through_store
-from raydist import inflight, strict
-from raydist.hang import ACTIONS, HangMonitor, is_hang, track_collectives, watched
-from raydist.layout import Layout
 from raydist.metrics.goodput import EventLog, Goodput
+from raydist.parallel.layout import Layout
 
 
 class RaySession(Session):
@@ -249,8 +250,8 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     entered = time.time()  # (with the process's start: where a restart's time goes, in the `launch` event)
     import ray.train
 
-    from raydist.train_loop import fit
-    from raydist.trainer import Trainer, TrainerOptions
+    from raydist.training.loop import fit
+    from raydist.training.trainer import Trainer, TrainerOptions
 
     from raydist.elastic.live import TorchftReplicas, replica_config
 

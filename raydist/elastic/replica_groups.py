@@ -44,6 +44,12 @@ from collections import defaultdict
 
 import ray
 
+try:  # Ray Train 2.60's internals; under another Ray, check_ray_version (called below, at import) names the fix
+    from ray.train.v2._internal.execution.worker_group import ReplicaGroup
+    from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
+except ImportError:
+    ReplicaGroup = TorchftConfig = _TorchftBackend = None
+
 from raydist.elastic.live import IDENTITY_ENV, ReplicaIdentity
 from raydist.errors import ConfigError
 
@@ -60,9 +66,6 @@ def check_ray_version(version: str | None = None) -> None:
 
 
 check_ray_version()  # importing this module refuses another Ray before its internals are touched
-
-from ray.train.v2._internal.execution.worker_group import ReplicaGroup  # noqa: E402
-from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend  # noqa: E402
 
 
 def _set_identity(env: dict[str, str]) -> None:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from raydist.config import Config
 from raydist.elastic.policy import plan_layout
 from raydist.errors import ConfigError
-from raydist.layout import Layout
+from raydist.parallel.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -65,12 +65,12 @@ def layout_through_store(cfg: Config, store: dist.Store, key: str = "raydist/lay
 
 
 def bind_when_all_train(started: "Layout | Idle", device) -> bool:
-    """Bind the world group to this rank's device (raydist.runtime.bind_device: NCCL's eager init, after
+    """Bind the world group to this rank's device (raydist.parallel.runtime.bind_device: NCCL's eager init, after
     which torch makes every new NCCL group by ncclCommSplit, a collective of the whole world) only when
     every rank trains. Idle workers build no mesh and would leave the active ones blocked in the mesh's
     splits; with idle workers the mesh's groups are created lazily by their members instead. Every rank
     reaches the same answer from the layout it received. Returns whether it bound."""
-    from raydist.runtime import bind_device
+    from raydist.parallel.runtime import bind_device
 
     if not isinstance(started, Idle) and started.world_size == dist.get_world_size():
         return bind_device(device)

@@ -3,7 +3,7 @@ detection, and NCCL's flight recorder on before the first process group exists.
 
 On NCCL a collective never raises in Python: ProcessGroupNCCL's watchdog aborts the process once an op has
 waited longer than the group's timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING, which Ray Train sets to 1,
-tear down). raydist's monitor (raydist.hang, raydist.inflight) detects an op pending longer than
+tear down). raydist's monitor (raydist.elastic.hang, raydist.elastic.inflight) detects an op pending longer than
 `elastic.collective_timeout_s` itself, names the rank that never arrived and ends the worker; the group's
 timeout (`timeout_s`, the default group's, which Ray Train passes to `init_process_group`) is therefore
 `hang.group_timeout_s`: detection, plus the diagnosis budget, plus a margin. It stays as the backstop.
@@ -29,7 +29,7 @@ from ray.train.torch.config import _TorchBackend
 
 from raydist import strict
 from raydist.config import Config
-from raydist.hang import group_timeout_s
+from raydist.elastic.hang import group_timeout_s
 
 NCCL_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 

@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 import fsspec
 
-from raydist.atomic import is_local, read_json_or_none
 from raydist.metrics.logger import MetricsWriter, join, read_jsonl, write_json
-from raydist.redact import redact_tree
+from raydist.store.atomic import is_local, read_json_or_none
+from raydist.store.redact import redact_tree
 
 
 class EventLog(MetricsWriter):

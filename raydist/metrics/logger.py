@@ -14,7 +14,7 @@ appends stay safe with several writers:
 A crash in the middle of an append leaves a torn last line. Readers skip lines that are not JSON (the
 last one silently: it may be a write in flight; others with a warning), and a writer that finds the file
 not ending in a newline starts its line on a new one, so a torn line never swallows the next record.
-Files written whole go through `raydist.atomic` (never torn), and a torn one is read as absent.
+Files written whole go through `raydist.store.atomic` (never torn), and a torn one is read as absent.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import fsspec
 
-from raydist.atomic import is_local, read_json_or_none, write_bytes_atomic, write_text_atomic
+from raydist.store.atomic import is_local, read_json_or_none, write_bytes_atomic, write_text_atomic
 
 
 def join(root: str, *names: str) -> str:

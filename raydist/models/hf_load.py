@@ -10,7 +10,7 @@ conventions (raydist.models.hf) moves rows only within a head, so a row range is
 permuted, and narrowed back.
 
 `check_checkpoint` validates names and shapes from the files' headers alone (the driver calls it before
-any worker starts); adapter parameters (raydist.peft) are not in a Hugging Face checkpoint and keep their
+any worker starts); adapter parameters (raydist.models.peft) are not in a Hugging Face checkpoint and keep their
 own init.
 """
 

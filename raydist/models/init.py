@@ -1,7 +1,7 @@
 """Weight initialisation that does not depend on where a parameter lives.
 
 The model is built on the meta device (no storage), parallelized there, and only then given memory:
-`to_empty(device=...)` allocates each rank's own shards (raydist.trainer; torchtitan builds the same
+`to_empty(device=...)` allocates each rank's own shards (raydist.training.trainer; torchtitan builds the same
 way). A random init drawn from one generator in module order would then depend on the layout (which
 parameters this rank holds, in which order, in which shape), so every value is instead a pure function of
 (seed, the parameter's name in the unsharded model, its position in the full tensor):
@@ -30,7 +30,9 @@ from torch import nn
 
 BLOCK_ELEMENTS = 1 << 20  # about this many elements per generator block (whole rows; at least one row)
 RESIDUAL_OUTPUTS = ("wo", "w2")
-LORA_A, LORA_B = ".lora_a", ".lora_b"  # LoRA adapters (raydist.peft), named under their projection  # projections into the residual stream: std / sqrt(2 L) (GPT-2's scaling)
+# LoRA adapters (raydist.models.peft), named under their projection; RESIDUAL_OUTPUTS above are the
+# projections into the residual stream: std / sqrt(2 L) (GPT-2's scaling)
+LORA_A, LORA_B = ".lora_a", ".lora_b"
 
 
 def canonical_name(name: str, tied: bool) -> str:

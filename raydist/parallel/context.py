@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from raydist.mesh import Mesh
+from raydist.parallel.mesh import Mesh
 
 IMPLEMENTATIONS = ("ring", "ulysses")
 

@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from raydist.layout import DataParallelKind
-from raydist.mesh import Mesh
+from raydist.parallel.layout import DataParallelKind
+from raydist.parallel.mesh import Mesh
 
 # (chunk index on this pipeline rank, whether this is its last weight-gradient action of the step) -> None
 BackwardHook = Callable[[int, bool], None]

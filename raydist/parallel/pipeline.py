@@ -33,15 +33,15 @@ from torch.distributed import distributed_c10d as c10d
 from torch import nn
 
 from raydist.errors import ConfigError
-from raydist.layout import stage_partition
 from raydist.parallel.clip import clip_grad_norm
+from raydist.parallel.layout import stage_partition
 from raydist.schedule.actions import stages_of_rank
 
 
 def partition_layers(model: nn.Module, num_stages: int, balance: str = "params",
                      seq_len: int | None = None) -> list[list[str]]:
     """The block keys (ModuleDict keys, in order) of each of the `num_stages` virtual stages, partitioned
-    by `raydist.layout.stage_partition` (the planner prices the same split)."""
+    by `raydist.parallel.layout.stage_partition` (the planner prices the same split)."""
     keys = list(model.layers.keys())
     if len(keys) < num_stages:
         raise ConfigError(f"model.num_layers={len(keys)} is less than pp x virtual_stages={num_stages}: every "

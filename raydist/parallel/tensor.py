@@ -23,7 +23,7 @@ The residual stream between these regions is a plain local tensor:
 Grouped-query attention with K < tp kv heads: tp must be a multiple of K; the kv projections are then
 replicated and each rank computes the kv head its query heads use (rank * K // tp), and their gradients
 (partial sums over the ranks sharing a head) are summed across tp. Any other split is rejected by
-`raydist.layout.validate` before workers start.
+`raydist.parallel.layout.validate` before workers start.
 
 Parameters become DTensors on the tp mesh (column: Shard(0), row: Shard(1), embedding and head: Shard(0),
 norms and replicated kv: Replicate), so FSDP2 shards them further over dp (a 2-D dp_shard x tp layout) and
@@ -45,10 +45,10 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
-from raydist.mesh import Mesh
 from raydist.models.gpt import cross_entropy
+from raydist.models.peft import lora_tensor_parallel_style
+from raydist.parallel.mesh import Mesh
 from raydist.parallel.vocab_loss import vocab_parallel_cross_entropy
-from raydist.peft import lora_tensor_parallel_style
 
 
 class NormParallel(ParallelStyle):

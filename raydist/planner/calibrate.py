@@ -1,6 +1,6 @@
 """`raydist plan --calibrate`: measure this machine's alpha, beta, matmul peak and memory bandwidth.
 
-Runs `world_size` gloo processes (raydist.runtime.spawn) at once, the way training will: every rank times a
+Runs `world_size` gloo processes (raydist.parallel.runtime.spawn) at once, the way training will: every rank times a
 square fp32 matmul (raydist.metrics.flops.measure_cpu_matmul_peak) and a large copy while the others do the
 same, so the peak is what one rank gets when the cores are shared. Then rank 0 times all-reduce and all-gather
 over a range of message sizes and fits the alpha-beta model (Hockney 1994) by least squares:
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from raydist.parallel.runtime import spawn
 from raydist.planner.hardware import save_calibration, workload_signature
-from raydist.runtime import spawn
 
 SIZES_BYTES = (4 * 2**10, 64 * 2**10, 512 * 2**10, 2 * 2**20, 8 * 2**20)
 

@@ -13,7 +13,7 @@ import json
 from raydist.config import Config, ConfigError
 from raydist.planner.enumerate import ALL_FEATURES, implemented_features, plan
 from raydist.planner.hardware import DEVICE_NAMES, get_hardware
-from raydist.planner.layout import Workload
+from raydist.planner.placement import Workload
 
 
 def workload_signature(cfg: Config) -> str:

@@ -6,17 +6,17 @@ Appendix B) define it: the model's own FLOPs against the device's peak, so recom
 count against it).
 
 `layout_problems` says why a layout cannot run a workload: the batch does not split, or the runtime's own
-validator (`raydist.layout.validate`) refuses it, so the planner and the runtime accept the same layouts.
+validator (`raydist.parallel.layout.validate`) refuses it, so the planner and the runtime accept the same layouts.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raydist.layout import stage_partition, validate
+from raydist.parallel.layout import stage_partition, validate
 from raydist.planner.hardware import Hardware
-from raydist.planner.layout import Layout, Workload
 from raydist.planner.memory import rank_memory
+from raydist.planner.placement import Layout, Workload
 from raydist.planner.timing import step_time
 
 TIME_TERMS = {

@@ -10,7 +10,7 @@ which for a fixed model and batch is proportional to 1 / step time):
     micro_batch  divisors of the per-rank batch (global_batch / dp), smallest first
     activation_checkpoint  none | selective | every_k | full;  FSDP reshard after forward or not
 Sequence parallelism is always on with tp > 1: it moves the same bytes as plain TP (a reduce-scatter + all-gather pair is one all-reduce) and keeps less
-activation memory. Validity is the runtime's own (`cost_model.layout_problems` -> `raydist.layout.validate`):
+activation memory. Validity is the runtime's own (`cost_model.layout_problems` -> `raydist.parallel.layout.validate`):
 the planner proposes exactly the layouts `raydist train` accepts.
 
 Plans are ranked by estimated step time (equivalently MFU: every layout does the same model FLOPs);
@@ -24,10 +24,10 @@ import importlib.util
 from typing import Iterable, Iterator
 
 from raydist.config import Config, ConfigError, divisors
-from raydist.layout import mesh_problems
+from raydist.parallel.layout import mesh_problems
 from raydist.planner.cost_model import Estimate, complete, estimate, layout_problems
 from raydist.planner.hardware import Hardware, get_hardware
-from raydist.planner.layout import Layout, Workload, rank_layer_counts
+from raydist.planner.placement import Layout, Workload, rank_layer_counts
 
 ALL_FEATURES = frozenset({"tp", "cp", "pp"})
 CHECKPOINT_POLICIES = ("none", "selective", "every_k", "full")

@@ -42,7 +42,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from raydist.planner.layout import Layout, Workload, every_k_segment, holders, holds_stage, rank_layer_counts
+from raydist.planner.placement import Layout, Workload, every_k_segment, holders, holds_stage, rank_layer_counts
 
 STATE_BYTES_PER_ELEMENT = {"params": 4, "grads": 4, "optimizer": 8}
 

@@ -24,7 +24,7 @@ from raydist.config import ModelConfig
 from raydist.planner.cost_model import Estimate, estimate
 from raydist.planner.enumerate import enumerate_estimates
 from raydist.planner.hardware import get_hardware
-from raydist.planner.layout import Layout, Workload
+from raydist.planner.placement import Layout, Workload
 
 
 @dataclass(frozen=True)

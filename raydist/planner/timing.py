@@ -45,9 +45,9 @@ import math
 
 from raydist.models.gpt import flops_per_token, param_counts
 from raydist.planner.hardware import Hardware, Link
-from raydist.planner.layout import Layout, Workload, holders, rank_layer_counts
-from raydist.schedule.timeline import theoretical_bubble
 from raydist.planner.memory import block_activation_bytes, block_selective_bytes, stage_elements
+from raydist.planner.placement import Layout, Workload, holders, rank_layer_counts
+from raydist.schedule.timeline import theoretical_bubble
 
 DDP_BUCKET_BYTES = 25 * 2**20
 OPTIMIZER_BYTES_PER_ELEMENT = 36.0

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import fsspec
 
-from raydist.atomic import write_bytes_atomic
 from raydist.report.data import RunData, join, load_run
+from raydist.store.atomic import write_bytes_atomic
 
 
 def default_out_dir(run_dir: str) -> str:

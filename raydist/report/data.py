@@ -3,7 +3,7 @@
 Files (all optional but metrics.jsonl; absent or unreadable ones become empty; JSON-lines files are
 merged with their per-writer parts on object stores, see raydist.metrics.logger):
     config.toml              the resolved config (shown verbatim)
-    metrics.jsonl            one JSON object per logged step (raydist.train_loop.RunLogger)
+    metrics.jsonl            one JSON object per logged step (raydist.training.loop.RunLogger)
     summary.json             the run's summary; goodput fields when the elasticity work writes them
     events.jsonl             {"kind": start|restart|resize|checkpoint|checkpoint_failed|end, "step", "elapsed_s",
                              "time", ...} one per line

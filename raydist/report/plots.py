@@ -11,12 +11,9 @@ from __future__ import annotations
 import io
 from typing import Callable
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from raydist.report.data import RunData, format_value, goodput  # noqa: E402
+from raydist.report.data import RunData, format_value, goodput
 
 EVENT_STYLE = {
     "restart": dict(color="tab:red", linestyle="-", linewidth=1.6),
@@ -214,30 +211,26 @@ PANELS: list[tuple[str, str, Callable]] = [
 def render_panel(panel_id: str, data: RunData, size=(6.4, 3.6), with_title: bool = True) -> tuple[bytes, bool]:
     """One panel as PNG bytes, and whether it had data."""
     _, title, draw = next(p for p in PANELS if p[0] == panel_id)
-    fig, ax = plt.subplots(figsize=size, dpi=100)
-    try:
-        has_data = draw(ax, data)
-        if with_title:
-            ax.set_title(title if not ax.get_title() else f"{title}\n{ax.get_title()}", fontsize=10)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue(), has_data
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=size, dpi=100)  # not pyplot's: no global figure registry, no backend to select
+    ax = fig.subplots()
+    has_data = draw(ax, data)
+    if with_title:
+        ax.set_title(title if not ax.get_title() else f"{title}\n{ax.get_title()}", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")  # a Figure without a canvas prints through Agg
+    return buf.getvalue(), has_data
 
 
 def render_overview(data: RunData) -> bytes:
     """All panels on one page (report.png)."""
-    fig, axes = plt.subplots(3, 2, figsize=(13, 12), dpi=100)
-    try:
-        for ax, (_, title, draw) in zip(axes.flat, PANELS):
-            draw(ax, data)
-            ax.set_title(title if not ax.get_title() else f"{title}\n{ax.get_title()}", fontsize=10)
-        fig.suptitle(f"raydist run {data.name}", fontsize=13)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png")
-        return buf.getvalue()
-    finally:
-        plt.close(fig)
+    fig = Figure(figsize=(13, 12), dpi=100)
+    axes = fig.subplots(3, 2)
+    for ax, (_, title, draw) in zip(axes.flat, PANELS):
+        draw(ax, data)
+        ax.set_title(title if not ax.get_title() else f"{title}\n{ax.get_title()}", fontsize=10)
+    fig.suptitle(f"raydist run {data.name}", fontsize=13)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()

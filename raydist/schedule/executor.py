@@ -22,7 +22,7 @@ accumulate in the chunks' `.grad` over the M micro-batches; the loss is sum_m lo
 micro-batches, which equals the single-process loss of the whole batch when micro-batches have equal
 token counts. It lives on the rank holding the last stage, which broadcasts it over the pipeline group
 so every pipeline rank returns the same value, as a device tensor: nothing in a step waits for the
-device (raydist.trainer reads losses at logged steps). `evaluate()` runs the forwards only.
+device (raydist.training.trainer reads losses at logged steps). `evaluate()` runs the forwards only.
 
 Data-parallel composition (pp is the outer mesh axis, each chunk is wrapped on the dp group): before and
 after every action that accumulates weight gradients (B, or W when the backward is split) the executor
@@ -47,9 +47,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raydist.elastic.hang import ACTIONS
 from raydist.errors import ConfigError
-from raydist.hang import ACTIONS
-from raydist.runtime import to_device
+from raydist.parallel.runtime import to_device
 from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from raydist.schedule.clock import ActionClock, StepTimes
 from raydist.schedule.split_backward import PendingWeightGradient, backward_input, backward_weight
@@ -229,7 +229,7 @@ class PipelineExecutor:
         self.clock.start_step()
         transfers.post(0, None)  # the receives due before any compute
         for i, action in enumerate(plan.actions):
-            # what this rank is doing, for hang diagnosis (raydist.hang; a tuple, formatted only if published)
+            # what this rank is doing, for hang diagnosis (raydist.elastic.hang; a tuple, formatted only if published)
             ACTIONS.what, ACTIONS.since = plan.receiving[i], time.time()
             received = transfers.receive(i) if of_action[i].recv is not None else None
             ACTIONS.what = plan.doing[i]

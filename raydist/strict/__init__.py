@@ -18,7 +18,7 @@ way ProcessGroupNCCL runs them on a device-bound (eagerly initialised) communica
 - groups created from the bound default group (ncclCommSplit) must be created by every rank of the world,
   in the same order (raydist.strict.splits);
 - a host tensor (made without a device) on a device group fails, as NCCL rejects CPU tensors
-  (raydist.collective_audit marks them); so do reductions NCCL lacks (bitwise) and receives from any source;
+  (raydist.strict.audit marks them); so do reductions NCCL lacks (bitwise) and receives from any source;
 - a collective that times out ends the process as NCCL's watchdog does (TORCH_NCCL_ASYNC_ERROR_HANDLING):
   no Python exception a training loop could catch;
 - a deadlock (a cycle of ranks each waiting for an operation queued behind another's) is found by comparing
@@ -26,7 +26,7 @@ way ProcessGroupNCCL runs them on a device-bound (eagerly initialised) communica
   seconds, naming the ranks, operations and groups, instead of hanging until the timeout.
 
 Switched on by the environment variable on the driver (raydist passes it to every worker and to
-`raydist.runtime.spawn`'s ranks); `install()` registers the backend in a process before its process group
+`raydist.parallel.runtime.spawn`'s ranks); `install()` registers the backend in a process before its process group
 is created. It costs a thread hand-off and a fingerprint per collective: a checking mode for CPU runs and
 tests, not for speed.
 """

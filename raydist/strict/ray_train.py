@@ -4,7 +4,7 @@ creates its process group with it.
 `strict_torch_config(config)` returns a copy of a TorchConfig (Ray's, its torchft variant or raydist's
 replica-group one) whose backend runs `install_in_worker` on every worker of the group it starts, then Ray
 Train's own setup with `backend="raydist_strict"` (`init_process_group` finds the registered backend by name).
-Ray is imported by the caller (raydist.launcher), never here at import time.
+Ray is imported by the caller (raydist.driver.launcher), never here at import time.
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ class StrictRuntime:
 
     def bind(self, world: int, timeout_s: float) -> None:
         """The world group bound to the rank's device, as `init_process_group(device_id=...)` or
-        raydist.runtime.bind_device do on CUDA: a collective of the whole world (NCCL's eager
+        raydist.parallel.runtime.bind_device do on CUDA: a collective of the whole world (NCCL's eager
         ncclCommInitRank), after which every new group is a split of it (raydist.strict.splits)."""
         from raydist.strict.splits import rendezvous
 

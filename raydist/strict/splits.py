@@ -1,6 +1,6 @@
 """Groups made from a device-bound default group: by every rank of the world, in the same order.
 
-On CUDA raydist binds the default NCCL group to each rank's GPU (raydist.runtime.bind_device; spawn's cuda
+On CUDA raydist binds the default NCCL group to each rank's GPU (raydist.parallel.runtime.bind_device; spawn's cuda
 ranks pass device_id), so torch makes every later NCCL group by ncclCommSplit of the default communicator
 (torch/distributed/distributed_c10d.py, `_new_process_group_helper`): a collective over the whole world in
 which the ranks outside the new group take part with NCCL_SPLIT_NOCOLOR. A rank that skips a creation (an

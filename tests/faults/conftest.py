@@ -34,7 +34,7 @@ class _SpawnTrainer:
 def launch_without_ray(monkeypatch):
     """Patches the launcher so `launch` (and `raydist train`) run everything but Ray: returns a dict
     whose "fail" entry, when set, is raised by the trainer instead of training."""
-    from raydist import launcher
+    from raydist.driver import launcher
 
     control: dict = {"fail": None, "trainers": 0}
 
@@ -62,7 +62,7 @@ def launch_without_ray(monkeypatch):
 @pytest.fixture
 def no_ray(monkeypatch):
     """Fails the test if the launcher tries to start or join Ray."""
-    from raydist import launcher
+    from raydist.driver import launcher
 
     def refuse(*args, **kwargs):
         raise AssertionError("Ray was started")

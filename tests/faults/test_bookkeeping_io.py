@@ -15,9 +15,9 @@ import pytest
 
 import faults_fs  # noqa: F401  (registers objfile://)
 from fault_runs import small_config
-from raydist.atomic import read_json_or_none, write_bytes_atomic
 from raydist.metrics.goodput import EventLog, read_events
 from raydist.metrics.logger import MetricsWriter, append_line, read_jsonl, read_metrics
+from raydist.store.atomic import read_json_or_none, write_bytes_atomic
 from raydist.testing import run_fit
 
 

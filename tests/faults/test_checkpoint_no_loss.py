@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fault_runs import files_under, small_config
 from raydist.checkpoint import CheckpointManager, manager as manager_module, storage
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import run_fit
 
 

@@ -56,7 +56,7 @@ def test_other_data_is_refused(stopped, tmp_path, capsys, no_ray):
 
 def test_what_may_change_resumes(stopped, tmp_path, launch_without_ray):
     """lr, steps and the layout (1 -> 2 workers) may change: the run resumes at step 5 and finishes."""
-    from raydist.launcher import launch
+    from raydist.driver.launcher import launch
 
     raw = Config.load(stopped / "run.toml", [f"checkpoint.storage={stopped}/runs", "train.run_name=run",
                                             "train.steps=8", "train.lr=0.001", "ray.num_workers=2",
@@ -115,7 +115,7 @@ def test_a_full_run_is_not_resumed_as_lora(stopped, capsys, no_ray):
 
 def test_unused_peft_settings_may_change(stopped_lora, launch_without_ray):
     """trainable_last_layers means nothing to a LoRA run: changing it resumes at step 5."""
-    from raydist.launcher import launch
+    from raydist.driver.launcher import launch
 
     raw = Config.load(stopped_lora / "run.toml", [f"checkpoint.storage={stopped_lora}/runs", "train.run_name=run",
                                                  "train.steps=6", "peft.trainable_last_layers=2",

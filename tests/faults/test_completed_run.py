@@ -36,7 +36,7 @@ def test_rerun_of_a_completed_run_does_nothing(finished, capsys, no_ray):
 
 
 def test_more_steps_or_a_torn_summary_is_not_completed(finished, tmp_path):
-    from raydist.launcher import completed_summary
+    from raydist.driver.launcher import completed_summary
 
     lines = []
     cfg = Config.load(finished / "run.toml", [f"checkpoint.storage={finished}/runs", "train.run_name=done"])

@@ -87,7 +87,7 @@ def assert_every_sample_trained_once(by_step: dict[int, list[dict]], reference_i
 
 # The leader (replica 0: the quorum's rank 0, which writes the run's bookkeeping and durable checkpoints)
 # once ended in whole-group restarts: another local cluster's dashboard told Ray Train's placement-group
-# cleaner that this run's controller was dead (raydist.ray_cluster.embedded_dashboard), and a replica slow
+# cleaner that this run's controller was dead (raydist.driver.ray_cluster.embedded_dashboard), and a replica slow
 # to start left the leader stepping alone, so its death took the only live state (TorchftReplicas.join).
 # With FSDP inside (shard 2) the victims are a follower's second worker and the leader's first, which hosts
 # its replica's TCP store and torchft ManagerServer. With TP inside, a follower's second worker: no batch

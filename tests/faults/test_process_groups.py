@@ -7,15 +7,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raydist.collective_audit import CollectiveAudit
-from raydist.runtime import HOST, new_group, spawn
+from raydist.parallel.runtime import HOST, new_group, spawn
+from raydist.strict.audit import CollectiveAudit
 from raydist.testing import tiny_config
 
 
 def _fit_audited(raw: dict, run_dir: str) -> tuple[list[str], int]:
     from raydist.config import Config
-    from raydist.train_loop import fit
-    from raydist.trainer import Trainer
+    from raydist.training.loop import fit
+    from raydist.training.trainer import Trainer
 
     with CollectiveAudit() as audit:
         trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
@@ -87,7 +87,7 @@ def _timeouts(raw: dict) -> list[tuple[str, float]]:
     from torch.distributed import distributed_c10d
 
     from raydist.config import Config
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     Trainer(Config.from_dict(raw), torch.device("cpu")).close()
     out = []

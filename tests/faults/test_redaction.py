@@ -6,7 +6,7 @@ import os
 import pytest
 
 from faults_fs import KEY, SECRET
-from raydist.redact import redact
+from raydist.store.redact import redact
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -12,7 +12,7 @@ import pytest
 
 import faults_fs  # noqa: F401  (registers objfile://)
 from fault_runs import files_under
-from raydist.lease import RunBusyError, RunLease, format_time
+from raydist.checkpoint.lease import RunBusyError, RunLease, format_time
 
 
 def _race(run_dir: str, start, results) -> None:
@@ -127,7 +127,7 @@ def test_cli_refuses_a_live_run(tiny_data, tmp_path, capsys, no_ray):
 
 def test_lease_is_released_when_the_run_fails(tiny_data, tmp_path, launch_without_ray, monkeypatch):
     from raydist.config import Config
-    from raydist.launcher import launch
+    from raydist.driver.launcher import launch
 
     launch_without_ray["fail"] = RuntimeError("the workers died")
     cfg = Config.load(None, [a for a in _cli_config(tiny_data, tmp_path) if a != "--set"])

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from fault_runs import small_config
+from raydist.checkpoint.lease import RunLease
 from raydist.cli import main
 from raydist.config import Config, dump_toml
-from raydist.lease import RunLease
-from raydist.status import run_status
+from raydist.driver.status import run_status
 from raydist.testing import run_fit
 
 
@@ -66,7 +66,7 @@ def test_status_of_a_failed_run(tiny_data, tmp_path, capsys, launch_without_ray)
     (tmp_path / "run.toml").write_text(dump_toml(raw))
     launch_without_ray["fail"] = RuntimeError("worker 1 exploded\nsecond line")
     with pytest.raises(RuntimeError):
-        from raydist.launcher import launch
+        from raydist.driver.launcher import launch
 
         launch(Config.load(tmp_path / "run.toml", [f"checkpoint.storage={tmp_path}", "train.run_name=broken",
                                                                "ray.num_workers=1"]),

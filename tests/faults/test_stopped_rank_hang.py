@@ -5,7 +5,7 @@ within bounds an operator can rely on.
 
 Rank 0 is the hard case: it hosts the rendezvous TCP store (Ray Train's TorchConfig starts the process
 group with env://, MASTER_ADDR/PORT being rank 0's), so the surviving rank cannot read anything from the
-store while it diagnoses; before raydist.hang bounded every store call, its diagnosis blocked on that store
+store while it diagnoses; before raydist.elastic.hang bounded every store call, its diagnosis blocked on that store
 and the run never restarted."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import pytest
 
 from raydist.config import Config
-from raydist.ray_cluster import CONTROLLER_ENV
+from raydist.driver.ray_cluster import CONTROLLER_ENV
 from ray_runs import Background, ray_4cpu, records, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 from raydist.testing import run_fit
 

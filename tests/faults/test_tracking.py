@@ -16,7 +16,7 @@ import pytest
 from fault_runs import small_config
 from raydist.cli import main
 from raydist.config import dump_toml
-from raydist.runtime import free_port
+from raydist.parallel.runtime import free_port
 
 
 @pytest.fixture(scope="module")

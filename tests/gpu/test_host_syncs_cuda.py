@@ -16,7 +16,7 @@ import math
 import pytest
 import torch
 
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import HostSyncCounter, tiny_config
 
 pytestmark = pytest.mark.cuda  # every test here needs a GPU (tests/gpu/conftest.py skips them without one)
@@ -28,8 +28,8 @@ UNLOGGED = 4
 def _unlogged_trainer_steps(raw: dict) -> dict:
     from raydist.config import Config
     from raydist.elastic.session import LocalSession
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     cfg = Config.from_dict(raw)
     trainer = Trainer(cfg, pick_device(), LocalSession().start(cfg))
@@ -61,7 +61,7 @@ def test_unlogged_trainer_steps_do_not_sync_on_cuda(tiny_data):
 def _unlogged_pipeline_steps(microbatches: int) -> dict:
     from raydist.config import ModelConfig
     from raydist.models.gpt import build_model, cross_entropy
-    from raydist.runtime import pick_device
+    from raydist.parallel.runtime import pick_device
     from raydist.schedule.executor import PipelineExecutor, stage_timings
     from raydist.schedule.generators import make_schedule
 

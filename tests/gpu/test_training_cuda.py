@@ -3,7 +3,7 @@ precision, the pipeline executor with a 1-stage schedule, and checkpoints saved 
 memory (async saves stage through pinned host memory).
 
 World size 1 everywhere (one GPU is what a check machine has), but with the backends and devices of a real
-run: NCCL initialised eagerly on cuda:0 (`raydist.runtime.spawn(device="cuda")`), CUDA tensors, Triton
+run: NCCL initialised eagerly on cuda:0 (`raydist.parallel.runtime.spawn(device="cuda")`), CUDA tensors, Triton
 kernels (`kernels = auto` on CUDA), bf16. Each test also runs on the CPU (gloo, fp32, torch's kernels: what
 `auto` picks there), so that its body is proven to run; the CUDA cases are skipped without a GPU
 (tests/gpu/conftest.py).
@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import run_fit, tiny_config
 
 SMALL = dict(num_layers=2, d_model=128, num_heads=2, num_kv_heads=1, ffn_hidden=352, vocab_size=320)  # head dim 64
@@ -75,12 +75,12 @@ def _fsdp_bf16(steps: int) -> dict:
     stores in, and the kernels that ran under FSDP."""
     from raydist.config import KernelsConfig, ModelConfig
     from raydist.kernels import apply_kernels
-    from raydist.layout import Layout
+    from raydist.parallel.layout import Layout
     from raydist.metrics.kernels import kernel_calls, kernels_ran
     from raydist.models.gpt import build_model
-    from raydist.parallel import _parallelize_module
+    from raydist.parallel.parallelize import _parallelize_module
     from raydist.parallel.data_parallel import FSDP, NoDataParallel
-    from raydist.runtime import pick_device
+    from raydist.parallel.runtime import pick_device
 
     device = pick_device()  # cuda:0 under NCCL, else the CPU
     cfg = ModelConfig(**SMALL)
@@ -132,7 +132,7 @@ def test_fsdp_bf16_mixed_precision_on_cuda(device):
 def _pipeline_one_stage(microbatches: int) -> dict:
     from raydist.config import ModelConfig
     from raydist.models.gpt import build_model, cross_entropy
-    from raydist.runtime import pick_device
+    from raydist.parallel.runtime import pick_device
     from raydist.schedule.executor import PipelineExecutor
     from raydist.schedule.generators import make_schedule
 
@@ -171,8 +171,8 @@ def test_pipeline_executor_one_stage_on_cuda(device):
 def _checkpoint_roundtrip(raw: dict, run_dir: str, blocking: bool) -> dict:
     from raydist.checkpoint import CheckpointManager, staging
     from raydist.config import Config
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     pinned = []
     real_pinned_copy = staging._pinned_copy
@@ -235,7 +235,7 @@ def test_checkpoint_save_and_load_from_gpu_memory(tiny_data, tmp_path, blocking,
 def _bind_after_plain_init() -> tuple[bool, str, float]:
     import torch.distributed as dist
 
-    from raydist.runtime import bind_device, free_port
+    from raydist.parallel.runtime import bind_device, free_port
 
     dist.destroy_process_group()  # spawn's group was created with device_id; start again as Ray Train does
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)

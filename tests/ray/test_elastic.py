@@ -13,8 +13,8 @@ import time
 import pytest
 
 from raydist.checkpoint import storage
+from raydist.driver.launcher import launch
 from raydist.elastic import warm
-from raydist.launcher import launch
 from ray_runs import Background, elastic_config as small, ray_4cpu, records, wait_for  # noqa: F401  (a fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]

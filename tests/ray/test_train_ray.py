@@ -6,7 +6,7 @@ import time
 import pytest
 
 from raydist.config import Config, ConfigError
-from raydist.launcher import launch
+from raydist.driver.launcher import launch
 
 pytestmark = pytest.mark.ray
 

@@ -22,7 +22,7 @@ def ray_hooked():
     """A local Ray whose job runs raydist's setup hook, as raydist's embedded cluster does."""
     import ray
 
-    from raydist.ray_cluster import embedded_dashboard
+    from raydist.driver.ray_cluster import embedded_dashboard
 
     ray.init(address="local", num_cpus=4, logging_level="warning", runtime_env=warm.job_runtime_env(),
              **embedded_dashboard())
@@ -100,7 +100,7 @@ def test_a_controllers_own_actors_start_in_spares_asked_for_by_its_worker(ray_ho
     assert sorted(s["pid"] for s in states) == spares, (states, spares)
     for state in states:
         assert state["started"] < created and state["preloaded"] is not None
-        assert state["modules"] >= set(warm.PRELOAD_CONTROLLER) and "raydist.trainer" not in state["modules"]
+        assert state["modules"] >= set(warm.PRELOAD_CONTROLLER) and "raydist.training.trainer" not in state["modules"]
 
 
 def test_the_prestart_request_has_the_fields_raydist_sets():

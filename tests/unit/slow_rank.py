@@ -5,7 +5,7 @@ import time
 
 import torch.distributed as dist
 
-from raydist.runner import AccumulationRunner
+from raydist.training.runners import AccumulationRunner
 
 _forward = AccumulationRunner.forward_loss
 

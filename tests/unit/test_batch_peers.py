@@ -11,9 +11,9 @@ import torch.distributed as dist
 from raydist.config import Config
 from raydist.data import sft
 from raydist.data.peers import LocalBatch, rank_needs
-from raydist.layout import Layout
 from raydist.parallel.context import POSITIONS
-from raydist.runtime import spawn
+from raydist.parallel.layout import Layout
+from raydist.parallel.runtime import spawn
 from raydist.testing import tiny_config
 
 T = 32  # tiny_config's seq_len
@@ -68,7 +68,7 @@ RECEIVING = ("broadcast", "recv", "irecv", "scatter", "batch_isend_irecv")
 
 def _received_bytes(raw):
     """This rank's bytes received while the Trainer shares one batch, what it holds, and the whole rows."""
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
     received = {"bytes": 0}

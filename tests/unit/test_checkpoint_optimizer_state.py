@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import tiny_config
 
 STEPS = 3
@@ -27,8 +27,8 @@ def _full_state(trainer) -> dict[tuple[str, str], torch.Tensor]:
 def _trainer(raw: dict, run_dir: str):
     from raydist.checkpoint import CheckpointManager
     from raydist.config import Config
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), pick_device())
     return trainer, CheckpointManager(run_dir, keep=1, group=trainer.checkpoint_group, log=lambda *_: None)

@@ -5,7 +5,7 @@ outputs, and the whole checkpoint/resume path works against S3 (a local moto ser
 import pytest
 import torch
 
-from raydist.runtime import free_port, spawn
+from raydist.parallel.runtime import free_port, spawn
 from raydist.testing import logits_after_load, run_fit, tiny_config
 
 

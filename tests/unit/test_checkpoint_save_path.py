@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raydist.checkpoint.rawio import crc32_combine
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 
 @pytest.mark.parametrize("seed", range(4))

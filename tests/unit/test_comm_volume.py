@@ -5,12 +5,12 @@ import torch
 from raydist.config import Config
 from raydist.metrics.comm import CommCounter
 from raydist.models.gpt import param_counts
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import tiny_config
 
 
 def _count(raw):
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
     counter = CommCounter()

@@ -1,4 +1,4 @@
-"""The driver's console (raydist.console): fd-level redirection of everything that is not raydist's, the
+"""The driver's console (raydist.driver.console): fd-level redirection of everything that is not raydist's, the
 progress bar on a terminal and lines elsewhere, the lines events become, rounded figures."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
-from raydist.console import Console, Follower, JsonlTail, ProgressSink, describe_event, format_rate, result_line
+from raydist.driver.console import Console, ProgressSink, describe_event, format_rate, result_line
+from raydist.driver.follow import Follower, JsonlTail
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +22,7 @@ def test_quiet_sends_fd_level_output_to_driver_log_and_keeps_raydist_lines(tmp_p
     script = textwrap.dedent(f"""
         import os, sys, warnings
         sys.path.insert(0, {str(REPO)!r})
-        from raydist.console import Console
+        from raydist.driver.console import Console
         console = Console(verbose=sys.argv[1] == "verbose")
         with console.quiet({str(tmp_path / 'run')!r}, "run") as logs:
             print("(RayTrainWorker pid=1) noise on stdout")

@@ -5,10 +5,10 @@ layout errors for sequences or heads that do not split."""
 import pytest
 
 from raydist.config import Config, ConfigError
-from raydist.kernels import runtime
-from raydist.mesh import MeshSpec
 from raydist.elastic.policy import resolve_layout
-from raydist.runtime import spawn
+from raydist.kernels import runtime
+from raydist.parallel.mesh import MeshSpec
+from raydist.parallel.runtime import spawn
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 
 
@@ -94,7 +94,7 @@ def test_ulysses_rejects_heads_not_divisible_by_cp(tiny_data):
 
 
 def test_launcher_reports_the_layout_error_before_any_worker_starts(tiny_data):
-    from raydist.launcher import plan
+    from raydist.driver.launcher import plan
 
     raw = tiny_config(tiny_data, parallel={"cp": 3, "cp_impl": "ring"}, ray={"num_workers": 3})
     with pytest.raises(ConfigError, match=r"data\.seq_len=32 is not divisible by 2 x parallel\.cp = 6"):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from raydist.kernels import runtime
 from raydist.kernels.reference import attention_reference
 from raydist.parallel.context import contiguous_positions, unshard_sequence, zigzag_positions
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 
 def _inputs(seq_len, heads, kv_heads, head_dim, dtype, seed=0):

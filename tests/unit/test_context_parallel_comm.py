@@ -7,9 +7,8 @@ import torch
 import torch.distributed as dist
 
 from raydist.config import Config
-from raydist.metrics.comm import (CommCounter, count_attention_layer, ring_attention_bytes,
-                                  ulysses_attention_bytes)
-from raydist.runtime import spawn
+from raydist.metrics.comm import CommCounter, count_attention_layer, ring_attention_bytes, ulysses_attention_bytes
+from raydist.parallel.runtime import spawn
 from raydist.testing import tiny_config
 
 
@@ -39,7 +38,7 @@ def test_attention_layer_sends_the_predicted_bytes(impl, cp, kv_heads):
 
 
 def _step_bytes(raw):
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
     trainer.train_step()

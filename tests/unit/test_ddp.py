@@ -3,7 +3,7 @@
 import torch
 
 from raydist.config import Config
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 
 
@@ -31,7 +31,7 @@ def _rank_reads(raw: dict, steps: int) -> dict:
     import torch.distributed as dist
 
     from raydist.elastic.session import LocalSession
-    from raydist.trainer import Trainer, TrainerOptions
+    from raydist.training.trainer import Trainer, TrainerOptions
 
     cfg = Config.from_dict(raw)
     trainer = Trainer(cfg, torch.device("cpu"), LocalSession().start(cfg), TrainerOptions(record_samples=True))

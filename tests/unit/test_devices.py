@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raydist import runtime
 from raydist.checkpoint import staging
+from raydist.parallel import runtime
 
 
 def fake_gpus(monkeypatch, count: int) -> None:

@@ -2,7 +2,7 @@ import pytest
 
 from raydist.config import Config, ConfigError
 from raydist.elastic.policy import plan_layout
-from raydist.mesh import MeshSpec
+from raydist.parallel.mesh import MeshSpec
 
 
 def elastic(*overrides):

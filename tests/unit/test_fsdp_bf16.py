@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import LayoutResult, _run, assert_same_steps, tiny_config
 
 STEPS = 5

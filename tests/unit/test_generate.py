@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from raydist.config import ModelConfig
-from raydist.generate import generate_ids
+from raydist.inference.generate import generate_ids
 from raydist.models.gpt import KVCache, build_model
 from raydist.testing import TINY_MODEL, save_tiny_llama, tiny_config
 
@@ -60,7 +60,7 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
 
 
 def _hf_model(path: str):
-    from raydist.finetune import load_model
+    from raydist.inference.load import load_model
 
     return load_model(f"hf:{path}", 64).model
 
@@ -142,7 +142,7 @@ def test_greedy_cli_equals_transformers_generate(llama_with_tokenizer, capsys, m
 
 def test_generate_from_run_uses_checkpoint_and_data_tokenizer(tiny_data, tmp_path, capsys):
     from raydist.config import Config
-    from raydist.finetune import load_model
+    from raydist.inference.load import load_model
     from raydist.testing import run_fit
 
     run_dir = str(tmp_path / "run")

@@ -68,7 +68,7 @@ def _no_ray_env(log: Path) -> dict:
 IMPORTS = """
 import sys
 sys.path[:0] = [ROOT + "/benchmarks", ROOT + "/tests/gpu"]
-import raydist.trainer, raydist.train_loop, raydist.testing, raydist.data.prepare, raydist.checkpoint
+import raydist.training.trainer, raydist.training.loop, raydist.testing, raydist.data.prepare, raydist.checkpoint
 import raydist.schedule.executor, raydist.elastic.policy, raydist.planner.cost_model
 import gpu_suite, kernels, mfu, test_kernels_cuda, test_training_cuda, test_pipeline_clock_cuda
 import torch

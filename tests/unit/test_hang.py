@@ -1,4 +1,4 @@
-"""Hang diagnosis without Ray (raydist.hang): the action record, which ranks are named, and a diagnosis that
+"""Hang diagnosis without Ray (raydist.elastic.hang): the action record, which ranks are named, and a diagnosis that
 writes py-spy stacks of the live ranks and of a stopped one."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from raydist.hang import ACTIONS, Actions, HangMonitor, doing, is_hang, py_spy
-from raydist.runtime import free_port
+from raydist.elastic.hang import ACTIONS, Actions, HangMonitor, doing, is_hang
+from raydist.elastic.stacks import py_spy
+from raydist.parallel.runtime import free_port
 
 
 def test_the_action_record_nests_and_stays_where_a_failure_happened():

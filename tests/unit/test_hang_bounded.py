@@ -1,5 +1,5 @@
-"""Hang diagnosis that cannot hang itself (raydist.hang, raydist.bounded_store): stores that block forever
-(a TCPStore client whose server, inside rank 0, is SIGSTOPped), raise, or answer; the view each rank keeps
+"""Hang diagnosis that cannot hang itself (raydist.elastic.hang, raydist.elastic.bounded_store): stores that block
+forever (a TCPStore client whose server, inside rank 0, is SIGSTOPped), raise, or answer; the view each rank keeps
 of every rank's record; missed beats that an outage explains; the stuck collective named by sequence
 number; the idle worker's control channel. No Ray, no process group: fake stores and fixed records."""
 
@@ -17,11 +17,13 @@ import time
 import pytest
 import torch.distributed as dist
 
-from raydist import hang, strict
-from raydist.bounded_store import BoundedStore, StoreUnreachable
+from raydist import strict
+
+from raydist.elastic import hang
+from raydist.elastic.bounded_store import BoundedStore, StoreUnreachable
 from raydist.elastic.control import ControlChannel
-from raydist.hang import HangMonitor
-from raydist.runtime import free_port
+from raydist.elastic.hang import HangMonitor
+from raydist.parallel.runtime import free_port
 
 BOUND_S = 60  # the issue's bound from a stop to the hang event: a diagnosis must end well within it
 
@@ -228,7 +230,8 @@ def test_missed_beats_during_a_store_outage_are_not_blamed(tmp_path):
 STOPPED = """
 import datetime, sys, time
 import torch.distributed as dist
-from raydist import hang, strict
+from raydist import strict
+from raydist.elastic import hang
 hang.STALE_MIN_S = 1.0
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=5))
 hang.HangMonitor(1, 2, sys.argv[2], interval_s=0.2, store=store, stacks=False).start()

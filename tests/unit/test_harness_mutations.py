@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from raydist.runtime import harness_device, spawn
+from raydist.parallel.runtime import harness_device, spawn
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 
 STEPS = 4
@@ -41,7 +41,7 @@ def scale_gradients(factor: float) -> None:
     """Plant in this process: every gradient scaled by `factor` after each step's backward (a sum over
     `factor` data-parallel ranks where a mean belongs). Also planted by test_reference_loop and
     test_fsdp_bf16."""
-    from raydist.runner import AccumulationRunner
+    from raydist.training.runners import AccumulationRunner
 
     step = AccumulationRunner.step
 
@@ -59,8 +59,8 @@ def _plant(bug: str) -> None:
     import torch.distributed as dist
 
     import raydist.parallel.data_parallel as data_parallel
-    import raydist.trainer as trainer_module
-    from raydist.runner import AccumulationRunner
+    import raydist.training.trainer as trainer_module
+    from raydist.training.runners import AccumulationRunner
 
     if bug.startswith("gradients x"):
         scale_gradients(float(bug.removeprefix("gradients x")))

@@ -11,7 +11,7 @@ import torch
 import transformers
 
 from raydist.config import Config, ConfigError
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import save_tiny_llama, tiny_config
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -29,8 +29,8 @@ def llama_dirs(tmp_path_factory):
 
 
 def _full_parameters(raw: dict) -> dict[str, torch.Tensor]:
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), pick_device())
     try:
@@ -96,8 +96,8 @@ def test_eval_of_hf_dir_equals_transformers_loss(tiny_data, llama_dirs, capsys, 
 
 
 def _val_loss(raw: dict) -> float:
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), pick_device())
     try:

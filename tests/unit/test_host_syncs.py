@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from raydist.config import Config
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import HostSyncCounter, tiny_config
 
 STEPS, LOG_EVERY = 8, 4
 TRAIN = {"steps": STEPS, "global_batch": 4, "micro_batch": 1, "log_every": LOG_EVERY}
-SETTLE = ("tolist", "trainer.py")  # every pending step's losses and norms, one read
+SETTLE = ("tolist", "training/trainer.py")  # every pending step's losses and norms, one read
 STAGE_TIMES = ("tolist", "schedule/executor.py")  # every pending step's stage times, one read
 
 
@@ -31,8 +31,8 @@ def _steps(raw: dict) -> list[list[tuple[str, str]]]:
     """Per step, the syncs of `train_step` and, on logged steps, of reading what the loop's record reads
     (loss, grad norm, the pipeline's stage times and timeline, every step's busy time)."""
     from raydist.elastic.session import LocalSession
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     cfg = Config.from_dict(raw)
     trainer = Trainer(cfg, pick_device(), LocalSession().start(cfg))
@@ -59,7 +59,7 @@ def _layouts(raws: list[dict]) -> list[list[list[tuple[str, str]]]]:
 
 
 def _timeline_gather_lines() -> range:
-    from raydist.runner import PipelineRunner
+    from raydist.training.runners import PipelineRunner
 
     lines, first = inspect.getsourcelines(PipelineRunner._gather_timeline)
     return range(first, first + len(lines))
@@ -74,7 +74,7 @@ def _check(per_step: list[list[tuple[str, str]]], logged: list[tuple[str, str]],
             assert calls == [], f"step {step} (not logged) synchronises: {calls}"
             continue
         ours = [(what, where.rsplit(":", 1)[0]) for what, where in calls
-                if not (where.startswith("runner.py:") and int(where.rsplit(":", 1)[1]) in gather)]
+                if not (where.startswith("training/runners.py:") and int(where.rsplit(":", 1)[1]) in gather)]
         assert Counter(ours) == Counter(logged), f"logged step {step}: {calls}"
         gathered = len(calls) - len(ours)
         if timeline_at is not None and step == -(-timeline_at // LOG_EVERY) * LOG_EVERY:
@@ -91,7 +91,7 @@ def test_accumulation_runner_syncs_only_at_logged_steps(tiny_data):
 @pytest.fixture(scope="module")
 def two_ranks(tiny_data):
     """Per layout, per rank: the per-step syncs of a 2-rank pipeline (1F1B), FSDP, ring CP and TP run."""
-    from raydist.trainer import TIMELINE_STEP
+    from raydist.training.trainer import TIMELINE_STEP
 
     layouts = {"pp2-1f1b": {"pp": 2, "pp_schedule": "1f1b"}, "fsdp2": {"dp_shard": 2},
                "cp2-ring": {"cp": 2, "cp_impl": "ring"}, "tp2": {"tp": 2}}
@@ -117,9 +117,9 @@ def test_sharded_layouts_sync_only_at_logged_steps(two_ranks, layout):
 
 def _fit(raw: dict, run_dir: str) -> list[list[tuple[str, str]]]:
     """`fit`'s syncs by step: from one `train_step` call to the next (the loop's bookkeeping included)."""
-    from raydist.runtime import pick_device
-    from raydist.train_loop import fit
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.loop import fit
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), pick_device())
     counter = HostSyncCounter()

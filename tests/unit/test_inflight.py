@@ -1,4 +1,4 @@
-"""In-flight collectives (raydist.inflight): torch's flight recorder read as its JSON dump says (a sample built
+"""In-flight collectives (raydist.elastic.inflight): torch's flight recorder read as its JSON dump says (a sample built
 from FlightRecorderDetail.hpp's `dump_json` and ProcessGroupNCCL's names, and a real dump of gloo's recorder,
 which shares the format), the strict mode's record adapted, the compact heartbeat view, and whether a rank
 has arrived at a collective."""
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raydist import inflight
-from raydist.runtime import spawn
+from raydist.elastic import inflight
+from raydist.parallel.runtime import spawn
 
 T0 = 1_795_000_000.0  # a wall-clock time, in seconds
 

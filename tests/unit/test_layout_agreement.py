@@ -13,7 +13,7 @@ from raydist.config import Config, ConfigError, divisors
 from raydist.elastic.policy import plan_layout
 from raydist.planner.enumerate import ALL_FEATURES, valid_layouts
 from raydist.planner.hardware import DEVICES
-from raydist.planner.layout import Workload
+from raydist.planner.placement import Workload
 
 SHAPES = {
     "gqa": dict(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=320),

@@ -24,7 +24,7 @@ import torch
 import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
 
 from raydist.config import Config, ConfigError
-from raydist.runtime import free_port
+from raydist.parallel.runtime import free_port
 from raydist.testing import LayoutResult, assert_equivalent, assert_same_steps, run_layout, tiny_config
 
 STEPS, ALONE_STEPS = 6, 3
@@ -39,7 +39,7 @@ def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expe
 
     from raydist.elastic.live import TorchftReplicas, replica_config
     from raydist.elastic.policy import plan_layout
-    from raydist.trainer import Trainer, TrainerOptions
+    from raydist.training.trainer import Trainer, TrainerOptions
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHFT_LIGHTHOUSE=lighthouse)

@@ -80,7 +80,7 @@ def _replica(replica: int, raw: dict, tmp: str, out) -> None:
     from raydist.config import Config
     from raydist.elastic.live import replica_config
     from raydist.elastic.policy import plan_layout
-    from raydist.trainer import Trainer, TrainerOptions
+    from raydist.training.trainer import Trainer, TrainerOptions
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/world-{replica}", rank=0, world_size=1)

@@ -1,8 +1,8 @@
 import pytest
 
 from raydist.config import Config, ConfigError
-from raydist.mesh import MeshSpec
 from raydist.elastic.policy import resolve_layout
+from raydist.parallel.mesh import MeshSpec
 
 
 def test_fill_and_validate():

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from raydist.config import Config, ConfigError
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import assert_same_steps, run_layout, save_tiny_llama, tiny_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -112,7 +112,7 @@ def test_freeze_under_pipeline_equals_single_process(tiny_data, llama_dir):
 
 
 def test_freeze_leaving_a_pipeline_rank_nothing_to_train_is_refused(tiny_data, llama_dir, tmp_path):
-    from raydist.launcher import plan
+    from raydist.driver.launcher import plan
 
     raw = lora_config(tiny_data, llama_dir, {"pp": 2}, method="freeze", trainable_last_layers=1)
     raw["ray"] = {"num_workers": 2}
@@ -123,8 +123,8 @@ def test_freeze_leaving_a_pipeline_rank_nothing_to_train_is_refused(tiny_data, l
 
 
 def _optimizer_view(raw: dict) -> dict:
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), pick_device())
     try:

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from raydist.config import ConfigError, ModelConfig
 from raydist.models.gpt import build_model, cross_entropy
-from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline, split_model
-from raydist.runtime import spawn
 from raydist.parallel.data_parallel import (apply_ddp, ddp_grad_sync, fsdp_grad_sync, fsdp_param_groups,
                                             fsdp_split_grad_sync)
+from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline, split_model
+from raydist.parallel.runtime import spawn
 from raydist.schedule.actions import placement_of
 from raydist.schedule.executor import PipelineExecutor, stage_timings
 from raydist.schedule.generators import make_schedule

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from raydist import strict
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.schedule import nccl_model
 from raydist.schedule.generators import make_schedule
 from raydist.schedule.progress import ScheduleError

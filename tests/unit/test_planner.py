@@ -12,8 +12,8 @@ from raydist.config import Config, ConfigError, ModelConfig
 from raydist.planner.cost_model import layout_problems
 from raydist.planner.enumerate import choose_layout, enumerate_estimates
 from raydist.planner.hardware import DEVICES, Hardware, Link, get_hardware
-from raydist.planner.layout import Layout, Workload
 from raydist.planner.memory import rank_memory
+from raydist.planner.placement import Layout, Workload
 from raydist.planner.timing import all_gather_s, all_reduce_s, bubble_fraction, step_time
 
 GPT_TINY = "workloads/gpt_tiny.toml"
@@ -80,7 +80,7 @@ def test_zero_bubble_schedules_are_priced_and_searched():
     """The planner's bubble is the schedule's exact one at F = B = W (3/11 -> 1/9 -> 1/17 at p 4, m 8),
     ZB-H1 keeps 1F1B's first-stage activations on every stage, ZB-V puts the head on rank 0, and the
     search offers zbh1, zbv and pipelines with context parallelism."""
-    from raydist.planner.layout import rank_layer_counts
+    from raydist.planner.placement import rank_layer_counts
     from raydist.planner.memory import in_flight_microbatches, root_tensors
 
     shape = dict(pp=4, dp_replicate=2, micro_batch=1)

@@ -15,9 +15,9 @@ import torch
 
 from raydist.config import Config, ModelConfig
 from raydist.elastic.policy import plan_layout
-from raydist.planner.layout import Layout, Workload
+from raydist.parallel.runtime import spawn
 from raydist.planner.memory import activation_bytes, head_bytes, rank_memory, state_bytes_per_rank
-from raydist.runtime import spawn
+from raydist.planner.placement import Layout, Workload
 from raydist.testing import TINY_MODEL, tiny_config
 
 LAYOUTS = {
@@ -35,7 +35,7 @@ def _measure_all(raws: dict) -> dict:
     import torch.distributed as dist
 
     from raydist.metrics.memory import state_bytes
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     out = {}
     for name, raw in raws.items():

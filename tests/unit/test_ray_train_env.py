@@ -4,7 +4,7 @@ which started Ray itself gets them too (Ray Train hands the driver's RAY_TRAIN_*
 import pytest
 
 from raydist import strict
-from raydist.ray_cluster import CONTROLLER_ENV, EMBEDDED_RAY_TRAIN_ENV, RAY_TRAIN_ENV, train_env
+from raydist.driver.ray_cluster import CONTROLLER_ENV, EMBEDDED_RAY_TRAIN_ENV, RAY_TRAIN_ENV, train_env
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_a_driver_that_started_ray_itself_gets_the_settings(clean_env):
     import ray
 
     from raydist.config import Config
-    from raydist.ray_cluster import connect_ray
+    from raydist.driver.ray_cluster import connect_ray
 
     clean_env.setattr(ray, "is_initialized", lambda: True)
     assert connect_ray(Config(), None, 2) is False  # nothing started
@@ -65,7 +65,7 @@ def test_a_driver_that_started_ray_itself_gets_the_settings(clean_env):
 
 def test_the_configured_group_start_timeout_reaches_ray_train_and_a_later_run_sets_its_own(clean_env):
     from raydist.config import Config
-    from raydist.ray_cluster import GROUP_START_TIMEOUT
+    from raydist.driver.ray_cluster import GROUP_START_TIMEOUT
 
     clean_env.delenv(GROUP_START_TIMEOUT, raising=False)
     first = Config.load(None, ["elastic.group_start_timeout_s=25"])

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from raydist.config import Config
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import tiny_config
 
 STEPS = 8
@@ -22,7 +22,7 @@ def _train_both(raw: dict, plant: float | None = None) -> tuple[list[float], lis
     parameters after the last step, the Trainer's). `plant`: a planted bug, the Trainer's gradients scaled by
     it after backward."""
     from raydist.models.gpt import build_model
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
     from test_harness_mutations import scale_gradients
 
     if plant is not None:

@@ -213,7 +213,7 @@ def test_regroup_refuses_a_count_that_is_no_multiple_of_the_group_size(started):
 
 def test_only_replicas_of_several_workers_need_ray_2_60(monkeypatch):
     from raydist.config import Config
-    from raydist.launcher import check_live_recovery
+    from raydist.driver.launcher import check_live_recovery
 
     def live(dp_shard):
         return Config.load("workloads/gpt_tiny.toml", ["elastic.live_recovery=true", "parallel.dp_replicate=2",

@@ -32,7 +32,7 @@ def config(data: str, layout: str) -> dict:
 
 def final_parameters(raw: dict, run_dir: str) -> dict[str, torch.Tensor]:
     """The parameters of the run's newest checkpoint (which must be the last step's), read in this process."""
-    from raydist.finetune import find_checkpoint, load_checkpoint_model
+    from raydist.inference.load import find_checkpoint, load_checkpoint_model
     from raydist.models.gpt import build_model
 
     cfg = Config.from_dict(raw)

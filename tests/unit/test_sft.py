@@ -16,7 +16,7 @@ import torch
 from raydist.config import DataConfig
 from raydist.data import sft
 from raydist.data.prepare import prepare
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 
 
@@ -87,8 +87,8 @@ def _losses_by_hand(raw: dict) -> tuple[float, float, float, float]:
     """On one process: the Trainer's loss on the first global batch (micro_batch from raw), the same batch by
     hand (log-softmax of each counted target, averaged in float64), and the plain mean over all targets."""
     from raydist.config import Config
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     trainer = Trainer(Config.from_dict(raw), pick_device())
     try:
@@ -176,7 +176,7 @@ def test_masked_loss_same_under_combined_layouts(sft_data, sft_single, parallel)
 
 def test_live_recovery_with_masks_is_refused(sft_data):
     from raydist.config import Config, ConfigError
-    from raydist.launcher import ensure_data
+    from raydist.driver.launcher import ensure_data
 
     raw = tiny_config(sft_data[0], elastic={"live_recovery": True}, parallel={"dp_replicate": 2},
                       ray={"num_workers": 2})

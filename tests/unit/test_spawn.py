@@ -1,4 +1,4 @@
-"""raydist.runtime.spawn starts its ranks as forks of a fork server that has imported torch and the trainer:
+"""raydist.parallel.runtime.spawn starts its ranks as forks of a fork server that has imported torch and the trainer:
 each call must still behave as fresh spawned interpreters would (the caller's environment at the call, a
 process group of its own, failures reported with the rank's traceback or exit status)."""
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 _CALLS: list[int] = []  # module state a rank changes: a later call must not see it
 

@@ -6,14 +6,14 @@ reading every step gives (and the equivalence tests compare those with one proce
 import torch.distributed as dist
 
 from raydist.config import Config
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import tiny_config
 
 
 def _steps(raw: dict, steps: int, read_each: bool):
     from raydist.elastic.session import LocalSession
-    from raydist.runtime import pick_device
-    from raydist.trainer import Trainer
+    from raydist.parallel.runtime import pick_device
+    from raydist.training.trainer import Trainer
 
     cfg = Config.from_dict(raw)
     trainer = Trainer(cfg, pick_device(), LocalSession().start(cfg))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from raydist import strict
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.strict import StrictCollectiveError, deadlock
 
 
@@ -169,7 +169,7 @@ def test_reductions_nccl_lacks_fail(strict_mode):
 
 
 def _host_tensor() -> str:
-    from raydist.collective_audit import CollectiveAudit
+    from raydist.strict.audit import CollectiveAudit
 
     with CollectiveAudit():
         dist.all_reduce(torch.tensor([3], dtype=torch.int64))  # made without a device: a host tensor
@@ -225,7 +225,7 @@ def test_a_host_group_with_non_members_that_do_not_skip_it_is_caught(strict_mode
 
 
 def _groups_done_right() -> list[int]:
-    from raydist.runtime import HOST, new_group
+    from raydist.parallel.runtime import HOST, new_group
 
     host = new_group([0, 1], HOST, "cpu", 20, use_local_synchronization=True)  # members only, gloo
     device = dist.new_group([0, 1])  # every rank takes part
@@ -318,8 +318,8 @@ def _fit_start_event(raw: dict, run_dir: str) -> dict:
     import json
 
     from raydist.config import Config
-    from raydist.train_loop import fit
-    from raydist.trainer import Trainer
+    from raydist.training.loop import fit
+    from raydist.training.trainer import Trainer
 
     fit(Trainer(Config.from_dict(raw), torch.device("cpu")), run_dir, log=lambda *_: None)
     dist.barrier()
@@ -329,7 +329,7 @@ def _fit_start_event(raw: dict, run_dir: str) -> dict:
 
 @pytest.mark.parametrize("on", [True, False], ids=["strict", "gloo"])
 def test_the_start_event_and_console_say_whether_the_run_is_under_the_mode(tiny_data, tmp_path, monkeypatch, on):
-    from raydist.console import describe_event
+    from raydist.driver.console import describe_event
     from raydist.testing import tiny_config
 
     monkeypatch.setenv(strict.ENV, "1" if on else "0")
@@ -345,9 +345,9 @@ def test_the_start_event_and_console_say_whether_the_run_is_under_the_mode(tiny_
 def _elastic_with_an_idle_rank(data: str, bind_first: bool) -> str:
     from raydist.config import Config
     from raydist.elastic.session import Idle, LocalSession, bind_when_all_train
-    from raydist.runtime import bind_device
+    from raydist.parallel.runtime import bind_device
     from raydist.testing import tiny_config
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     raw = tiny_config(data, parallel={"dp_replicate": -1, "dp_shard": 1}, train={"steps": 2, "global_batch": 8},
                       elastic={"min_workers": 2, "max_workers": 3})

@@ -5,7 +5,7 @@ into one process with the logits TP 2 computes from it."""
 import pytest
 import torch
 
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import logits_after_load, run_fit, tiny_config
 
 TOKENS = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(1))

@@ -8,7 +8,7 @@ import torch
 
 from raydist.config import Config
 from raydist.metrics.comm import CommCounter, megatron_block_bytes, sp_norm_gradient_bytes
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 from raydist.testing import TINY_MODEL, tiny_config
 
 TP = 2
@@ -19,7 +19,7 @@ def _count(raw: dict) -> dict:
     """{layers: {"forward"/"backward": {(kind, payload bytes): bytes sent}}} on this rank."""
     from torch.distributed.tensor import DTensor
 
-    from raydist.trainer import Trainer
+    from raydist.training.trainer import Trainer
 
     out = {}
     for layers in (1, 2):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from raydist.runtime import spawn
+from raydist.parallel.runtime import spawn
 
 TP = 2
 B, T, D, H, F_, V = 2, 8, 32, 4, 64, 40  # F_ ffn, V vocab; H heads of dim 8
@@ -208,7 +208,7 @@ def _compare_models(plain, sharded_parts, loss_fn) -> None:
 def _pipeline_stages_case(sequence_parallel: bool) -> None:
     """The plan on pipeline stages: stage 0 (embedding, block 0) hands a local tensor to stage 1 (block 1,
     norm, head), which must still give RoPE the whole sequence's positions."""
-    from raydist.mesh import MeshSpec
+    from raydist.parallel.mesh import MeshSpec
     from raydist.models.gpt import build_model
     from raydist.parallel.tensor import apply_tensor_parallel
 
@@ -227,7 +227,7 @@ def _pipeline_stages_case(sequence_parallel: bool) -> None:
 def _whole_model_case(tied: bool, sequence_parallel: bool) -> None:
     """`apply_tensor_parallel` on a whole GPT (embedding, blocks, final norm, tied or untied head, the
     plan's loss) against the plain model: logits, loss and every parameter's full gradient."""
-    from raydist.mesh import MeshSpec
+    from raydist.parallel.mesh import MeshSpec
     from raydist.models.gpt import build_model
     from raydist.parallel.tensor import apply_tensor_parallel
 

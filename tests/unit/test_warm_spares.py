@@ -96,7 +96,7 @@ def test_the_hook_is_the_module_function_ray_loads():
 def test_the_setting_reaches_the_job_and_the_workers_runtime_env(monkeypatch, on):
     import ray
 
-    from raydist import ray_cluster
+    from raydist.driver import ray_cluster
 
     cfg = Config.load(None, [f"elastic.warm_spares={str(on).lower()}"])
     calls = []
@@ -114,7 +114,7 @@ def test_live_recovery_runs_without_spares(monkeypatch):
     """Live recovery with spares on did not reach its first steps (replicas of several workers): off there."""
     import ray
 
-    from raydist import ray_cluster
+    from raydist.driver import ray_cluster
 
     cfg = Config.load(None, ["elastic.live_recovery=true", "parallel.dp_replicate=2", "ray.num_workers=2"])
     assert cfg.elastic.warm_spares and not warm.enabled(cfg)

@@ -16,7 +16,7 @@ from raydist.elastic.policy import plan_layout
 from raydist.models.gpt import GPT, param_counts
 from raydist.planner.cost_model import estimate
 from raydist.planner.hardware import get_hardware
-from raydist.planner.layout import Workload
+from raydist.planner.placement import Workload
 
 ROOT = Path(__file__).resolve().parents[2]
 # Dubey et al., "The Llama 3 Herd of Models" (2024), Table 3; the vocabulary as released (128K + 256 special).
@@ -48,7 +48,8 @@ def test_layout_validates_for_its_world_size(name):
     cfg = load(name)
     world = cfg.ray.num_workers
     assert world == PUBLISHED[name]["world"] and cfg.ray.use_gpu == "true"
-    layout = plan_layout(cfg, world)  # raises ConfigError naming the problem when raydist.layout.validate refuses
+    # raises ConfigError naming the problem when raydist.parallel.layout.validate refuses
+    layout = plan_layout(cfg, world)
     assert layout.world_size == world  # every GPU has a place in the mesh, none idle
     assert layout.global_batch == cfg.train.global_batch
 

@@ -1,7 +1,7 @@
 """One rank's training state and step: mesh -> model -> parallelize -> optimizer -> data -> step.
 
 `Trainer` runs under any initialised process group: a Ray Train worker or a `torch.multiprocessing`
-test (`raydist.runtime.spawn`). One optimizer step:
+test (`raydist.parallel.runtime.spawn`). One optimizer step:
 
     positions [P, P + G) of the sample order  ->  this dp rank's slice (G / dp samples)
     -> the step runner: micro-batches of layout.micro_batch forward/backward (gradient sync on the last)
@@ -9,7 +9,7 @@ test (`raydist.runtime.spawn`). One optimizer step:
 
 Losses are means over every target token of the global batch, so any layout computes the same number.
 Layout-specific: the `Layout` (`elastic.policy.plan_layout`), the parallelized model and its step runner
-(`raydist.runner`). The loop around it (logging, evaluation, checkpoints, restarts) is `train_loop.fit`.
+(`raydist.training.runners`). The loop around it (logging, evaluation, checkpoints, restarts) is `train_loop.fit`.
 """
 
 from __future__ import annotations
@@ -29,25 +29,26 @@ from raydist.config import Config, ConfigError, hf_dir_of
 from raydist.data.peers import BatchTransfer, LocalBatch
 from raydist.data.position import RankPlan, SampleOrder, rank_slice
 from raydist.data.prepare import read_manifest
-from raydist.data.sft import check_masked_layout
 from raydist.data.readers import make_reader
+from raydist.data.sft import check_masked_layout
 from raydist.data.stream import SampleStream, Split
+from raydist.elastic.hang import ACTIONS, doing, group_timeout_s
 from raydist.elastic.live import Replicas, live_slice, micro_batch_for
 from raydist.elastic.policy import plan_layout
-from raydist.hang import ACTIONS, doing, group_timeout_s
 from raydist.kernels import apply_kernels
-from raydist.layout import Layout
 from raydist.metrics.kernels import kernel_calls, kernels_ran
-from raydist.mesh import Mesh
-from raydist.optim import build_optimizer, compute_dtype_for, full_gradients, lr_lambda, peak_memory_mb  # noqa: F401
 from raydist.models.gpt import GPT
 from raydist.models.hf_load import load_into_shards
 from raydist.models.init import init_weights, materialize
-from raydist.parallel import ParallelModel, parallelize
-from raydist.peft import apply_peft, check_pipeline_stages, is_adapter, parameter_counts
-from raydist.runner import StepOutput, StepTimings, make_runner
-from raydist.runtime import (DEVICE, HOST, group_backend, keep_large_host_allocations_unpooled, new_group,
-                             set_default_timeout, to_device)
+from raydist.models.peft import apply_peft, check_pipeline_stages, is_adapter, parameter_counts
+from raydist.parallel.layout import Layout
+from raydist.parallel.mesh import Mesh
+from raydist.parallel.parallelize import ParallelModel, parallelize
+from raydist.parallel.runtime import (DEVICE, HOST, group_backend, keep_large_host_allocations_unpooled, new_group,
+                                      set_default_timeout, to_device)
+from raydist.training.optim import (build_optimizer, compute_dtype_for, full_gradients,  # noqa: F401
+                                    lr_lambda, peak_memory_mb)
+from raydist.training.runners import StepOutput, StepTimings, make_runner
 
 # the (0-based) step whose pipeline actions are kept for the report, after warm-up (read with the next logged step)
 TIMELINE_STEP = 2
@@ -311,7 +312,7 @@ class Trainer:
         if self.replicas is not None:
             return self._live_step()
         start = time.perf_counter()
-        ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.hang)
+        ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.elastic.hang)
         with doing("data: next batch"):
             tokens, ids = batch if batch is not None else self.next_batch(whole=False)
         data_wait = time.perf_counter() - start

@@ -1,5 +1,5 @@
 """What this process's communicators were asked to do and have not finished: its in-flight collectives, for
-hang detection and diagnosis (raydist.hang).
+hang detection and diagnosis (raydist.elastic.hang).
 
 An NCCL collective never raises in Python: the host enqueues it and runs on, and ProcessGroupNCCL's watchdog
 aborts the whole process once an op has waited longer than its group's timeout. raydist's recorded action

@@ -75,7 +75,7 @@ def read_json_or_none(uri: str, what: str | None = None) -> Any | None:
     try:
         return json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        from raydist.redact import redact
+        from raydist.store.redact import redact
 
         state = "empty" if not data.strip() else f"not valid JSON ({exc})"
         warnings.warn(f"{redact(uri)} is {state}; treating it as absent ({what or 'it is rebuilt'})",

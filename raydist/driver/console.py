@@ -17,7 +17,7 @@ written locally (~/.cache/raydist/logs/<run>) and copied to RUN_DIR/logs/ when t
 
 `Follower` tails metrics.jsonl and events.jsonl (incrementally by byte offset on local storage) and hands
 each new record to its sinks: the console's `ProgressSink`, and the experiment tracker
-(raydist.tracking), each in its own thread so a slow tracking server never stalls the console.
+(raydist.metrics.tracking), each in its own thread so a slow tracking server never stalls the console.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any, TextIO
 
 import fsspec
 
-from raydist.atomic import is_local
 from raydist.metrics.logger import join
+from raydist.store.atomic import is_local
 
 
 def format_duration(seconds: float) -> str:
@@ -203,7 +203,6 @@ class RayLogFile:
 
 
 # ---- following the run directory (tailing metrics and events) lives in follow.py ------------------------
-from raydist.follow import Follower, JsonlTail  # noqa: E402,F401
 
 
 class ProgressSink:

@@ -6,7 +6,7 @@ collective with its group, a pipeline action with its micro-batch and stage, a c
 since when. Setting it is two attribute writes; collectives called through `torch.distributed`'s Python
 functions are recorded by wrappers `track_collectives()` installs in Ray workers. On NCCL the host runs
 ahead of the GPU, so the action says where the host is; what the communicators still wait for comes from
-a flight source (raydist.inflight: NCCL's flight recorder, or the strict-collectives mode's own record).
+a flight source (raydist.elastic.inflight: NCCL's flight recorder, or the strict-collectives mode's own record).
 
 `HangMonitor` (one per Ray Train worker, a daemon thread) every `monitor.heartbeat_interval_s`:
 - publishes the record to the attempt's TCP store (through a `BoundedStore`: the store's server lives in
@@ -68,8 +68,11 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from raydist import inflight, strict
-from raydist.bounded_store import STORE_TIMEOUT_S, BoundedStore, StoreUnreachable  # noqa: F401
+from raydist import strict
+
+from raydist.elastic import inflight
+from raydist.elastic.bounded_store import STORE_TIMEOUT_S, BoundedStore, StoreUnreachable  # noqa: F401
+from raydist.elastic.stacks import PY_SPY_TIMEOUT_S, own_stack, py_spy_dump, python_stacks
 
 PREFIX = "raydist/hang/"
 DIAGNOSE_BUDGET_S = 45.0  # the whole diagnosis, from the trigger to the failure going on
@@ -203,15 +206,11 @@ def is_hang(error: BaseException) -> bool:
     return False
 
 
-# ---- stacks (py-spy, or Python's own) live in stacks.py ------------------------------------------------
-from raydist.stacks import PY_SPY_TIMEOUT_S, own_stack, py_spy, py_spy_dump, python_stacks  # noqa: E402,F401
-
-
 # ---- the monitor -----------------------------------------------------------------------------------
 
 
 def _write(run_dir_uri: str, name: str, text: str) -> None:
-    from raydist.atomic import write_text_atomic
+    from raydist.store.atomic import write_text_atomic
 
     write_text_atomic(run_dir_uri.rstrip("/") + "/" + name, text)
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from raydist.errors import ConfigError
-from raydist.mesh import DIMS, MeshSpec
+from raydist.parallel.mesh import DIMS, MeshSpec
 from raydist.schedule.actions import chunks_per_rank, placement_of, stages_of_rank
 
 if TYPE_CHECKING:  # the model's shape; attribute access only, so leaf code need not import the config

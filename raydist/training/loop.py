@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from raydist import strict
-from raydist.collective_audit import marking_host_tensors
 from raydist.checkpoint import CheckpointManager, compat
 from raydist.checkpoint.manager import read_extra
 from raydist.elastic.session import LocalSession, Session
@@ -34,7 +33,8 @@ from raydist.metrics.logger import MetricsWriter, join, write_json
 from raydist.metrics.stragglers import StragglerDetector, per_rank, percentiles
 from raydist.metrics.tensorboard import open_tensorboard
 from raydist.models.gpt import flops_per_token
-from raydist.trainer import StepStats, Trainer, peak_memory_mb
+from raydist.strict.audit import marking_host_tensors
+from raydist.training.trainer import StepStats, Trainer, peak_memory_mb
 
 # ---- logging ------------------------------------------------------------------------------------
 
@@ -212,7 +212,7 @@ def fit(trainer: Trainer, run_dir: str | None, session: Session | None = None,
     # rank 0's progress.json, metrics and event lines are written by one background thread, off the step
     bookkeeping = BackgroundWriter() if run_dir and rank0 else None
     # under NCCL's rules on the CPU, tensors made without a device are host tensors, which fail on a device
-    # group as NCCL refuses CPU tensors (raydist.strict, raydist.collective_audit)
+    # group as NCCL refuses CPU tensors (raydist.strict, raydist.strict.audit)
     marking = marking_host_tensors() if strict.active() else contextlib.nullcontext()
     try:
         with marking:

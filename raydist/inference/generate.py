@@ -1,7 +1,7 @@
 """`raydist generate MODEL --prompt TEXT`: continue a prompt with a trained or pretrained model, one process.
 
 MODEL is a run directory (its newest committed checkpoint, or `--step N`) or `hf:DIR`, loaded exactly as
-`raydist eval` loads it (raydist.finetune.load_model). The text is tokenized with
+`raydist eval` loads it (raydist.inference.load.load_model). The text is tokenized with
 - `--tokenizer SPEC` when given (`byte`, a tokenizers JSON file, or `hf:DIR`);
 - for `hf:DIR`, DIR/tokenizer.json (the prompt gets the file's special tokens, e.g. Llama's begin-of-text);
 - for a run, the tokenizer its prepared data was made with (the manifest at data.path), else data.tokenizer.
@@ -84,7 +84,7 @@ def resolve_tokenizer(model_spec: str, override: str | None):
         eos = _hf_eos_ids(hf_dir) or (tokenizer.eos_id,)
         return tokenizer, eos, True
     from raydist.data.prepare import read_manifest
-    from raydist.finetune import read_run_config
+    from raydist.inference.load import read_run_config
 
     cfg = read_run_config(model_spec)  # ConfigError: not a run directory
     spec = override
@@ -96,7 +96,7 @@ def resolve_tokenizer(model_spec: str, override: str | None):
 
 
 def cmd_generate(args) -> int:
-    from raydist.finetune import load_model
+    from raydist.inference.load import load_model
 
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={args.max_new_tokens} must be >= 1")

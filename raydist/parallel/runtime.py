@@ -191,7 +191,7 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 # 4-rank, 3-step layout's 6.2 s on 2 cores (measured side by side). It imports Triton, whose settings
 # (triton.knobs) read the environment when used; raydist's kernels are not preloaded: `triton.jit` picks
 # the interpreter when a kernel is defined, after the rank has taken the caller's TRITON_INTERPRET.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "raydist.trainer", "raydist.testing")
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "raydist.training.trainer", "raydist.testing")
 
 
 def start_method_context():

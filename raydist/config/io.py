@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from raydist.config.sections import CHOICES, SECTIONS
 from raydist.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -46,9 +47,7 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     return section, key.strip(), value
 
 
-def _build_section(name: str, values: dict[str, Any]):
-    from raydist.config import SECTIONS
-
+def build_section(name: str, values: dict[str, Any]):
     cls = SECTIONS[name]
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -62,8 +61,6 @@ def _build_section(name: str, values: dict[str, Any]):
 
 
 def _coerce(dotted: str, value: Any, annotation: str) -> Any:
-    from raydist.config import CHOICES
-
     kind = {"int": int, "float": float, "bool": bool, "str": str}[annotation]
     if kind is bool:
         if isinstance(value, bool):
@@ -122,10 +119,6 @@ def _toml_value(value: Any) -> str:
 @functools.lru_cache(maxsize=1)
 def field_docs() -> dict[str, str]:
     """{'section.key': docstring} parsed from the attribute docstrings of the section classes."""
-    import sys
-
-    from raydist.config import SECTIONS
-
     modules = dict.fromkeys(sys.modules[cls.__module__] for cls in SECTIONS.values())
     nodes = [node for module in modules for node in ast.parse(inspect.getsource(module)).body]
     class_to_section = {cls.__name__: name for name, cls in SECTIONS.items()}
@@ -143,8 +136,6 @@ def field_docs() -> dict[str, str]:
 
 def reference_markdown() -> str:
     """The README's config reference: one table per section, from the dataclasses and docstrings."""
-    from raydist.config import CHOICES, SECTIONS
-
     docs = field_docs()
     out = []
     for name, cls in SECTIONS.items():
@@ -157,29 +148,3 @@ def reference_markdown() -> str:
                                                                   "`" not in doc else "") + " |")
         out.append("")
     return "\n".join(out)
-
-
-# ---- model.init_from = "hf:DIR" ------------------------------------------------------------------
-
-
-def hf_dir_of(init_from: str) -> str:
-    """The directory of `model.init_from = "hf:DIR"` (ConfigError for any other form)."""
-    if not isinstance(init_from, str) or not init_from.startswith("hf:") or not init_from[3:]:
-        raise ConfigError(f"model.init_from={init_from!r} must be 'hf:DIR', a Hugging Face Llama directory "
-                          "(config.json and *.safetensors), e.g. init_from = \"hf:./Llama-3.2-1B\"")
-    return init_from[3:]
-
-
-def _model_from_init(section: dict[str, Any]) -> dict[str, Any]:
-    """[model] with the shape keys of `init_from`'s config.json filled in (DIR made absolute); a key the
-    user set that disagrees is a ConfigError."""
-    from raydist.models.hf import check_explicit_keys, model_config_from_hf
-
-    path = hf_dir_of(section["init_from"])
-    path = path if "://" in path else str(Path(path).expanduser().resolve())
-    if not Path(path).is_dir():
-        raise ConfigError(f"model.init_from={section['init_from']!r}: {path} is not a directory; download the "
-                          "model (e.g. `huggingface-cli download meta-llama/Llama-3.2-1B --local-dir DIR`)")
-    from_hf = model_config_from_hf(path)
-    check_explicit_keys({k: v for k, v in section.items() if k != "init_from"}, from_hf, f"hf:{path}")
-    return {**section, **from_hf, "init_from": f"hf:{path}"}

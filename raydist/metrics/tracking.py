@@ -1,7 +1,7 @@
 """Experiment tracking: a run's params, metrics and events in MLflow (`[tracking] mlflow_uri`; optional
 extra: `pip install 'raydist[tracking]'`). TensorBoard event files are written as before.
 
-Everything is logged from the driver, which already follows the run directory (raydist.console.Follower):
+Everything is logged from the driver, which already follows the run directory (raydist.driver.console.Follower):
 workers need neither mlflow nor a route to the tracking server, and restarts, resizes and resumed runs
 need nothing special. The tracker
 
@@ -26,11 +26,11 @@ import os
 import time
 from typing import Any, Callable
 
-from raydist.atomic import read_json_or_none, write_json_atomic
 from raydist.config import Config
 from raydist.errors import ConfigError
 from raydist.metrics.logger import join, read_json
-from raydist.redact import redact, redact_tree
+from raydist.store.atomic import read_json_or_none, write_json_atomic
+from raydist.store.redact import redact, redact_tree
 
 METRICS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "mfu",
            "mem_peak_mb", "world_size", "tokens")

@@ -1,14 +1,7 @@
-"""Run configuration: one dataclass per TOML section, `--set section.key=value` overrides, validation.
-
-A config is loaded from TOML (`Config.load(path, overrides)`), every value is type-checked against the
-field's annotation, unknown sections or keys are errors, and `validate()` checks the relations between
+"""The whole run's configuration: `Config` holds one frozen section per TOML table, is loaded from TOML
+with `--set section.key=value` overrides (`Config.load`), and `validate()` checks the relations between
 fields. Every error is a `ConfigError` whose message names the offending value and the fix, so the CLI
-can print it as a single `error:` line before any worker starts.
-
-Each field carries a docstring (the string literal under it); `field_docs()` (config_io.py) reads them back
-from the source (this file and config_sections.py) so that the README's reference and error hints never
-drift from the code.
-"""
+can print it as a single `error:` line before any worker starts."""
 
 from __future__ import annotations
 
@@ -17,183 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raydist.config.hf import model_from_init
+from raydist.config.io import build_section, dump_toml, parse_override, read_toml
+from raydist.config.sections import (SECTIONS, CheckpointConfig, DataConfig, ElasticConfig, KernelsConfig, ModelConfig,
+                                     MonitorConfig, ParallelConfig, PeftConfig, RayConfig, TrackingConfig, TrainConfig)
 from raydist.errors import ConfigError
 
-
 DEFAULT_WORKLOAD = "gpt_tiny.toml"
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    num_layers: int = 4
-    """Transformer blocks."""
-    d_model: int = 128
-    """Width of the residual stream."""
-    num_heads: int = 4
-    """Attention (query) heads; d_model must be divisible by it."""
-    num_kv_heads: int = 2
-    """Key/value heads for grouped-query attention; num_heads must be divisible by it."""
-    ffn_hidden: int = 352
-    """Hidden width of the SwiGLU MLP (Llama uses about 8/3 * d_model, rounded)."""
-    vocab_size: int = 320
-    """Embedding rows; at least the tokenizer's vocabulary (byte-level: 257). Padding to a multiple of
-    64 keeps tensor-parallel splits even."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency."""
-    norm_eps: float = 1e-5
-    """RMSNorm epsilon."""
-    tie_embeddings: bool = True
-    """Share the input embedding with the output head."""
-    init_std: float = 0.02
-    """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2*layers))."""
-    init_from: str = ""
-    """Start from pretrained weights: `hf:DIR`, a Hugging Face Llama directory (config.json and
-    *.safetensors). The shape keys above are then read from its config.json (one set here must agree);
-    each rank reads only its shards. Resuming from a run's own checkpoint wins over it."""
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    path: str = ""
-    """Prepared shards (a directory or fsspec URI holding manifest.json). Empty: the default corpus,
-    prepared on first use under ~/.cache/raydist/data/<corpus-name>-<seq_len>."""
-    corpus: str = "stdlib"
-    """What `raydist data prepare` reads: `stdlib` (the Python standard library's source that ships with
-    the interpreter), a glob or fsspec URI of text files, or parquet files with a text column."""
-    text_column: str = "text"
-    """Column holding the documents when the corpus is parquet."""
-    tokenizer: str = "byte"
-    """`byte` (bytes 0-255 plus end-of-document 256), the path of a `tokenizers` JSON file, or `hf:DIR`:
-    a Hugging Face model directory's tokenizer.json (to fine-tune that model on the prepared data)."""
-    seq_len: int = 128
-    """Tokens per training sample (each stored row holds seq_len + 1 tokens: inputs and shifted targets)."""
-    val_fraction: float = 0.02
-    """Share of documents held out for validation (chosen by a hash of the document's name)."""
-    shard_rows: int = 4096
-    """Samples per parquet shard (a multiple of data.row_group_rows)."""
-    row_group_rows: int = 8
-    """Samples per parquet row group: the unit a data-parallel rank reads, and the block of rows the sample
-    order keeps together. Each rank reads only its own rows when this divides its slice of a batch
-    (train.global_batch / dp); larger row groups read fewer, bigger pieces. `raydist data prepare` drops a
-    split's last rows short of a whole row group."""
-    max_corpus_mb: float = 0.0
-    """Stop reading the corpus after this many megabytes (0: read all of it)."""
-    reader: str = "auto"
-    """How workers read shards: `ray` (Ray Data), `arrow` (pyarrow through fsspec in a background thread),
-    `auto` (the faster as measured by benchmarks/data_throughput.py: pyarrow, on local files and on S3)."""
-    prefetch_shards: int = 2
-    """Shards read ahead of the one being consumed."""
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    auto: bool = False
-    """Let the planner choose the layout (degrees, micro-batch, recompute, ...) for the live worker count by
-    its cost model; the degrees below are then ignored. `parallel = "auto"` in TOML says the same."""
-    dp_replicate: int = -1
-    """Data-parallel replicas (DDP, or the replicate dim of HSDP). -1: fill from the world size."""
-    dp_shard: int = 1
-    """Fully-sharded (FSDP/ZeRO-3) degree; HSDP when dp_replicate > 1 too. -1: fill from the world size."""
-    tp: int = 1
-    """Tensor-parallel degree (innermost mesh axis, kept inside a node)."""
-    pp: int = 1
-    """Pipeline-parallel stages (outermost mesh axis)."""
-    cp: int = 1
-    """Context-parallel degree: the sequence is split across this many ranks."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism for norms and the residual stream (needs tp > 1)."""
-    cp_impl: str = "ring"
-    """Context-parallel attention: `ring` (K/V passed around a ring) or `ulysses` (all-to-all to heads)."""
-    pp_schedule: str = "1f1b"
-    """Pipeline schedule: `gpipe`, `1f1b`, `interleaved`, or the zero-bubble `zbh1` (1F1B's memory, the
-    backward split into input and weight gradients) and `zbv` (two chunks per rank in a V); both need
-    num_microbatches >= pp."""
-    num_microbatches: int = 0
-    """Micro-batches per step in the pipeline (0: one per micro_batch of the per-rank batch)."""
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved 1F1B needs >= 2; zbv always uses 2)."""
-    fsdp_reshard_after_forward: bool = True
-    """FSDP: free the gathered parameters after forward (ZeRO-3) rather than keep them for backward."""
-    fsdp_forward_prefetch: bool = True
-    """FSDP: all-gather the next block's parameters while the current block computes."""
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    steps: int = 300
-    """Optimizer steps."""
-    global_batch: int = 16
-    """Samples per optimizer step across all data-parallel ranks (kept fixed when the dp size changes)."""
-    micro_batch: int = 0
-    """Samples per forward/backward on one rank; gradient accumulation = global_batch / (dp * micro_batch).
-    0: derived for the layout (the largest divisor of the per-rank batch up to 8; with a pipeline, one that
-    gives at least pp micro-batches). In an elastic run it is an upper bound."""
-    seed: int = 0
-    """Seed for the weights, the data order and dropout-free RNG state."""
-    lr: float = 3e-3
-    """Peak learning rate (AdamW)."""
-    min_lr_ratio: float = 0.1
-    """Cosine decay floor as a fraction of lr."""
-    warmup_steps: int = 20
-    """Linear warmup steps."""
-    weight_decay: float = 0.1
-    """AdamW weight decay (not applied to norms and biases)."""
-    beta1: float = 0.9
-    """AdamW beta1."""
-    beta2: float = 0.95
-    """AdamW beta2."""
-    grad_clip: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping)."""
-    eval_every: int = 50
-    """Validation every this many steps, and before the first step (0: never)."""
-    eval_batches: int = 4
-    """Validation batches of global_batch samples each."""
-    log_every: int = 10
-    """Write a metrics.jsonl line every this many steps."""
-    run_name: str = ""
-    """Run directory name under checkpoint.storage; empty: generated. Re-running a name resumes it."""
-    activation_checkpoint: str = "none"
-    """Activation recomputation: `none`, `full`, `every_k`, `selective`."""
-    activation_checkpoint_k: int = 0
-    """For `every_k`: checkpoint every k-th block (0: round(sqrt(num_layers)), the sqrt(n) rule)."""
-    dtype: str = "auto"
-    """Compute precision: `auto` (bf16 autocast on CUDA, fp32 on CPU), `fp32`, `bf16`."""
-    deterministic: bool = False
-    """`torch.use_deterministic_algorithms(True)` in every worker: an op without a deterministic
-    implementation raises instead of running (slower on CUDA; CPU runs here are deterministic already)."""
-
-
-# the run-level sections (checkpoints, elasticity, Ray, kernels, fine-tuning, monitoring, tracking)
-from raydist.config_sections import (CheckpointConfig, ElasticConfig, KernelsConfig, MonitorConfig,  # noqa: E402
-                                     PeftConfig, RayConfig, TrackingConfig)
-
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "peft.method": ("none", "lora", "freeze"),
-    "peft.lora_targets": ("attention", "mlp", "all"),
-    "data.reader": ("auto", "ray", "arrow"),
-    "parallel.cp_impl": ("ring", "ulysses"),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved", "zbh1", "zbv"),
-    "train.activation_checkpoint": ("none", "full", "every_k", "selective"),
-    "train.dtype": ("auto", "fp32", "bf16"),
-    "ray.use_gpu": ("auto", "true", "false"),
-    "kernels.attention": ("auto", "triton", "sdpa", "eager"),
-    "kernels.matmul": ("auto", "triton", "torch"),
-}
-
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "parallel": ParallelConfig,
-    "train": TrainConfig,
-    "checkpoint": CheckpointConfig,
-    "elastic": ElasticConfig,
-    "ray": RayConfig,
-    "kernels": KernelsConfig,
-    "peft": PeftConfig,
-    "monitor": MonitorConfig,
-    "tracking": TrackingConfig,
-}
 
 
 @dataclass(frozen=True)
@@ -220,14 +43,14 @@ class Config:
             section, key, value = parse_override(item)
             raw.setdefault(section, {})[key] = value
         if isinstance(raw.get("model"), dict) and raw["model"].get("init_from"):
-            raw["model"] = _model_from_init(raw["model"])
+            raw["model"] = model_from_init(raw["model"])
         sections = {}
         for name, value in raw.items():
             if name not in SECTIONS:
                 raise ConfigError(f"unknown section [{name}]; valid sections: {', '.join(SECTIONS)}")
             if not isinstance(value, dict):
                 raise ConfigError(f"{name} must be a table ([{name}] with keys), got {value!r}")
-            sections[name] = _build_section(name, value)
+            sections[name] = build_section(name, value)
         cfg = cls(**sections)
         cfg.validate()
         return cfg
@@ -388,12 +211,3 @@ def _positive(name: str, value: int) -> None:
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
-
-
-# TOML reading and writing, `--set` parsing, field docs (re-exported: callers import them from here)
-from raydist.config_io import (_build_section, _model_from_init, dump_toml, field_docs, hf_dir_of,  # noqa: E402,F401
-                               parse_override, read_toml, reference_markdown)
-
-
-if __name__ == "__main__":  # regenerates the README's reference: python -m raydist.config
-    print(reference_markdown())

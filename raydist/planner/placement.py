@@ -1,7 +1,7 @@
-"""What the planner is given (`Workload`) and how it reads a `Layout` (raydist.layout: the one layout
+"""What the planner is given (`Workload`) and how it reads a `Layout` (raydist.parallel.layout: the one layout
 class, the same the runtime trains with): plain data, no torch.
 
-A planner layout is a `raydist.layout.Layout`: the five mesh degrees plus the knobs that change memory and
+A planner layout is a `raydist.parallel.layout.Layout`: the five mesh degrees plus the knobs that change memory and
 time without changing the math (micro-batch size, activation recompute, sequence parallelism, the
 context-parallel and pipeline algorithms, FSDP resharding), and the pipeline's stage partition.
 """
@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from raydist.config import Config, ModelConfig
-from raydist.layout import Layout, stage_partition
+from raydist.parallel.layout import Layout, stage_partition
 from raydist.schedule.actions import placement_of, stages_of_rank
 
 __all__ = ["Layout", "Workload", "rank_layer_counts", "holds_stage", "holders", "every_k_segment"]

@@ -1,4 +1,4 @@
-"""Python stacks of live processes for hang diagnosis (raydist.hang): py-spy where it can attach, else
+"""Python stacks of live processes for hang diagnosis (raydist.elastic.hang): py-spy where it can attach, else
 the process's own `sys._current_frames`."""
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ from typing import Any
 
 import fsspec
 
-from raydist.atomic import read_json_or_none
 from raydist.errors import ConfigError
 from raydist.metrics.goodput import read_events
 from raydist.metrics.logger import join, read_jsonl
-from raydist.redact import redact
+from raydist.store.atomic import read_json_or_none
+from raydist.store.redact import redact
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "events.jsonl", "lease.json", "progress.json", "summary.json")
 
@@ -69,7 +69,7 @@ def newest_checkpoint(run_dir: str) -> dict[str, Any] | None:
 
 
 def _lease_state(run_dir: str, now: float) -> tuple[dict | None, bool]:
-    from raydist.lease import INTERVAL_S, STALE_FACTOR
+    from raydist.checkpoint.lease import INTERVAL_S, STALE_FACTOR
 
     lease = read_json_or_none(join(run_dir, "lease.json"), "a torn lease counts as none")
     if not isinstance(lease, dict):
@@ -184,7 +184,7 @@ def _num(value: Any, digits: int = 4) -> str:
 
 
 def format_status(s: dict[str, Any]) -> str:
-    from raydist.console import format_duration, format_rate
+    from raydist.driver.console import format_duration, format_rate
 
     lines = [f"run         {s['run_name']}  ({s['run_dir']})", f"state       {s['state']}  ({s['detail']})"]
     if s["steps"]:

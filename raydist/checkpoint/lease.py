@@ -36,8 +36,8 @@ from typing import Any, Callable
 
 import fsspec
 
-from raydist.atomic import is_local, read_json_or_none, write_json_atomic
 from raydist.config import ConfigError
+from raydist.store.atomic import is_local, read_json_or_none, write_json_atomic
 
 LEASE = "lease.json"
 INTERVAL_S = 10.0

@@ -4,8 +4,8 @@ Everything that can be checked without workers is checked here first (config rel
 manifest and shards, the mesh against the worker count, whether the cluster can ever hold the workers),
 so bad input ends in one `error:` line before any worker starts. Before anything is started or written,
 `launch` also stops at a run that already completed (one line, exit 0), probes that checkpoint.storage
-can be written, and takes the run's lease (raydist.lease: one driver per run directory). Every line it
-logs and the config.toml it writes are redacted (raydist.redact); the I/O uses the real URIs.
+can be written, and takes the run's lease (raydist.checkpoint.lease: one driver per run directory). Every line it
+logs and the config.toml it writes are redacted (raydist.store.redact); the I/O uses the real URIs.
 """
 
 from __future__ import annotations
@@ -18,20 +18,22 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from raydist import strict
-from raydist.atomic import probe_writable
-from raydist.console import Console, Follower, ProgressSink, RayLogFile, result_line
 from raydist.checkpoint.compat import check_run_dir
+from raydist.checkpoint.lease import RunLease
 from raydist.config import Config, ConfigError
 from raydist.data.prepare import default_data_path, prepare, read_manifest
 from raydist.data.sft import check_masked_layout
 from raydist.data.stream import Split
-from raydist.lease import RunLease
-from raydist.metrics.logger import join, read_json, write_text
-from raydist.redact import redact
+from raydist.driver.console import Console, ProgressSink, RayLogFile, result_line
+from raydist.driver.follow import Follower
+from raydist.driver.ray_cluster import connect_ray, resolve_use_gpu, wait_for_capacity, worker_resources
 from raydist.elastic import failures
 from raydist.elastic.policy import plan_layout
-from raydist.peft import check_pipeline_stages
-from raydist.layout import Layout
+from raydist.metrics.logger import join, read_json, write_text
+from raydist.models.peft import check_pipeline_stages
+from raydist.parallel.layout import Layout
+from raydist.store.atomic import probe_writable
+from raydist.store.redact import redact
 
 
 @dataclass
@@ -135,10 +137,6 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     return LaunchPlan(cfg, run_name, run_dir, num_workers, layout)
 
 
-# ---- Ray (the cluster: connecting, capacity, devices) lives in ray_cluster.py ---------------------------
-from raydist.ray_cluster import (RAY_TRAIN_ENV, connect_ray, resolve_use_gpu, wait_for_capacity,  # noqa: E402,F401
-                                 worker_resources, workers_that_fit)
-
 
 def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False):
     import ray
@@ -193,7 +191,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
 
 class Progress(Follower):
     """Follows the run directory on the driver: a live bar on a terminal, a line per logged step elsewhere,
-    a line per event an operator should see (raydist.console)."""
+    a line per event an operator should see (raydist.driver.console)."""
 
     def __init__(self, run_dir: str, total_steps: int, stream=None, console: Console | None = None,
                  interval_s: float = 1.0):
@@ -294,7 +292,7 @@ def record_end(run_dir: str, start_time: float, status: str, error: str) -> None
 
 def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
             log: Callable[[str], None], console: Console, record_samples: bool = False) -> dict[str, Any]:
-    from raydist.tracking import open_tracker
+    from raydist.metrics.tracking import open_tracker
 
     write_text(join(lp.run_dir, "config.toml"), redact(cfg.to_toml()))
     tracker = open_tracker(cfg, lp.run_dir, lp.run_name, log)  # before Ray: a bad tracking URI fails fast

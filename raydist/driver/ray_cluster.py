@@ -117,7 +117,7 @@ def embedded_dashboard() -> dict[str, object]:
     torn down mid-run. On a free port nobody serves, every query fails instead, which the cleaner
     survives ("Continuing to monitor"); it has nothing to do for an embedded cluster anyway, which ends
     with the driver."""
-    from raydist.runtime import free_port
+    from raydist.parallel.runtime import free_port
 
     return {"include_dashboard": False, "dashboard_port": free_port()}
 

@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from raydist.data.peers import BatchNeeds, LocalBatch
-from raydist.layout import Layout
-from raydist.mesh import Mesh
-from raydist.parallel import ParallelModel
 from raydist.parallel.clip import clip_grad_norm
+from raydist.parallel.layout import Layout
+from raydist.parallel.mesh import Mesh
+from raydist.parallel.parallelize import ParallelModel
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
 from raydist.schedule.clock import ActionClock
 

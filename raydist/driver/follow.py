@@ -11,8 +11,8 @@ from typing import Any, Iterable
 
 import fsspec
 
-from raydist.atomic import is_local
 from raydist.metrics.logger import join, read_jsonl
+from raydist.store.atomic import is_local
 
 
 

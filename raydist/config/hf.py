@@ -1,0 +1,111 @@
+"""A Hugging Face model directory as configuration: `model.init_from = "hf:DIR"` fills [model] from the
+directory's config.json (Llama, and Mistral without a sliding window), and a key the user also set must
+agree with it. Only the JSON is read here; raydist.models.hf maps the tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from raydist.errors import ConfigError
+
+
+# ---- config.json -----------------------------------------------------------------------------------------
+
+# ModelConfig field -> config.json key, for the fields read from config.json.
+HF_CONFIG_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers",
+                  "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+                  "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
+                  "tie_embeddings": "tie_word_embeddings"}
+
+
+def _read_config(hf_dir_or_config: str | os.PathLike | Mapping) -> tuple[dict[str, Any], str]:
+    """(config.json as a dict, its path for messages); a dict is taken as is, a directory or file is read."""
+    if isinstance(hf_dir_or_config, Mapping):
+        return dict(hf_dir_or_config), "config.json"
+    path = Path(hf_dir_or_config)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ConfigError(f"{path} not found; a Hugging Face model directory holds config.json and "
+                          "*.safetensors (save_pretrained writes them)")
+    return json.loads(path.read_text()), str(path)
+
+
+def model_config_from_hf(hf_dir_or_config_dict: str | os.PathLike | Mapping) -> dict[str, Any]:
+    """ModelConfig field values from a Llama config.json; ConfigError for anything raydist cannot represent.
+
+    Handles both the transformers 4 keys (`rope_theta`, `rope_scaling`) and the transformers 5 ones
+    (`rope_parameters` = {rope_type, rope_theta}). Absent optional keys take LlamaConfig's defaults.
+    """
+    c, src = _read_config(hf_dir_or_config_dict)
+    if (model_type := c.get("model_type")) == "mistral" and c.get("sliding_window", 4096) is not None:
+        raise ConfigError(f"{src} sliding_window={c.get('sliding_window', '4096 (default)')}: raydist has no "
+                          "sliding-window attention; only Mistral checkpoints with sliding_window null load")
+    if model_type not in ("llama", "mistral"):
+        extra = " (its q/k/v projections have biases, which raydist lacks)" if model_type == "qwen2" else ""
+        raise ConfigError(f"{src} model_type={model_type!r}{extra} is not supported; raydist loads "
+                          "model_type 'llama' (and 'mistral' with sliding_window null)")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        if not isinstance(c.get(key), int):
+            raise ConfigError(f"{src} {key}={c.get(key)!r} must be an integer; add it to config.json")
+    d, heads = c["hidden_size"], c["num_attention_heads"]
+    if c.get("head_dim") is not None and c["head_dim"] * heads != d:
+        raise ConfigError(f"{src} head_dim={c['head_dim']} != hidden_size/num_attention_heads={d / heads:g}; "
+                          "raydist derives head_dim from d_model/num_heads, so only such checkpoints load")
+    for key in (k for k in ("attention_bias", "mlp_bias") if c.get(k)):
+        raise ConfigError(f"{src} {key}=true: raydist's linear layers have no biases; only checkpoints with "
+                          f"{key} false load")
+    if c.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"{src} hidden_act={c['hidden_act']!r}: raydist's MLP is SwiGLU (silu); only "
+                          "hidden_act 'silu' loads")
+    rope = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or rope
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type != "default":
+        key = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+        raise ConfigError(f"{src} {key} has rope_type={rope_type!r}: raydist has no RoPE scaling yet; only "
+                          "checkpoints with plain RoPE (rope_scaling null, rope_type 'default') load")
+    if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError(f"{src} partial_rotary_factor != 1: raydist rotates the whole head")
+    return {"vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"], "num_heads": heads,
+            "num_kv_heads": c.get("num_key_value_heads") or heads, "ffn_hidden": c["intermediate_size"],
+            "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            "norm_eps": float(c.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(c.get("tie_word_embeddings"))}
+
+
+def check_explicit_keys(user_model_section: Mapping[str, Any], from_hf: Mapping[str, Any],
+                        source: str = "hf:<dir>") -> None:
+    """ConfigError when a key the user set in [model] disagrees with the checkpoint's config.json."""
+    for key, value in user_model_section.items():
+        if key in from_hf and value != from_hf[key]:
+            hf_key = HF_CONFIG_KEYS.get(key, key)
+            raise ConfigError(f"model.{key}={value!r} disagrees with {source} config.json "
+                              f"{hf_key}={from_hf[key]!r}; remove model.{key} (it is read from config.json) "
+                              f"or use a checkpoint whose {hf_key} is {value!r}")
+
+
+# ---- model.init_from = "hf:DIR" ------------------------------------------------------------------
+
+
+def hf_dir_of(init_from: str) -> str:
+    """The directory of `model.init_from = "hf:DIR"` (ConfigError for any other form)."""
+    if not isinstance(init_from, str) or not init_from.startswith("hf:") or not init_from[3:]:
+        raise ConfigError(f"model.init_from={init_from!r} must be 'hf:DIR', a Hugging Face Llama directory "
+                          "(config.json and *.safetensors), e.g. init_from = \"hf:./Llama-3.2-1B\"")
+    return init_from[3:]
+
+
+def model_from_init(section: dict[str, Any]) -> dict[str, Any]:
+    """[model] with the shape keys of `init_from`'s config.json filled in (DIR made absolute); a key the
+    user set that disagrees is a ConfigError."""
+    path = hf_dir_of(section["init_from"])
+    path = path if "://" in path else str(Path(path).expanduser().resolve())
+    if not Path(path).is_dir():
+        raise ConfigError(f"model.init_from={section['init_from']!r}: {path} is not a directory; download the "
+                          "model (e.g. `huggingface-cli download meta-llama/Llama-3.2-1B --local-dir DIR`)")
+    from_hf = model_config_from_hf(path)
+    check_explicit_keys({k: v for k, v in section.items() if k != "init_from"}, from_hf, f"hf:{path}")
+    return {**section, **from_hf, "init_from": f"hf:{path}"}

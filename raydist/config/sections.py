@@ -1,0 +1,292 @@
+"""The configuration's sections, one frozen dataclass per TOML table: what is trained (model, data,
+parallel, train) and how the run is kept (checkpoints, elasticity, Ray, kernels, fine-tuning, monitoring,
+tracking); the choices a string key allows, and the table name of each section.
+
+Each field carries a docstring (the string literal under it); `raydist.config.io.field_docs` reads them
+back from this source so that the README's reference and error hints never drift from the code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    num_layers: int = 4
+    """Transformer blocks."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    num_heads: int = 4
+    """Attention (query) heads; d_model must be divisible by it."""
+    num_kv_heads: int = 2
+    """Key/value heads for grouped-query attention; num_heads must be divisible by it."""
+    ffn_hidden: int = 352
+    """Hidden width of the SwiGLU MLP (Llama uses about 8/3 * d_model, rounded)."""
+    vocab_size: int = 320
+    """Embedding rows; at least the tokenizer's vocabulary (byte-level: 257). Padding to a multiple of
+    64 keeps tensor-parallel splits even."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2*layers))."""
+    init_from: str = ""
+    """Start from pretrained weights: `hf:DIR`, a Hugging Face Llama directory (config.json and
+    *.safetensors). The shape keys above are then read from its config.json (one set here must agree);
+    each rank reads only its shards. Resuming from a run's own checkpoint wins over it."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""
+    """Prepared shards (a directory or fsspec URI holding manifest.json). Empty: the default corpus,
+    prepared on first use under ~/.cache/raydist/data/<corpus-name>-<seq_len>."""
+    corpus: str = "stdlib"
+    """What `raydist data prepare` reads: `stdlib` (the Python standard library's source that ships with
+    the interpreter), a glob or fsspec URI of text files, or parquet files with a text column."""
+    text_column: str = "text"
+    """Column holding the documents when the corpus is parquet."""
+    tokenizer: str = "byte"
+    """`byte` (bytes 0-255 plus end-of-document 256), the path of a `tokenizers` JSON file, or `hf:DIR`:
+    a Hugging Face model directory's tokenizer.json (to fine-tune that model on the prepared data)."""
+    seq_len: int = 128
+    """Tokens per training sample (each stored row holds seq_len + 1 tokens: inputs and shifted targets)."""
+    val_fraction: float = 0.02
+    """Share of documents held out for validation (chosen by a hash of the document's name)."""
+    shard_rows: int = 4096
+    """Samples per parquet shard (a multiple of data.row_group_rows)."""
+    row_group_rows: int = 8
+    """Samples per parquet row group: the unit a data-parallel rank reads, and the block of rows the sample
+    order keeps together. Each rank reads only its own rows when this divides its slice of a batch
+    (train.global_batch / dp); larger row groups read fewer, bigger pieces. `raydist data prepare` drops a
+    split's last rows short of a whole row group."""
+    max_corpus_mb: float = 0.0
+    """Stop reading the corpus after this many megabytes (0: read all of it)."""
+    reader: str = "auto"
+    """How workers read shards: `ray` (Ray Data), `arrow` (pyarrow through fsspec in a background thread),
+    `auto` (the faster as measured by benchmarks/data_throughput.py: pyarrow, on local files and on S3)."""
+    prefetch_shards: int = 2
+    """Shards read ahead of the one being consumed."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    auto: bool = False
+    """Let the planner choose the layout (degrees, micro-batch, recompute, ...) for the live worker count by
+    its cost model; the degrees below are then ignored. `parallel = "auto"` in TOML says the same."""
+    dp_replicate: int = -1
+    """Data-parallel replicas (DDP, or the replicate dim of HSDP). -1: fill from the world size."""
+    dp_shard: int = 1
+    """Fully-sharded (FSDP/ZeRO-3) degree; HSDP when dp_replicate > 1 too. -1: fill from the world size."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost mesh axis, kept inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel stages (outermost mesh axis)."""
+    cp: int = 1
+    """Context-parallel degree: the sequence is split across this many ranks."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism for norms and the residual stream (needs tp > 1)."""
+    cp_impl: str = "ring"
+    """Context-parallel attention: `ring` (K/V passed around a ring) or `ulysses` (all-to-all to heads)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: `gpipe`, `1f1b`, `interleaved`, or the zero-bubble `zbh1` (1F1B's memory, the
+    backward split into input and weight gradients) and `zbv` (two chunks per rank in a V); both need
+    num_microbatches >= pp."""
+    num_microbatches: int = 0
+    """Micro-batches per step in the pipeline (0: one per micro_batch of the per-rank batch)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B needs >= 2; zbv always uses 2)."""
+    fsdp_reshard_after_forward: bool = True
+    """FSDP: free the gathered parameters after forward (ZeRO-3) rather than keep them for backward."""
+    fsdp_forward_prefetch: bool = True
+    """FSDP: all-gather the next block's parameters while the current block computes."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps."""
+    global_batch: int = 16
+    """Samples per optimizer step across all data-parallel ranks (kept fixed when the dp size changes)."""
+    micro_batch: int = 0
+    """Samples per forward/backward on one rank; gradient accumulation = global_batch / (dp * micro_batch).
+    0: derived for the layout (the largest divisor of the per-rank batch up to 8; with a pipeline, one that
+    gives at least pp micro-batches). In an elastic run it is an upper bound."""
+    seed: int = 0
+    """Seed for the weights, the data order and dropout-free RNG state."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of lr."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0: no clipping)."""
+    eval_every: int = 50
+    """Validation every this many steps, and before the first step (0: never)."""
+    eval_batches: int = 4
+    """Validation batches of global_batch samples each."""
+    log_every: int = 10
+    """Write a metrics.jsonl line every this many steps."""
+    run_name: str = ""
+    """Run directory name under checkpoint.storage; empty: generated. Re-running a name resumes it."""
+    activation_checkpoint: str = "none"
+    """Activation recomputation: `none`, `full`, `every_k`, `selective`."""
+    activation_checkpoint_k: int = 0
+    """For `every_k`: checkpoint every k-th block (0: round(sqrt(num_layers)), the sqrt(n) rule)."""
+    dtype: str = "auto"
+    """Compute precision: `auto` (bf16 autocast on CUDA, fp32 on CPU), `fp32`, `bf16`."""
+    deterministic: bool = False
+    """`torch.use_deterministic_algorithms(True)` in every worker: an op without a deterministic
+    implementation raises instead of running (slower on CUDA; CPU runs here are deterministic already)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    storage: str = "./runs"
+    """Where run directories go: a local path or any fsspec URI (s3://bucket/prefix, gs://...)."""
+    every_steps: int = 100
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    keep: int = 3
+    """Committed checkpoints to keep (older ones are deleted after a newer one commits)."""
+    async_save: bool = True
+    """Write checkpoints in the background while training continues."""
+
+
+@dataclass(frozen=True)
+class ElasticConfig:
+    min_workers: int = 0
+    """Smallest worker count an elastic run trains on (0 with max_workers 0: a fixed-size run)."""
+    max_workers: int = 0
+    """Largest worker count an elastic run grows to."""
+    resize_check_interval_s: float = 30.0
+    """How often Ray Train considers growing a healthy elastic run."""
+    max_failures: int = 3
+    """Restarts after worker or node failures before the run gives up (-1: unlimited)."""
+    collective_timeout_s: float = 300.0
+    """A collective that waits longer than this fails (so a dead peer ends in a restart, not a hang): on gloo
+    it raises; on NCCL and under the strict mode raydist's hang monitor ends the worker after naming the
+    rank that never arrived (those groups' own timeout is set later, as a backstop). A training step, an
+    evaluation or a report to Ray Train that makes no progress for twice as long ends the worker (the step
+    watchdog)."""
+    startup_timeout_s: float = 900.0
+    """The watchdog's limit for a worker's start: building and parallelizing the model, loading the
+    checkpoint, and the first step (which waits for the first data)."""
+    checkpoint_timeout_s: float = 1800.0
+    """The longest a checkpoint save (or waiting for one in flight) may take before the worker fails."""
+    group_start_timeout_s: float = 60.0
+    """How long Ray Train waits for a new worker group's resources and processes before it decides its size
+    again (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S). An elastic run's restart is sized from the nodes alive
+    when it is decided (`raydist/elastic/fresh_view.py`; Ray Train's own policy would count a lost node
+    until its coordinator's next 20 s tick and ask for the old size first, waiting out this timeout), so
+    this wait is for processes slow to start."""
+    warm_spares: bool = True
+    """Keep one idle, started worker process per worker (Python with Ray, Ray Train, torch and raydist
+    imported) on each node, so that a restarted worker group starts in them instead of new processes
+    (raydist.elastic.warm; costs one idle process's memory per worker). They need the job's runtime env to
+    preload them: under `ray job submit` add {"worker_process_setup_hook": "raydist.elastic.warm.preload"} to
+    it (without it, no spares). Not with elastic.live_recovery (its replacements start cold)."""
+    live_recovery: bool = False
+    """Live recovery (torchft): each of the parallel.dp_replicate replicas is dp_shard x cp x tp x pp workers
+    with its own mesh (FSDP, CP, TP and PP inside it); when a worker dies the other replicas keep stepping,
+    Ray Train replaces its whole replica and the replacement receives the live state from a peer (no
+    restart, no reload). Needs dp_replicate >= 2, explicit degrees (no parallel.auto) and ray.num_workers =
+    dp_replicate x dp_shard x cp x tp x pp."""
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    num_workers: int = 2
+    """Workers for a fixed-size run (one per device)."""
+    address: str = ""
+    """Cluster to join; empty: RAY_ADDRESS if set, else an embedded local Ray."""
+    cpus_per_worker: float = 1.0
+    """Logical CPUs each worker reserves (and torch threads it uses on CPU)."""
+    use_gpu: str = "auto"
+    """`auto` (GPUs when the cluster has them), `true`, `false`."""
+    max_pending_s: float = 60.0
+    """How long to wait for the cluster to offer the workers' resources before failing."""
+
+
+@dataclass(frozen=True)
+class KernelsConfig:
+    attention: str = "auto"
+    """`auto` (Triton on CUDA, sdpa on CPU), `triton`, `sdpa`, `eager`."""
+    matmul: str = "auto"
+    """`auto` (Triton on CUDA, torch on CPU), `triton`, `torch`."""
+
+
+@dataclass(frozen=True)
+class PeftConfig:
+    method: str = "none"
+    """Parameter-efficient fine-tuning: `none` (train everything), `lora` (low-rank adapters on frozen
+    weights; Hu et al., 2021), `freeze` (train only the last `trainable_last_layers` blocks)."""
+    lora_rank: int = 8
+    """LoRA rank r: each adapted weight W (out x in) gains B (out x r) A (r x in)."""
+    lora_alpha: float = 16.0
+    """LoRA scale numerator: the update is (lora_alpha / lora_rank) B A x."""
+    lora_targets: str = "attention"
+    """Which projections get adapters: `attention` (wq, wk, wv, wo), `mlp` (w1, w2, w3), `all`."""
+    trainable_last_layers: int = 1
+    """For `freeze`: the last this many blocks (and the final norm; the head too when untied) train."""
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    heartbeat_interval_s: float = 2.0
+    """How often each worker publishes what it is doing (its current collective or pipeline action, and
+    since when) to the process group's store, for hang diagnosis."""
+    hang_stacks: bool = True
+    """On a hang (a collective timeout or the step watchdog), write every live rank's Python stack with
+    py-spy (Python's own traceback where py-spy cannot attach) to RUN_DIR/logs/hang-<time>-rank<r>/."""
+    straggler_factor: float = 1.5
+    """A rank whose busy time per step (data wait + forward) is at least this many times the median rank's
+    for straggler_intervals logged intervals in a row gets a `straggler` event (0: never)."""
+    straggler_intervals: int = 3
+    """Consecutive logged intervals a rank must be that slow before the `straggler` event."""
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    mlflow_uri: str = ""
+    """MLflow tracking URI (http://host:5000, a file store path, databricks, ...): the driver logs the run's
+    params, metrics and events there. Empty: no MLflow (TensorBoard files are written either way)."""
+    mlflow_experiment: str = "raydist"
+    """MLflow experiment the run is logged in (created when missing)."""
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "peft.method": ("none", "lora", "freeze"),
+    "peft.lora_targets": ("attention", "mlp", "all"),
+    "data.reader": ("auto", "ray", "arrow"),
+    "parallel.cp_impl": ("ring", "ulysses"),
+    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved", "zbh1", "zbv"),
+    "train.activation_checkpoint": ("none", "full", "every_k", "selective"),
+    "train.dtype": ("auto", "fp32", "bf16"),
+    "ray.use_gpu": ("auto", "true", "false"),
+    "kernels.attention": ("auto", "triton", "sdpa", "eager"),
+    "kernels.matmul": ("auto", "triton", "torch"),
+}
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "parallel": ParallelConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "elastic": ElasticConfig,
+    "ray": RayConfig,
+    "kernels": KernelsConfig,
+    "peft": PeftConfig,
+    "monitor": MonitorConfig,
+    "tracking": TrackingConfig,
+}
