@@ -93,7 +93,7 @@ def _trace_units(model, baseline_kib: int, marks: list) -> list:
 def _build_on_rank(raw: dict, mode: str, trace: bool = False) -> dict:
     import torch.distributed as dist
 
-    from raydist.elastic.policy import plan_layout
+    from raydist.planner.policy import plan_layout
     from raydist.training.trainer import Trainer
 
     cfg = Config.from_dict(raw)

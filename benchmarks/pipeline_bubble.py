@@ -216,7 +216,7 @@ def _chunks(kind: str) -> int:
 
 
 def raydist_runner(kind: str, m: int, tf: float, tb: float, tw: float):
-    from raydist.schedule.executor import PipelineExecutor
+    from raydist.parallel.pipeline_executor import PipelineExecutor
     from raydist.schedule.generators import make_schedule
 
     rank = dist.get_rank()

@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     from raydist.driver.launcher import ensure_data
     from raydist.planner.enumerate import implemented_features
 
-    from raydist.elastic.policy import plan_layout
+    from raydist.planner.policy import plan_layout
 
     cfg = ensure_data(Config.load(args.config))  # prepares the default corpus on first use
     data_override = f"data.path={cfg.data.path}"

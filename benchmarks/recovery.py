@@ -14,7 +14,7 @@ step logged): a training worker is SIGKILLed mid-run; from events.jsonl and metr
                              (elastic.warm_spares): its time is then all in `worker start`
       worker start        -> raydist's train function entered (import ray, Ray Train's worker actor and
                              train context, which import torch; the gloo process group; unpickling the
-                             train function, which imports its module raydist.elastic.ray_session; a
+                             train function, which imports its module raydist.training.ray_session; a
                              spare imported all of these before the kill)
       entry               -> the `launch` event (raydist's imports, session, layout broadcast)
     load       -> the `restart` event (Trainer built: mesh, model, data; checkpoint verified and loaded)

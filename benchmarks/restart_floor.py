@@ -29,7 +29,7 @@ import time
 import ray
 
 
-def _process_start_time() -> float:  # (a copy of raydist.elastic.ray_session's: nothing of raydist here)
+def _process_start_time() -> float:  # (a copy of raydist.training.ray_session's: nothing of raydist here)
     with open("/proc/self/stat") as f:
         ticks = int(f.read().rsplit(")", 1)[1].split()[19])
     with open("/proc/uptime") as f:

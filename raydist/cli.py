@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from raydist.config import DEFAULT_WORKLOAD, Config, ConfigError
-from raydist.data.prepare import DataError
+from raydist.errors import DataError
 from raydist.store.redact import redact
 
 

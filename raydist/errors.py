@@ -1,10 +1,15 @@
-"""The one exception type for bad user input, importable by leaf code without the config module.
+"""The exception types for bad user input, importable by leaf code without the config or data modules.
 
 A `ConfigError`'s message is one line naming the offending value and the fix
 (`parallel.tp=3 does not divide model.num_heads=8; pick tp from [2, 4, 8]`), so the CLI prints it as
-`error: ...` and exits 2, before any worker starts where the check can run on the driver.
+`error: ...` and exits 2, before any worker starts where the check can run on the driver. A `DataError`
+names a file on storage (and its row) and what is wrong with it; the CLI treats it the same way.
 """
 
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line naming the value and the fix."""
+
+
+class DataError(ValueError):
+    """Bad data on storage: the message names the file (and row) and what is wrong."""

@@ -37,14 +37,11 @@ import pyarrow.parquet as pq
 from raydist.config import ConfigError, DataConfig
 from raydist.data import sft
 from raydist.data.tokenizer import get_tokenizer
+from raydist.errors import DataError
 from raydist.store.atomic import write_json_atomic
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-
-
-class DataError(ValueError):
-    """Bad data on storage: the message names the file (and row) and what is wrong."""
 
 
 @dataclass

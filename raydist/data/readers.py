@@ -16,9 +16,9 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
-from raydist.data.prepare import DataError
 from raydist.data.row_groups import ByteCounter, read_rows
 from raydist.data.stream import ReadTask, Shard, Split, as_task, read_shard, table_to_shard
+from raydist.errors import DataError
 
 class ArrowReader:
     """pyarrow + fsspec in a background thread, `prefetch` shards ahead."""

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from raydist.data.prepare import DataError
+from raydist.errors import DataError
 
 
 class ByteCounter:

@@ -33,7 +33,7 @@ import fsspec
 import numpy as np
 import torch
 
-from raydist.errors import ConfigError
+from raydist.errors import ConfigError, DataError
 from raydist.models.gpt import IGNORE, cross_entropy
 
 # IGNORE (-100, from the model module): the target id of a token that does not count
@@ -47,8 +47,6 @@ def is_jsonl(corpus: str) -> bool:
 
 def read_examples(uri: str) -> Iterator[tuple[str, str, str]]:
     """(name, prompt, response) of each line of a JSONL file; a DataError names the line and the fix."""
-    from raydist.data.prepare import DataError
-
     with fsspec.open(uri, "r", encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():

@@ -29,9 +29,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from raydist.data.position import RankPlan, SampleOrder
-from raydist.data.prepare import DataError, read_manifest, shard_uri
+from raydist.data.prepare import read_manifest, shard_uri
 from raydist.data.row_groups import ByteCounter, read_rows
 from raydist.data.sft import attach_mask
+from raydist.errors import DataError
 
 
 @dataclass

@@ -3,6 +3,9 @@ model directory's tokenizer.json)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 
 from raydist.errors import ConfigError
@@ -78,3 +81,23 @@ def tokenizer_path(spec: str) -> str:
 def get_tokenizer(spec: str):
     """`byte`, a tokenizers JSON file, or `hf:DIR` (a Hugging Face model directory's tokenizer.json)."""
     return ByteTokenizer() if spec == "byte" else JsonTokenizer(tokenizer_path(spec))
+
+
+def check_data_tokenizer(hf_dir: str | os.PathLike, data_tokenizer: dict, data_path: str) -> None:
+    """ConfigError when `hf_dir` holds a tokenizer.json and `data_path` was tokenized with another one (the
+    manifest's vocabulary size or end-of-sequence id differ from that file's): token ids of another
+    vocabulary index the model's embedding without any shape error, so nothing else would catch it.
+    A directory without tokenizer.json, or no `tokenizers` package to read it, leaves only the size check
+    (data vocabulary <= model.vocab_size) that the callers make."""
+    import importlib.util
+
+    if not (Path(hf_dir) / "tokenizer.json").is_file() or importlib.util.find_spec("tokenizers") is None:
+        return
+    own = get_tokenizer(f"hf:{hf_dir}").describe()
+    if (own["vocab_size"], own["eos_id"]) == (data_tokenizer["vocab_size"], data_tokenizer["eos_id"]):
+        return
+    raise ConfigError(f"{data_path} was tokenized with {data_tokenizer['name']} (vocabulary of "
+                      f"{data_tokenizer['vocab_size']}, end-of-sequence id {data_tokenizer['eos_id']}) but hf:{hf_dir} "
+                      f"has its own tokenizer.json (vocabulary of {own['vocab_size']}, end-of-sequence id "
+                      f"{own['eos_id']}); prepare the data with the model's tokenizer "
+                      f"(data.tokenizer = \"hf:{hf_dir}\")")

@@ -28,10 +28,10 @@ from raydist.driver.console import Console, ProgressSink, RayLogFile, result_lin
 from raydist.driver.follow import Follower
 from raydist.driver.ray_cluster import connect_ray, resolve_use_gpu, wait_for_capacity, worker_resources
 from raydist.elastic import failures
-from raydist.elastic.policy import plan_layout
 from raydist.metrics.logger import join, read_json, write_text
 from raydist.models.peft import check_pipeline_stages
 from raydist.parallel.layout import Layout
+from raydist.planner.policy import plan_layout
 from raydist.store.atomic import probe_writable
 from raydist.store.redact import redact
 
@@ -75,7 +75,7 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
                           f"({vocab}); set model.vocab_size >= {vocab}")
     if cfg.model.init_from:  # a model directory's own tokenizer.json must be the one the data was made with
         from raydist.config import hf_dir_of
-        from raydist.models.hf_load import check_data_tokenizer
+        from raydist.data.tokenizer import check_data_tokenizer
 
         check_data_tokenizer(hf_dir_of(cfg.model.init_from), manifest["tokenizer"], cfg.data.path)
     if manifest.get("loss_mask"):
@@ -144,7 +144,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
 
     from raydist.elastic import warm
     from raydist.elastic.fresh_view import Trainer
-    from raydist.elastic.ray_session import ray_worker_entry
+    from raydist.training.ray_session import ray_worker_entry
 
     cfg = lp.cfg
     scaling = ScalingConfig(num_workers=lp.num_workers, use_gpu=use_gpu,

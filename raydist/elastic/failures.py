@@ -41,7 +41,7 @@ def _chain(exc: BaseException | None):
 
 
 def is_deterministic(exc: BaseException) -> bool:
-    from raydist.data.prepare import DataError
+    from raydist.errors import DataError
 
     for e in _chain(exc):
         if isinstance(e, (ConfigError, DataError, pickle.UnpicklingError, FileNotFoundError, NotADirectoryError,
@@ -77,7 +77,7 @@ def recorded(run_dir: str, since: float) -> dict[str, Any] | None:
 def training_failure(exc: BaseException) -> BaseException | None:
     """A worker's ConfigError/DataError (raised inside Ray) surfaced as itself; other training failures
     (Ray Train's, a worker's) as a one-line RuntimeError; None for anything else."""
-    from raydist.data.prepare import DataError
+    from raydist.errors import DataError
 
     seen = set()
     stack = [exc]

@@ -73,6 +73,7 @@ from raydist import strict
 from raydist.elastic import inflight
 from raydist.elastic.bounded_store import STORE_TIMEOUT_S, BoundedStore, StoreUnreachable  # noqa: F401
 from raydist.elastic.stacks import PY_SPY_TIMEOUT_S, own_stack, py_spy_dump, python_stacks
+from raydist.metrics.actions import ACTIONS
 
 PREFIX = "raydist/hang/"
 DIAGNOSE_BUDGET_S = 45.0  # the whole diagnosis, from the trigger to the failure going on
@@ -108,46 +109,6 @@ def group_timeout_s(collective_timeout_s: float, backend: str, interval_s: float
     return (collective_timeout_s + inflight.poll_s(collective_timeout_s, interval_s) + interval_s
             + DIAGNOSE_BUDGET_S + EXIT_MARGIN_S)
 
-
-# ---- what this rank is doing ---------------------------------------------------------------------
-
-
-class Actions:
-    """This process's current action: `what` (a string, or a tuple formatted when published), since when,
-    and the step. `doing(what)` nests: on normal exit the outer action comes back; on an exception the
-    record stays where the failure happened (what a diagnosis wants to read)."""
-
-    def __init__(self):
-        self.what: Any = "starting"
-        self.since = time.time()
-        self.step: int | None = None
-
-    def enter(self, what: Any) -> tuple[Any, float]:
-        previous = (self.what, self.since)
-        self.what, self.since = what, time.time()
-        return previous
-
-    @contextlib.contextmanager
-    def doing(self, what: Any):
-        previous = self.enter(what)
-        yield
-        self.what, self.since = previous
-
-    def describe(self) -> str:
-        return describe(self.what)
-
-    def record(self) -> dict[str, Any]:
-        return {"step": self.step, "action": self.describe(), "since": round(self.since, 3)}
-
-
-def describe(what: Any) -> str:
-    if isinstance(what, tuple):
-        return " ".join(str(part) for part in what if part is not None and part != "")
-    return str(what)
-
-
-ACTIONS = Actions()
-doing = ACTIONS.doing
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                "all_to_all_single", "barrier", "all_gather_object", "broadcast_object_list", "gather_object",

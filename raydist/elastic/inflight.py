@@ -3,7 +3,7 @@ hang detection and diagnosis (raydist.elastic.hang).
 
 An NCCL collective never raises in Python: the host enqueues it and runs on, and ProcessGroupNCCL's watchdog
 aborts the whole process once an op has waited longer than its group's timeout. raydist's recorded action
-(hang.ACTIONS) says where the host is, which is ahead of the GPU. So each rank's monitor thread asks a
+(raydist.metrics.actions) says where the host is, which is ahead of the GPU. So each rank's monitor thread asks a
 *flight source* which ops are pending, and, before the group's own timeout, detects an op that has waited
 longer than `elastic.collective_timeout_s`. A source returns this process's pending ops, the op at the head
 of each group's stream first:

@@ -124,7 +124,7 @@ def replica_config(cfg: Config) -> Config:
     `parallel.num_microbatches` = the whole run's M x dp_replicate, so that a step gives each rank the whole
     run's micro-batches when every replica is in the quorum and more of the same size when fewer are
     (Trainer._live_step); the whole run's layout must then be valid (a ConfigError otherwise)."""
-    from raydist.elastic.policy import plan_layout
+    from raydist.planner.policy import plan_layout
 
     p = cfg.parallel
     one = dataclasses.replace(p, dp_replicate=1)

@@ -9,7 +9,7 @@
 
 `start` plans the layout on rank 0 and broadcasts it, so every worker of a group runs the same layout even
 when planning involves a live measurement (`parallel.auto`). `LocalSession` runs under any initialised
-process group (the `torch.multiprocessing` tests); `raydist.elastic.ray_session.RaySession` is the Ray
+process group (the `torch.multiprocessing` tests); `raydist.training.ray_session.RaySession` is the Ray
 Train V2 implementation (reports, idle workers, the step watchdog). `train_loop.fit` sees only this
 interface and imports no Ray.
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from raydist.config import Config
-from raydist.elastic.policy import plan_layout
 from raydist.errors import ConfigError
 from raydist.parallel.layout import Layout
+from raydist.planner.policy import plan_layout
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def broadcast_layout(cfg: Config) -> Layout:
 
 def layout_through_store(cfg: Config, store: dist.Store, key: str = "raydist/layout") -> Layout:
     """`broadcast_layout` through the world's key-value store instead of a collective: no operation on the
-    world group before the workers know whether to bind it to their devices (raydist.elastic.ray_session).
+    world group before the workers know whether to bind it to their devices (raydist.training.ray_session).
     JSON written by rank 0 of this attempt's own store."""
     if dist.get_rank() == 0:
         store.set(key, json.dumps(_planned(cfg)))

@@ -48,7 +48,7 @@ def cmd_eval(args) -> int:
 
     manifest = read_manifest(args.data)
     if args.model.startswith("hf:"):  # data made with another tokenizer than DIR's tokenizer.json: refused
-        from raydist.models.hf_load import check_data_tokenizer
+        from raydist.data.tokenizer import check_data_tokenizer
 
         check_data_tokenizer(hf_dir_of(args.model), manifest["tokenizer"], args.data)
     seq_len = manifest["seq_len"]

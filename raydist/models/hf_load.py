@@ -61,28 +61,6 @@ def check_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig) -> None:
                                       f"{shapes[name]} (raydist's {name}); the directory's files disagree")
 
 
-def check_data_tokenizer(hf_dir: str | os.PathLike, data_tokenizer: dict, data_path: str) -> None:
-    """ConfigError when `hf_dir` holds a tokenizer.json and `data_path` was tokenized with another one (the
-    manifest's vocabulary size or end-of-sequence id differ from that file's): token ids of another
-    vocabulary index the model's embedding without any shape error, so nothing else would catch it.
-    A directory without tokenizer.json, or no `tokenizers` package to read it, leaves only the size check
-    (data vocabulary <= model.vocab_size) that the callers make."""
-    import importlib.util
-
-    if not (Path(hf_dir) / "tokenizer.json").is_file() or importlib.util.find_spec("tokenizers") is None:
-        return
-    from raydist.data.tokenizer import get_tokenizer
-
-    own = get_tokenizer(f"hf:{hf_dir}").describe()
-    if (own["vocab_size"], own["eos_id"]) == (data_tokenizer["vocab_size"], data_tokenizer["eos_id"]):
-        return
-    raise ConfigError(f"{data_path} was tokenized with {data_tokenizer['name']} (vocabulary of "
-                      f"{data_tokenizer['vocab_size']}, end-of-sequence id {data_tokenizer['eos_id']}) but hf:{hf_dir} "
-                      f"has its own tokenizer.json (vocabulary of {own['vocab_size']}, end-of-sequence id "
-                      f"{own['eos_id']}); prepare the data with the model's tokenizer "
-                      f"(data.tokenizer = \"hf:{hf_dir}\")")
-
-
 def read_block(fh, hf_name: str, name: str, offsets, sizes, cfg: ModelConfig) -> torch.Tensor:
     """tensor[offsets : offsets + sizes] of raydist parameter `name`, in raydist layout, reading that block
     (rows widened to whole heads for wq/wk, whose rotary permutation moves rows within a head)."""

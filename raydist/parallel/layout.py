@@ -1,6 +1,6 @@
 """The one resolved layout of a run: how the model and the batch are spread over the workers.
 
-A `Layout` is decided once per worker-group start (`raydist.elastic.policy.plan_layout`, on the driver to
+A `Layout` is decided once per worker-group start (`raydist.planner.policy.plan_layout`, on the driver to
 fail fast and by rank 0 of each worker group, which broadcasts it) and then only read: by the mesh, the
 parallel plans, the step runners, the planner's cost model and the run record. The user's `Config` stays
 what the user wrote; everything derived from it and the live world size lives here. (TorchTitan's

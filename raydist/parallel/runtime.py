@@ -19,9 +19,10 @@ Groups have one of two purposes, and the backend follows from the purpose and th
     HOST    CPU bookkeeping (agreeing on a committed step, object collectives, the checkpoint writer's
             barriers): always gloo, whatever the device.
 
-`new_group(ranks, HOST | DEVICE, device_type)` is how raydist makes groups; `purpose_of(group)` answers for
-any group (DeviceMesh's and the default group are DEVICE). Every group gets the run's collective timeout:
-explicitly here, and for the groups DeviceMesh creates itself through `set_default_timeout`.
+`raydist.strict.purposes.new_group(ranks, HOST | DEVICE, device_type)` is how raydist makes groups;
+`purpose_of(group)` answers for any group (DeviceMesh's and the default group are DEVICE). Every group gets
+the run's collective timeout: explicitly there, and for the groups DeviceMesh creates itself through
+`set_default_timeout` here.
 """
 
 from __future__ import annotations
@@ -40,35 +41,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from raydist import strict
-
-HOST, DEVICE = "host", "device"
-_HOST_GROUPS: set[str] = set()  # group names of the HOST groups this process created
-
-
-def group_backend(purpose: str, device_type: str) -> str:
-    """gloo for HOST groups; NCCL for DEVICE groups on CUDA, gloo on CPU, or the strict backend on CPU under
-    the strict-collectives mode (raydist.strict)."""
-    if purpose == HOST:
-        return "gloo"
-    return strict.device_backend(device_type)
-
-
-def new_group(ranks: list[int], purpose: str, device_type: str, timeout_s: float | None = None,
-              use_local_synchronization: bool = True) -> dist.ProcessGroup:
-    """A group of `ranks` for `purpose`; `use_local_synchronization` lets ranks outside it (idle workers)
-    skip the call."""
-    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
-    group = dist.new_group(ranks=ranks, timeout=timeout, backend=group_backend(purpose, device_type),
-                           use_local_synchronization=use_local_synchronization)
-    if purpose == HOST and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
-        _HOST_GROUPS.add(group.group_name)
-    return group
-
-
-def purpose_of(group: dist.ProcessGroup | None) -> str:
-    group = group if group is not None else dist.group.WORLD
-    return HOST if group.group_name in _HOST_GROUPS else DEVICE
-
 
 def set_default_timeout(timeout_s: float) -> None:
     """The timeout of groups created without one from now on in this process. DeviceMesh creates its

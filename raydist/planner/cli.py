@@ -113,7 +113,7 @@ def cmd_plan(args) -> int:
 def configured_estimate(cfg: Config, w: Workload, world: int, hw):
     """The estimate for the layout the config itself trains with on `world` ranks (its [parallel] section,
     resolved as the runtime resolves it), or why it has none (a one-line reason)."""
-    from raydist.elastic.policy import plan_layout
+    from raydist.planner.policy import plan_layout
     from raydist.planner.cost_model import estimate
 
     if cfg.parallel.auto:

@@ -36,6 +36,32 @@ SPLIT_BACKWARD_KINDS = ("zbh1", "zbv")  # the kinds whose schedules have W actio
 PLACEMENTS = ("loop", "v")
 
 
+def check_shape(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
+    """ConfigError naming the value and the fix for a (kind, P, M, V) no generator can build."""
+    if kind not in KINDS:
+        raise ConfigError(f"schedule kind {kind!r} is not one of {', '.join(KINDS)}")
+    if num_ranks < 1:
+        raise ConfigError(f"pipeline stages={num_ranks} must be >= 1")
+    if num_microbatches < 1:
+        raise ConfigError(f"num_microbatches={num_microbatches} must be >= 1")
+    if virtual_stages < 1:
+        raise ConfigError(f"virtual_stages={virtual_stages} must be >= 1")
+    if kind == "zbv" and virtual_stages != 2:
+        raise ConfigError(f"virtual_stages={virtual_stages}: zbv always runs 2 chunks per rank in a V; "
+                          "leave virtual_stages (--virtual) unset or pass 2")
+    if kind in ("zbh1", "zbv") and num_microbatches < num_ranks:
+        raise ConfigError(f"{kind} needs num_microbatches >= pipeline stages: M={num_microbatches}, "
+                          f"P={num_ranks}; use M>={num_ranks}, or the 1f1b schedule")
+    if kind not in ("interleaved", "zbv") and virtual_stages != 1:
+        raise ConfigError(f"virtual_stages={virtual_stages} needs the interleaved schedule (kind {kind!r} "
+                          "runs one chunk per rank); use --kind interleaved or virtual_stages=1")
+    if kind == "interleaved" and num_microbatches % num_ranks:
+        lower = (num_microbatches // num_ranks) * num_ranks
+        options = f"{lower} or {lower + num_ranks}" if lower else f"{num_ranks}"
+        raise ConfigError(f"interleaved 1F1B needs num_microbatches a multiple of the pipeline stages: "
+                          f"M={num_microbatches}, P={num_ranks}; use M={options}, or the 1f1b schedule")
+
+
 def chunks_per_rank(kind: str, virtual_stages: int) -> int:
     """Model chunks each pipeline rank holds under schedule `kind`: the configured V for interleaved 1F1B,
     two for ZB-V (a V over the ranks), one otherwise. The one place this rule lives."""

@@ -19,34 +19,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from raydist.errors import ConfigError
-from raydist.schedule.actions import BACKWARD, FORWARD, KINDS, Action, Schedule
-
-
-def check_shape(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
-    """ConfigError naming the value and the fix for a (kind, P, M, V) no generator can build."""
-    if kind not in KINDS:
-        raise ConfigError(f"schedule kind {kind!r} is not one of {', '.join(KINDS)}")
-    if num_ranks < 1:
-        raise ConfigError(f"pipeline stages={num_ranks} must be >= 1")
-    if num_microbatches < 1:
-        raise ConfigError(f"num_microbatches={num_microbatches} must be >= 1")
-    if virtual_stages < 1:
-        raise ConfigError(f"virtual_stages={virtual_stages} must be >= 1")
-    if kind == "zbv" and virtual_stages != 2:
-        raise ConfigError(f"virtual_stages={virtual_stages}: zbv always runs 2 chunks per rank in a V; "
-                          "leave virtual_stages (--virtual) unset or pass 2")
-    if kind in ("zbh1", "zbv") and num_microbatches < num_ranks:
-        raise ConfigError(f"{kind} needs num_microbatches >= pipeline stages: M={num_microbatches}, "
-                          f"P={num_ranks}; use M>={num_ranks}, or the 1f1b schedule")
-    if kind not in ("interleaved", "zbv") and virtual_stages != 1:
-        raise ConfigError(f"virtual_stages={virtual_stages} needs the interleaved schedule (kind {kind!r} "
-                          "runs one chunk per rank); use --kind interleaved or virtual_stages=1")
-    if kind == "interleaved" and num_microbatches % num_ranks:
-        lower = (num_microbatches // num_ranks) * num_ranks
-        options = f"{lower} or {lower + num_ranks}" if lower else f"{num_ranks}"
-        raise ConfigError(f"interleaved 1F1B needs num_microbatches a multiple of the pipeline stages: "
-                          f"M={num_microbatches}, P={num_ranks}; use M={options}, or the 1f1b schedule")
+from raydist.schedule import zero_bubble
+from raydist.schedule.actions import BACKWARD, FORWARD, Action, Schedule, check_shape
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
@@ -126,8 +100,6 @@ def make_schedule(kind: str, num_ranks: int, num_microbatches: int, virtual_stag
     if kind == "1f1b":
         return one_f_one_b(num_ranks, num_microbatches)
     if kind in ("zbh1", "zbv"):
-        from raydist.schedule import zero_bubble  # imports this module (check_shape)
-
         if kind == "zbh1":
             return zero_bubble.zbh1(num_ranks, num_microbatches)
         return zero_bubble.zbv(num_ranks, num_microbatches, tf, tb, tw)

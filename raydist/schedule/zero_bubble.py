@@ -52,8 +52,7 @@ import heapq
 from collections import deque
 from fractions import Fraction
 
-from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from raydist.schedule.generators import check_shape
+from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, check_shape
 from raydist.schedule.progress import ScheduleError
 
 

@@ -1,7 +1,7 @@
 """A CPU-run check that every collective would be legal on a CUDA run with NCCL.
 
 On CUDA, DEVICE groups (the default group, every DeviceMesh group) are NCCL, which rejects CPU tensors;
-HOST groups are gloo (raydist.parallel.runtime). On a CPU machine every group is gloo and every tensor is on the
+HOST groups are gloo (raydist.strict.purposes). On a CPU machine every group is gloo and every tensor is on the
 CPU, so a CPU tensor sent through a DEVICE group goes unnoticed until the first GPU run (the first logged
 step all-reduced a CPU int64 tensor on an NCCL group). `CollectiveAudit` makes that visible without a GPU:
 
@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from raydist.parallel.runtime import HOST, purpose_of
+from raydist.strict.purposes import HOST, purpose_of
 
 FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.rand,
              torch.randn, torch.randint, torch.as_tensor, torch.scalar_tensor}

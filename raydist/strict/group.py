@@ -259,7 +259,7 @@ class StrictProcessGroup(dist.ProcessGroup):
                 raise StrictCollectiveError(
                     f"strict collectives: {name} of a host tensor {tuple(t.shape)} {t.dtype} on device "
                     f"{self.describe()}: NCCL rejects CPU tensors; create it on the training device "
-                    "(device=...) or use a HOST group (raydist.parallel.runtime.new_group(..., HOST, ...))")
+                    "(device=...) or use a HOST group (raydist.strict.purposes.new_group(..., HOST, ...))")
             if t.is_sparse:
                 raise StrictCollectiveError(f"strict collectives: {name} of a sparse tensor on {self.describe()}: "
                                             "NCCL takes dense tensors only")

@@ -45,7 +45,7 @@ from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
 from raydist.schedule.clock import ActionClock
 
 if TYPE_CHECKING:
-    from raydist.schedule.executor import PipelineExecutor, PipelineStepStats
+    from raydist.parallel.pipeline_executor import PipelineExecutor, PipelineStepStats
 
 
 @dataclass
@@ -194,7 +194,7 @@ class PipelineRunner:
         """The executor of the layout's schedule for M = num_microbatches micro-batches of micro_batch rows,
         built once per shape (a live replica's share of the global batch changes M with the quorum)."""
         from raydist.schedule import make_schedule
-        from raydist.schedule.executor import PipelineExecutor
+        from raydist.parallel.pipeline_executor import PipelineExecutor
 
         key = (micro_batch, num_microbatches)
         if key not in self._executors:
@@ -253,7 +253,7 @@ class PipelineRunner:
         actions where the step asked for them. Collectives over the pipeline group (one all-gather for all
         the steps' times, one object gather per timeline): every pipeline rank calls it with the same
         steps, at a logged step."""
-        from raydist.schedule.executor import stage_timings
+        from raydist.parallel.pipeline_executor import stage_timings
 
         figures = [{"busy_s": t["pp_busy_s"], "idle_s": t["pp_idle_s"],
                     "bubble": round(sum(t["pp_bubble"]) / len(t["pp_bubble"]), 4)}

@@ -32,10 +32,10 @@ from raydist.data.prepare import read_manifest
 from raydist.data.readers import make_reader
 from raydist.data.sft import check_masked_layout
 from raydist.data.stream import SampleStream, Split
-from raydist.elastic.hang import ACTIONS, doing, group_timeout_s
+from raydist.elastic.hang import group_timeout_s
 from raydist.elastic.live import Replicas, live_slice, micro_batch_for
-from raydist.elastic.policy import plan_layout
 from raydist.kernels import apply_kernels
+from raydist.metrics.actions import ACTIONS, doing
 from raydist.metrics.kernels import kernel_calls, kernels_ran
 from raydist.models.gpt import GPT
 from raydist.models.hf_load import load_into_shards
@@ -44,8 +44,9 @@ from raydist.models.peft import apply_peft, check_pipeline_stages, is_adapter, p
 from raydist.parallel.layout import Layout
 from raydist.parallel.mesh import Mesh
 from raydist.parallel.parallelize import ParallelModel, parallelize
-from raydist.parallel.runtime import (DEVICE, HOST, group_backend, keep_large_host_allocations_unpooled, new_group,
-                                      set_default_timeout, to_device)
+from raydist.parallel.runtime import keep_large_host_allocations_unpooled, set_default_timeout, to_device
+from raydist.planner.policy import plan_layout
+from raydist.strict.purposes import DEVICE, HOST, group_backend, new_group
 from raydist.training.optim import (build_optimizer, compute_dtype_for, full_gradients,  # noqa: F401
                                     lr_lambda, peak_memory_mb)
 from raydist.training.runners import StepOutput, StepTimings, make_runner

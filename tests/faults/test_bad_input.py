@@ -10,8 +10,8 @@ import pytest
 
 import faults_fs  # noqa: F401  (registers rofile://)
 from raydist.cli import main
-from raydist.data.prepare import DataError
 from raydist.data.stream import Split, read_shard
+from raydist.errors import DataError
 
 
 def train(tmp_path, *overrides: str) -> int:

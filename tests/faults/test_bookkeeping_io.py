@@ -74,7 +74,7 @@ def test_torn_last_line_is_skipped_and_does_not_swallow_the_next(tmp_path, recwa
 def test_object_store_writers_never_lose_each_others_lines(tmp_path):
     """Rank 0's event log and an event from another rank (`run_event` in a worker) interleave; on an
     object store each writer used to rewrite the one file from its memory, dropping the other's lines."""
-    from raydist.elastic.ray_session import run_event
+    from raydist.training.ray_session import run_event
 
     run_dir = f"objfile://host{tmp_path}/run"
     os.makedirs(tmp_path / "run")

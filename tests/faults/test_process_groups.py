@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from raydist.parallel.runtime import HOST, new_group, spawn
+from raydist.parallel.runtime import spawn
 from raydist.strict.audit import CollectiveAudit
+from raydist.strict.purposes import HOST, new_group
 from raydist.testing import tiny_config
 
 

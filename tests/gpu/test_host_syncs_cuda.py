@@ -62,7 +62,7 @@ def _unlogged_pipeline_steps(microbatches: int) -> dict:
     from raydist.config import ModelConfig
     from raydist.models.gpt import build_model, cross_entropy
     from raydist.parallel.runtime import pick_device
-    from raydist.schedule.executor import PipelineExecutor, stage_timings
+    from raydist.parallel.pipeline_executor import PipelineExecutor, stage_timings
     from raydist.schedule.generators import make_schedule
 
     device = pick_device()

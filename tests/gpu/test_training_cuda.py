@@ -133,7 +133,7 @@ def _pipeline_one_stage(microbatches: int) -> dict:
     from raydist.config import ModelConfig
     from raydist.models.gpt import build_model, cross_entropy
     from raydist.parallel.runtime import pick_device
-    from raydist.schedule.executor import PipelineExecutor
+    from raydist.parallel.pipeline_executor import PipelineExecutor
     from raydist.schedule.generators import make_schedule
 
     device = pick_device()

@@ -4,9 +4,10 @@ shards, and each data-parallel rank's own row groups."""
 import pytest
 
 from raydist.data.position import RankPlan, SampleOrder, rank_slice
-from raydist.data.prepare import DataError, read_manifest
+from raydist.data.prepare import read_manifest
 from raydist.data.readers import ArrowReader, RayDataReader
 from raydist.data.stream import SampleStream, Split
+from raydist.errors import DataError
 
 pytestmark = pytest.mark.ray
 

@@ -37,7 +37,7 @@ def probe_class(ray):
             return warm.request_spares(workers, controller_actors)
 
         def state(self):
-            from raydist.elastic.ray_session import process_start_time
+            from raydist.training.ray_session import process_start_time
 
             return {"pid": os.getpid(), "started": process_start_time(), "preloaded": warm.preloaded_at,
                     "modules": set(sys.modules) & {*warm.PRELOAD, *warm.PRELOAD_CONTROLLER},

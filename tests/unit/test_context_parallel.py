@@ -5,10 +5,10 @@ layout errors for sequences or heads that do not split."""
 import pytest
 
 from raydist.config import Config, ConfigError
-from raydist.elastic.policy import resolve_layout
 from raydist.kernels import runtime
 from raydist.parallel.mesh import MeshSpec
 from raydist.parallel.runtime import spawn
+from raydist.planner.policy import resolve_layout
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 
 

@@ -7,9 +7,10 @@ import pytest
 
 from raydist.config import ConfigError, DataConfig
 from raydist.data.position import SampleOrder, rank_slice
-from raydist.data.prepare import DataError, prepare, read_manifest
+from raydist.data.prepare import prepare, read_manifest
 from raydist.data.readers import ArrowReader
 from raydist.data.stream import SampleStream, Split
+from raydist.errors import DataError
 
 
 def test_prepare_writes_packed_shards_and_manifest(tiny_data):

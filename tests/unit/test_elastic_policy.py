@@ -1,8 +1,8 @@
 import pytest
 
 from raydist.config import Config, ConfigError
-from raydist.elastic.policy import plan_layout
 from raydist.parallel.mesh import MeshSpec
+from raydist.planner.policy import plan_layout
 
 
 def elastic(*overrides):

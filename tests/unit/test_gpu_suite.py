@@ -69,7 +69,7 @@ IMPORTS = """
 import sys
 sys.path[:0] = [ROOT + "/benchmarks", ROOT + "/tests/gpu"]
 import raydist.training.trainer, raydist.training.loop, raydist.testing, raydist.data.prepare, raydist.checkpoint
-import raydist.schedule.executor, raydist.elastic.policy, raydist.planner.cost_model
+import raydist.parallel.pipeline_executor, raydist.planner.policy, raydist.planner.cost_model
 import gpu_suite, kernels, mfu, test_kernels_cuda, test_training_cuda, test_pipeline_clock_cuda
 import torch
 print("cuda initialised:", torch.cuda.is_initialized())

@@ -24,7 +24,7 @@ from raydist.testing import HostSyncCounter, tiny_config
 STEPS, LOG_EVERY = 8, 4
 TRAIN = {"steps": STEPS, "global_batch": 4, "micro_batch": 1, "log_every": LOG_EVERY}
 SETTLE = ("tolist", "training/trainer.py")  # every pending step's losses and norms, one read
-STAGE_TIMES = ("tolist", "schedule/executor.py")  # every pending step's stage times, one read
+STAGE_TIMES = ("tolist", "parallel/pipeline_executor.py")  # every pending step's stage times, one read
 
 
 def _steps(raw: dict) -> list[list[tuple[str, str]]]:

@@ -38,7 +38,7 @@ def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expe
     import torch.distributed as dist
 
     from raydist.elastic.live import TorchftReplicas, replica_config
-    from raydist.elastic.policy import plan_layout
+    from raydist.planner.policy import plan_layout
     from raydist.training.trainer import Trainer, TrainerOptions
 
     torch.set_num_threads(1)
@@ -216,7 +216,7 @@ def test_a_replica_may_hold_fsdp_tp_cp_and_pp():
 
 def test_a_pipeline_replica_runs_the_whole_runs_micro_batches():
     from raydist.elastic.live import replica_config
-    from raydist.elastic.policy import plan_layout
+    from raydist.planner.policy import plan_layout
 
     # the whole run: dp 2, 4 rows per rank in 2 micro-batches of 2; one replica holds all 8 rows: 4 of 2
     layout = plan_layout(replica_config(_config(pp=2, num_microbatches=2)), 2)

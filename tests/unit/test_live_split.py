@@ -79,7 +79,7 @@ def _replica(replica: int, raw: dict, tmp: str, out) -> None:
 
     from raydist.config import Config
     from raydist.elastic.live import replica_config
-    from raydist.elastic.policy import plan_layout
+    from raydist.planner.policy import plan_layout
     from raydist.training.trainer import Trainer, TrainerOptions
 
     torch.set_num_threads(1)

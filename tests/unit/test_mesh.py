@@ -1,8 +1,8 @@
 import pytest
 
 from raydist.config import Config, ConfigError
-from raydist.elastic.policy import resolve_layout
 from raydist.parallel.mesh import MeshSpec
+from raydist.planner.policy import resolve_layout
 
 
 def test_fill_and_validate():

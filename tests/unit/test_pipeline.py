@@ -23,9 +23,9 @@ from raydist.models.gpt import build_model, cross_entropy
 from raydist.parallel.data_parallel import (apply_ddp, ddp_grad_sync, fsdp_grad_sync, fsdp_param_groups,
                                             fsdp_split_grad_sync)
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline, split_model
+from raydist.parallel.pipeline_executor import PipelineExecutor, stage_timings
 from raydist.parallel.runtime import spawn
 from raydist.schedule.actions import placement_of
-from raydist.schedule.executor import PipelineExecutor, stage_timings
 from raydist.schedule.generators import make_schedule
 
 CFG = ModelConfig(num_layers=4, d_model=32, num_heads=4, num_kv_heads=2, ffn_hidden=64, vocab_size=64)

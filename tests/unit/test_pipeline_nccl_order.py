@@ -94,7 +94,7 @@ def test_the_replay_catches_messages_out_of_order():
 
 
 def _step(kind: str, virtual: int, lookahead: str | None) -> float:
-    from raydist.schedule.executor import PipelineExecutor
+    from raydist.parallel.pipeline_executor import PipelineExecutor
 
     torch.manual_seed(0)
     p, m, width = dist.get_world_size(), 4, 8

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from raydist.config import Config, ModelConfig
-from raydist.elastic.policy import plan_layout
 from raydist.parallel.runtime import spawn
 from raydist.planner.memory import activation_bytes, head_bytes, rank_memory, state_bytes_per_rank
 from raydist.planner.placement import Layout, Workload
+from raydist.planner.policy import plan_layout
 from raydist.testing import TINY_MODEL, tiny_config
 
 LAYOUTS = {

@@ -216,7 +216,7 @@ def test_cli_bad_input(capsys):
 def test_runtime_layouts_accept_zero_bubble_and_pipelines_with_context_parallelism():
     """What `raydist train` plans: zbh1/zbv need M >= P and a recompute policy that survives two backward
     passes; zbv has two chunks per rank; pipelines compose with context and sequence parallelism."""
-    from raydist.elastic.policy import plan_layout
+    from raydist.planner.policy import plan_layout
 
     def plan(world, **parallel):
         activation = parallel.pop("activation_checkpoint", None)

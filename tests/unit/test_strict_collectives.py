@@ -225,7 +225,7 @@ def test_a_host_group_with_non_members_that_do_not_skip_it_is_caught(strict_mode
 
 
 def _groups_done_right() -> list[int]:
-    from raydist.parallel.runtime import HOST, new_group
+    from raydist.strict.purposes import HOST, new_group
 
     host = new_group([0, 1], HOST, "cpu", 20, use_local_synchronization=True)  # members only, gloo
     device = dist.new_group([0, 1])  # every rank takes part

@@ -6,8 +6,8 @@ norm, which clipping uses on every step); bad layouts rejected with the value na
 import pytest
 
 from raydist.config import Config, ConfigError
-from raydist.elastic.policy import plan_layout, resolve_layout
 from raydist.parallel.mesh import MeshSpec
+from raydist.planner.policy import plan_layout, resolve_layout
 from raydist.testing import assert_equivalent, run_layout, tiny_config
 
 TRAIN = {"grad_clip": 1.0}  # below every step's norm: a wrong global norm changes the losses

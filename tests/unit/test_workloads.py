@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from raydist.config import Config
-from raydist.elastic.policy import plan_layout
 from raydist.models.gpt import GPT, param_counts
 from raydist.planner.cost_model import estimate
 from raydist.planner.hardware import get_hardware
 from raydist.planner.placement import Workload
+from raydist.planner.policy import plan_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 # Dubey et al., "The Llama 3 Herd of Models" (2024), Table 3; the vocabulary as released (128K + 256 special).

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from raydist.elastic.hang import ACTIONS
 from raydist.errors import ConfigError
+from raydist.metrics.actions import ACTIONS
 from raydist.parallel.runtime import to_device
 from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from raydist.schedule.clock import ActionClock, StepTimes

@@ -46,8 +46,9 @@ from raydist.config import Config
 from raydist.elastic import failures, warm
 from raydist.elastic import inflight
 from raydist.elastic.control import ControlChannel, Watchdog
-from raydist.elastic.hang import ACTIONS, HangMonitor, is_hang, track_collectives, watched
+from raydist.elastic.hang import HangMonitor, is_hang, track_collectives, watched
 from raydist.elastic.session import Idle, Session, bind_when_all_train, layout_through_store
+from raydist.metrics.actions import ACTIONS
 from raydist.metrics.goodput import EventLog, Goodput
 from raydist.parallel.layout import Layout
 
