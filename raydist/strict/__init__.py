@@ -33,38 +33,25 @@ tests, not for speed.
 
 from __future__ import annotations
 
-import os
+import torch.distributed as dist
 
-ENV = "RAYDIST_STRICT_COLLECTIVES"
-BACKEND = "raydist_strict"
+from raydist.strict import group, runtime, splits
+from raydist.strict.mode import BACKEND, ENV, StrictCollectiveError, device_backend, enabled
 
-
-class StrictCollectiveError(RuntimeError):
-    """An operation NCCL would hang on or reject; the message names the ranks, operations and groups."""
-
-
-def enabled() -> bool:
-    """Whether this process runs under the strict-collectives mode ($RAYDIST_STRICT_COLLECTIVES=1)."""
-    return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+__all__ = ["BACKEND", "ENV", "StrictCollectiveError", "active", "bind", "device_backend", "enabled", "install"]
 
 
 def active() -> bool:
     """Whether this process's world group is a strict one (the mode is on and the run is on CPU: GPU runs
     keep NCCL itself)."""
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized():
         return False
-    from raydist.strict.group import StrictProcessGroup
-
-    return isinstance(dist.distributed_c10d._get_default_group(), StrictProcessGroup)
+    return isinstance(dist.distributed_c10d._get_default_group(), group.StrictProcessGroup)
 
 
 def install() -> str:
     """Register the strict backend and its torch.distributed hooks in this process (idempotent); returns
     the backend name to create the default process group with."""
-    from raydist.strict import group, splits
-
     group.register()
     splits.install()
     return BACKEND
@@ -74,19 +61,9 @@ def bind() -> bool:
     """Bind the strict world group to the rank's 'device' (CPU), as raydist binds the NCCL world group to the
     GPU: a collective of every world rank; from then on every new group must be created by all of them
     (raydist.strict.splits). False when this process has no strict world group."""
-    from raydist.strict import runtime
-
     state = runtime.current()
     if state is None or state.world_group is None:
         return False
-    group = state.world_group
-    state.bind(group.size(), group.timeout.total_seconds())
+    world = state.world_group
+    splits.bind(state, world.size(), world.timeout.total_seconds())
     return True
-
-
-def device_backend(device_type: str) -> str:
-    """The backend of a DEVICE group on `device_type`: NCCL on CUDA, else the strict backend under the mode,
-    gloo otherwise."""
-    if device_type == "cuda":
-        return "nccl"
-    return BACKEND if enabled() else "gloo"

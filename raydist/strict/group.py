@@ -36,9 +36,7 @@ from __future__ import annotations
 import collections
 import datetime
 import functools
-import os
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -49,7 +47,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.futures import Future
 
-from raydist.strict import BACKEND, StrictCollectiveError
+from raydist.strict.mode import BACKEND, StrictCollectiveError
+from raydist.strict.runtime import runtime_for
 
 OPCODES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
            "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier", "reduce", "gather", "scatter",
@@ -201,8 +200,6 @@ class StrictProcessGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, name: str,
                  global_ranks: list[int]):
         super().__init__(rank, size)
-        from raydist.strict.runtime import runtime_for
-
         self._name, self._desc = name, "undefined"
         self.global_ranks = list(global_ranks) or list(range(size))
         self.timeout = timeout
@@ -725,9 +722,3 @@ def register() -> None:
     c10d.batch_isend_irecv = _batch_isend_irecv
     dist.batch_isend_irecv = _batch_isend_irecv
     _REGISTERED = True
-
-
-def abort_process(message: str) -> None:
-    """What NCCL's watchdog does on a timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING): say why, then abort."""
-    print(message, file=sys.stderr, flush=True)
-    os.abort()

@@ -12,13 +12,16 @@ simply never confirms one: the group's timeout then aborts the process, as NCCL'
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import time
 import weakref
 
 import torch.distributed as dist
 
-from raydist.strict import StrictCollectiveError, deadlock
+from raydist.strict import deadlock
+from raydist.strict.mode import StrictCollectiveError
 
 POLL_S = 0.5
 STALL_S = 1.0
@@ -160,24 +163,12 @@ class StrictRuntime:
                 group.fail(error)
 
     def watchdog_abort(self, group, unit, exc: BaseException) -> None:
-        from raydist.strict.group import abort_process
-
         lines = [f"rank {self.rank}: strict collectives watchdog: {unit.describe()} on {group.describe()} did not "
                  f"complete ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); ending the "
                  "process as NCCL's watchdog does (TORCH_NCCL_ASYNC_ERROR_HANDLING), pending operations:"]
         lines += [f"  {p['group']} #{p['seq']} {p['op']} ({p['state']} for {time.time() - p['since']:.1f}s)"
                   for p in self.pending()]
         abort_process("\n".join(lines))
-
-    def bind(self, world: int, timeout_s: float) -> None:
-        """The world group bound to the rank's device, as `init_process_group(device_id=...)` or
-        raydist.parallel.runtime.bind_device do on CUDA: a collective of the whole world (NCCL's eager
-        ncclCommInitRank), after which every new group is a split of it (raydist.strict.splits)."""
-        from raydist.strict.splits import rendezvous
-
-        if not self.bound:
-            rendezvous({"bind": True, "where": "bind"}, world, self.rank, timeout_s, kind="bind")
-            self.bound = True
 
     # ---- the flight record ---------------------------------------------------------------------------------
     def pending(self) -> list[dict]:
@@ -219,3 +210,9 @@ def runtime_for(store: dist.Store, rank: int, world: bool) -> StrictRuntime:
 
 def current() -> StrictRuntime | None:
     return _RUNTIME
+
+
+def abort_process(message: str) -> None:
+    """What NCCL's watchdog does on a timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING): say why, then abort."""
+    print(message, file=sys.stderr, flush=True)
+    os.abort()

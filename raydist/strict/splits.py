@@ -26,7 +26,9 @@ import traceback
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from raydist.strict import BACKEND, StrictCollectiveError
+from raydist.strict import runtime
+from raydist.strict.group import StrictProcessGroup
+from raydist.strict.mode import BACKEND, StrictCollectiveError
 
 _ORIGINAL = None
 POLL_S = 0.05
@@ -42,10 +44,6 @@ def install() -> None:
 
 
 def _new_group_with_tag(*args, **kwargs):
-    from raydist.strict.group import StrictProcessGroup
-
-    from raydist.strict import runtime
-
     state = runtime.current()
     if (c10d.is_initialized() and isinstance(c10d._get_default_group(), StrictProcessGroup) and state is not None
             and state.bound):
@@ -95,12 +93,19 @@ def _describe(rank: int, entry: dict) -> str:
     return f"{what} at {entry['where']}"
 
 
+def bind(state: runtime.StrictRuntime, world: int, timeout_s: float) -> None:
+    """The world group bound to the rank's device, as `init_process_group(device_id=...)` or
+    raydist.parallel.runtime.bind_device do on CUDA: a collective of the whole world (NCCL's eager
+    ncclCommInitRank), after which every new group is a split of it."""
+    if not state.bound:
+        rendezvous({"bind": True, "where": "bind"}, world, state.rank, timeout_s, kind="bind")
+        state.bound = True
+
+
 def rendezvous(entry: dict, world: int, me: int, timeout_s: float, kind: str = "split") -> None:
     """Post this rank's entry for its next split (or the world's bind) and wait for every world rank's.
     A rank that never joins fails it: at once when it has left the world or when the deadlock finder
     (raydist.strict.runtime) sees it blocked on something that waits for this rank, else at the timeout."""
-    from raydist.strict import runtime
-
     state = runtime.current()
     if kind == "split":
         state.splits += 1
