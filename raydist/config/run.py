@@ -120,8 +120,11 @@ class Config:
         if (m.d_model // m.num_heads) % 2:
             raise ConfigError(f"head dim d_model/num_heads={m.d_model // m.num_heads} must be even for RoPE; "
                               "change model.d_model or model.num_heads")
-        if t.micro_batch and t.global_batch % t.micro_batch:
-            raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch={t.micro_batch}")
+        # train.micro_batch is exact only where the layout policy uses it as given: a fixed-size run without a
+        # pipeline's parallel.num_microbatches. An elastic run takes it as an upper bound (raydist.planner.policy)
+        if t.micro_batch and t.global_batch % t.micro_batch and self.micro_batch_is_exact:
+            raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by train.micro_batch="
+                              f"{t.micro_batch}; pick a divisor of it, or 0 to derive one")
         degrees = {k: getattr(p, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
         for key, value in degrees.items():
             if value == 0 or value < -1:
@@ -195,6 +198,13 @@ class Config:
     @property
     def elastic_enabled(self) -> bool:
         return self.elastic.max_workers > 0
+
+    @property
+    def micro_batch_is_exact(self) -> bool:
+        """Whether a set train.micro_batch is used as given (else it is an upper bound, or the pipeline's
+        parallel.num_microbatches decides, or the planner does)."""
+        p = self.parallel
+        return not (self.elastic_enabled or p.auto or (p.pp != 1 and p.num_microbatches))
 
     @property
     def head_dim(self) -> int:

@@ -63,3 +63,56 @@ def test_auto_asks_the_planner():
     assert d.spec.world_size == 4 and d.global_batch == 16 and d.num_microbatches * d.micro_batch * d.dp == 16
     assert d.reason.startswith("planner:")
     assert cfg.parallel.auto  # the user's config is not rewritten
+
+
+# ---- the two validators agree ---------------------------------------------------------------------------------
+
+def _disagreements(validate=Config.validate) -> list[str]:
+    """Configs of a grid (fixed-size and elastic, micro-batch unset, dividing or not, pipelines with and without
+    parallel.num_microbatches) that `validate` refuses while the layout policy trains them on some world size
+    in their range: the config check must never refuse what the policy accepts."""
+    import dataclasses
+
+    base = Config.load(None, [])
+    found = []
+    for global_batch in (8, 12, 16):
+        for micro in (0, 3, 4, 6, 8):
+            for pp, num_micro in ((1, 0), (2, 0), (2, 2)):
+                for workers, (low, high) in ((4, (0, 0)), (0, (1, 4)), (0, (2, 8))):
+                    cfg = dataclasses.replace(
+                        base, train=dataclasses.replace(base.train, global_batch=global_batch, micro_batch=micro),
+                        parallel=dataclasses.replace(base.parallel, pp=pp, num_microbatches=num_micro,
+                                                     dp_replicate=-1 if high else 1, dp_shard=1 if high else -1),
+                        ray=dataclasses.replace(base.ray, num_workers=workers or base.ray.num_workers),
+                        elastic=dataclasses.replace(base.elastic, min_workers=low, max_workers=high))
+                    worlds = range(max(low, 1), high + 1) if high else (workers,)
+                    trains = []
+                    for world in worlds:
+                        try:
+                            trains.append(plan_layout(cfg, world))
+                        except ConfigError:
+                            pass
+                    try:
+                        validate(cfg)
+                    except ConfigError as refused:
+                        if trains:
+                            found.append(f"{refused} but {trains[0].describe()} trains it")
+    return found
+
+
+def test_the_config_check_never_refuses_what_the_layout_policy_trains():
+    assert _disagreements() == []
+    # global_batch 12 with micro_batch 8 as an upper bound trains micro-batches of 6 (or 4, 3...)
+    layout = plan_layout(elastic("train.global_batch=12", "train.micro_batch=8"), 2)
+    assert (layout.micro_batch, layout.num_microbatches, layout.dp) == (6, 1, 2)
+
+
+def test_the_agreement_check_catches_a_config_check_stricter_than_the_policy():
+    def old_validate(cfg: Config) -> None:  # what Config.validate did: micro_batch exact in elastic runs too
+        Config.validate(cfg)
+        if cfg.train.micro_batch and cfg.train.global_batch % cfg.train.micro_batch:
+            raise ConfigError(f"train.global_batch={cfg.train.global_batch} is not divisible by "
+                              f"train.micro_batch={cfg.train.micro_batch}")
+
+    found = _disagreements(old_validate)
+    assert found and any("train.micro_batch=8" in line and "global_batch=12" in line for line in found), found
