@@ -10,7 +10,7 @@
 `start` plans the layout on rank 0 and broadcasts it, so every worker of a group runs the same layout even
 when planning involves a live measurement (`parallel.auto`). `LocalSession` runs under any initialised
 process group (the `torch.multiprocessing` tests); `raydist.training.ray_session.RaySession` is the Ray
-Train V2 implementation (reports, idle workers, the step watchdog). `train_loop.fit` sees only this
+Train V2 implementation (reports, idle workers, the step watchdog). `training.loop.fit` sees only this
 interface and imports no Ray.
 """
 

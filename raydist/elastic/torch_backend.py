@@ -63,6 +63,6 @@ def torch_config(cfg: Config, use_gpu: bool) -> WatchedTorchConfig:
     strict mode, raydist.strict.ray_train), with the timeout of the backend it will run."""
     runs = strict.device_backend("cuda" if use_gpu else "cpu")
     timeout_s = group_timeout_s(cfg.elastic.collective_timeout_s, runs, cfg.monitor.heartbeat_interval_s,
-                                monitored=True)  # (every worker's RaySession starts a monitor: ray_session.py)
+                                monitored=True)  # (every worker's RaySession starts a monitor: training/ray_session.py)
     return WatchedTorchConfig(backend="nccl" if use_gpu else "gloo", timeout_s=math.ceil(timeout_s),
                               worker_env=NCCL_ENV if use_gpu else {})

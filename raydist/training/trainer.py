@@ -8,8 +8,8 @@ test (`raydist.parallel.runtime.spawn`). One optimizer step:
     -> clip by the global norm  ->  AdamW  ->  LR schedule  ->  P += G
 
 Losses are means over every target token of the global batch, so any layout computes the same number.
-Layout-specific: the `Layout` (`elastic.policy.plan_layout`), the parallelized model and its step runner
-(`raydist.training.runners`). The loop around it (logging, evaluation, checkpoints, restarts) is `train_loop.fit`.
+Layout-specific: the `Layout` (`planner.policy.plan_layout`), the parallelized model and its step runner
+(`raydist.training.runners`). The loop around it (logging, evaluation, checkpoints, restarts) is `training.loop.fit`.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class TrainerOptions:
 class Trainer:
     def __init__(self, cfg: Config, device: torch.device, layout: Layout | None = None,
                  options: TrainerOptions | None = None):
-        """`layout` (from `elastic.policy.plan_layout`; planned here when None) says which ranks train in
+        """`layout` (from `planner.policy.plan_layout`; planned here when None) says which ranks train in
         which mesh; ranks beyond `layout.world_size` are idle and must not construct a Trainer."""
         keep_large_host_allocations_unpooled()  # gathered shards must not stay resident (see there)
         self.cfg = cfg  # the user's config, never rewritten
