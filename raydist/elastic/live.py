@@ -40,8 +40,10 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from raydist.config import Config
+from raydist.data.position import rank_slice
 
 REPLICA_ID_PREFIX = "raydist_replica_"
 
@@ -145,7 +147,6 @@ def local_tensors(state: Any) -> Any:
     """`state` with every DTensor replaced by its local shard. Rank j of a peer replica holds the same shards
     as rank j here (same layout, same rank in the same mesh), and a plain tensor travels without its
     DeviceMesh, whose process groups exist only in the sender."""
-    from torch.distributed.tensor import DTensor
     from torch.utils._pytree import tree_map
 
     return tree_map(lambda v: v.to_local() if isinstance(v, DTensor) else v, state)
@@ -154,8 +155,6 @@ def local_tensors(state: Any) -> Any:
 def shaped_like(received: Any, mine: Any) -> Any:
     """A peer's `local_tensors` state made DTensors again wherever this rank's own state (`mine`, the same
     structure) has one: the received shard on this rank's mesh and placements."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(mine, DTensor) and isinstance(received, torch.Tensor) and not isinstance(received, DTensor):
         return DTensor.from_local(received.to(mine.device), mine.device_mesh, mine.placements, run_check=False,
                                   shape=mine.shape, stride=mine.stride())
@@ -166,9 +165,27 @@ def shaped_like(received: Any, mine: Any) -> Any:
     return received
 
 
+@dataclasses.dataclass(frozen=True)
+class StepShare:
+    """What one step of this worker computes: `span`, the positions of this dp rank's rows (None: the data
+    stream's own rows of the whole global batch); `micro_batch` for them (None: the layout's); `weight`, its
+    replica's rows / the global batch; `replicas`, the quorum's size (None: no quorum, one replica);
+    `replica_span` and `quorum` (rank, size) for the sample records of tests."""
+
+    span: tuple[int, int] | None = None
+    micro_batch: int | None = None
+    weight: float = 1.0
+    replicas: int | None = None
+    replica_span: tuple[int, int] | None = None
+    quorum: tuple[int, int] | None = None
+
+
 class Replicas:
-    """What the Trainer's step asks of the replica quorum. `TorchftReplicas` is the real one; tests may
-    script another (tests/unit/test_live_split.py)."""
+    """The replica manager a Trainer steps with (torchft's Manager shape: a quorum at the step's start, a
+    commit decision at its end). This base class is a quorum of live replicas that re-split each global batch
+    (see the module doc) over `begin_step`, `all_reduce_sum` and `should_commit`: `TorchftReplicas` is the
+    real one, tests may script another (tests/unit/test_live_split.py). `SingleReplica` is an ordinary run's.
+    """
 
     def begin_step(self) -> tuple[int, int]:
         """Joins this step's quorum (healing first if behind); returns (this replica's rank, replicas)."""
@@ -182,6 +199,38 @@ class Replicas:
         """True when every replica of the step finished its all-reduce: the optimizer may step."""
         raise NotImplementedError
 
+    def share(self, position: int, global_batch: int, dp_rank: int, dp: int, unit: int,
+              micro_batch: int) -> StepShare:
+        """The step's quorum and this dp rank's part of it: its replica's slice of [position, position +
+        global_batch) in whole units of dp x `unit` rows (a pipeline's micro-batches), cut equally over its
+        dp ranks, with the largest micro-batch up to the layout's that divides them."""
+        rank, count = self.begin_step()
+        replica_span = live_slice(position, global_batch, rank, count, unit=dp * unit)
+        span = rank_slice(replica_span[0], replica_span[1] - replica_span[0], dp_rank, dp)
+        return StepShare(span, micro_batch_for(span[1] - span[0], micro_batch),
+                         (replica_span[1] - replica_span[0]) / global_batch, count, replica_span, (rank, count))
+
+    def reduce(self, params: list[torch.nn.Parameter], local_loss: torch.Tensor,
+               data_mean: Callable[[torch.Tensor], torch.Tensor], weight: float) -> torch.Tensor | float:
+        """Gradients and loss <- sum over the quorum of weight_r x (replica r's), weight_r = rows_r / G: the
+        mean over the global batch when replicas hold unequal shares. One flat all-reduce of this rank's
+        gradient shards (FSDP: the local shards of its DTensors; rank j of every replica holds the same ones)
+        and its replica's mean loss; returns that loss over the global batch, read."""
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+        replica_loss = data_mean(local_loss.detach().float().reshape(()))
+        flat = torch.cat([g.detach().float().reshape(-1) for g in grads] +
+                         [replica_loss.detach().float().reshape(1)]) * weight
+        self.all_reduce_sum(flat)
+        offset = 0
+        for grad in grads:
+            n = grad.numel()
+            grad.copy_(flat[offset:offset + n].view_as(grad))
+            offset += n
+        return float(flat[-1])
+
     def is_leader(self) -> bool:
         """This replica writes the run's bookkeeping and durable checkpoints (rank 0 of the latest quorum)."""
         return True
@@ -193,13 +242,49 @@ class Replicas:
     def set_step(self, step: int) -> None:
         """After a durable resume at `step`."""
 
+    def nothing_left(self, step: int, steps: int) -> bool:
+        """A replacement that resumed at the run's end (the others finished while it started) has nothing to
+        do and writes nothing: the leader has written the run's end."""
+        return step >= steps
+
     def add_state(self, name: str, part: Any) -> None:
         """One more stateful part of the live state a replacement receives."""
 
     on_events: Callable[[list[tuple[str, dict[str, Any]]]], None] = staticmethod(lambda events: None)
 
+    def summary(self, retried_steps: int) -> dict[str, Any]:
+        return {"replica_steps_retried": retried_steps}
+
     def shutdown(self) -> None:
         pass
+
+
+class SingleReplica(Replicas):
+    """An ordinary run's replica manager: one replica, no quorum. Its share is the data stream's own rows of
+    the whole batch at the layout's micro-batch, its reduction leaves the gradients and this rank's loss as
+    they are (read later with the other steps', `Trainer.settle`), and every step commits."""
+
+    def begin_step(self) -> tuple[int, int]:
+        return 0, 1
+
+    def share(self, position: int, global_batch: int, dp_rank: int, dp: int, unit: int,
+              micro_batch: int) -> StepShare:
+        return StepShare()
+
+    def reduce(self, params, local_loss: torch.Tensor, data_mean, weight: float) -> torch.Tensor:
+        return local_loss
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def should_commit(self) -> bool:
+        return True
+
+    def nothing_left(self, step: int, steps: int) -> bool:
+        return False
+
+    def summary(self, retried_steps: int) -> dict[str, Any]:
+        return {}
 
 
 class Membership:

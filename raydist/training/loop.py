@@ -239,22 +239,21 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None,
                       background=bookkeeping) if run_dir and rank0 else None
     ckpt = _Checkpoints(trainer, run_dir, events, goodput, session, log, tensorboard) if run_dir else None
-    replicas = trainer.replicas  # live recovery (raydist.elastic.live): this worker is in one replica
-    lead = replicas.is_leader if replicas is not None else (lambda: True)
-    if replicas is not None:
-        for writer in (events, goodput):
-            if writer is not None:
-                writer.gate = lead
-        _attach_replicas(trainer, replicas, goodput, events)
+    replicas = trainer.replicas  # the replica manager (raydist.elastic.live); an ordinary run's is one replica
+    lead = replicas.is_leader  # the replica that writes the run's bookkeeping and durable checkpoints
+    for writer in (events, goodput):
+        if writer is not None:
+            writer.gate = lead
+    _attach_replicas(trainer, replicas, goodput, events)
     session.phase("resume")
     # A replacement replica receives the live state from a peer in its first quorum: no storage round trip
-    healed = replicas.join() if replicas is not None else False
+    healed = replicas.join()
     resumed = ckpt.resume() if ckpt and not healed else None  # restores trainer.step, position, notes (and the weights)
     if not healed and resumed is None and trainer.weights_from != "init":
         # nothing resumed (or only a checkpoint that then failed to load: its partial weights are dropped)
         trainer.init_weights()
-    if replicas is not None and not healed:
-        if trainer.step >= t.steps:  # a replacement that arrived after the others finished: nothing to do
+    if not healed:
+        if replicas.nothing_left(trainer.step, t.steps):  # the others finished while this replica started
             trainer.close()
             session.finish({})
             return {"status": "completed", "steps": trainer.step}
@@ -276,8 +275,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
                          mesh=trainer.layout.degrees())
     logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard, bookkeeping, events=events,
                        workers=workers)
-    if replicas is not None:
-        logger.gate = lead
+    logger.gate = lead
     first_val = last_val = None
     pending = None
     timeline = None  # a step whose pipeline actions go to pipeline_timeline.json once read (with the next record)
@@ -288,8 +286,6 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         first_val = last_val = trainer.evaluate() if t.eval_every else None
         trainer.notes["first_val_loss"] = first_val
         logger.record(None, val_loss=first_val, loss=trainer.loss_on(pending[0]))
-        if replicas is not None:
-            pending = None  # the whole global batch; a live step takes its share of it by the quorum
     wall_start, start_step = time.perf_counter(), trainer.step
     every = cfg.checkpoint.every_steps
     while trainer.step < t.steps:
@@ -312,14 +308,14 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
             session.phase("step")
         if goodput:
             goodput.on_progress(trainer.step, logged)
-        if replicas is not None and trainer.options.record_samples and run_dir:
-            _record_live_samples(run_dir, trainer, stats)
+        if trainer.options.record_samples and run_dir and trainer.last_span is not None:
+            _record_live_samples(run_dir, trainer, stats)  # a quorum's share (tests account for every sample)
         if stats.records_timeline:
             timeline = stats
         if logged or val is not None:
             record = logger.record(stats, val_loss=val)  # reads every step since the last record, on every rank
             if timeline is not None:
-                if run_dir and rank0:
+                if run_dir and rank0 and lead():
                     write_json(join(run_dir, "pipeline_timeline.json"), timeline.pipeline_timeline)
                 timeline = None
             if ckpt and not done:
@@ -343,8 +339,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         summary.update(goodput.summary(trainer.step, logger.tokens_per_step))
     if ckpt:
         ckpt.sync(_numbers(summary))
-    if replicas is not None:
-        summary["replica_steps_retried"] = trainer.retried_steps
+    summary.update(replicas.summary(trainer.retried_steps))
     if run_dir and rank0 and lead():
         bookkeeping.flush()  # progress, metrics and events are on storage before the summary says so
         write_json(join(run_dir, "summary.json"), summary)

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from raydist.checkpoint.compat import compat_record
 from raydist.checkpoint.state import AttributeState, ModelOptimizerState, RNGState, SchedulerState, Stateful
@@ -33,7 +32,7 @@ from raydist.data.readers import make_reader
 from raydist.data.sft import check_masked_layout
 from raydist.data.stream import SampleStream, Split
 from raydist.elastic.hang import group_timeout_s
-from raydist.elastic.live import Replicas, live_slice, micro_batch_for
+from raydist.elastic.live import Replicas, SingleReplica
 from raydist.kernels import apply_kernels
 from raydist.metrics.actions import ACTIONS, doing
 from raydist.metrics.kernels import kernel_calls, kernels_ran
@@ -75,8 +74,8 @@ class StepStats:
         self.records_timeline = output is not None and output.timeline  # its `pipeline_timeline` will be read
         self._pipeline: dict | None = None
         self._timeline: list[dict] | None = None
-        if trainer is None:  # already read (live recovery's steps)
-            self._resolve(float(local_loss), float(grad_norm), (None, None))
+        if not isinstance(local_loss, torch.Tensor):  # already reduced over the whole batch (a replica quorum's)
+            self._resolve(float(local_loss), float(grad_norm), trainer.runner.timings([output])[0])
 
     @property
     def busy_s(self) -> float:
@@ -196,9 +195,9 @@ class Trainer:
         self.sample_log: list[np.ndarray] = []
         self.notes: dict = {}  # small JSON facts that survive restarts with the checkpoint (first_val_loss)
         self._unsettled: list[StepStats] = []  # steps whose loss is not yet reduced (`settle`)
-        # live recovery (raydist.elastic.live): this worker is in one replica of a quorum; set before training
-        self.replicas: Replicas | None = None
-        self.retried_steps = 0  # live steps redone because a replica was lost inside them
+        # the replica manager (raydist.elastic.live): a live replica's quorum, set before training; else one replica
+        self.replicas: Replicas = SingleReplica()
+        self.retried_steps = 0  # steps redone because a replica was lost inside them
         self._open_data()
 
     # ---- data --------------------------------------------------------------------------------------
@@ -309,96 +308,53 @@ class Trainer:
         return float(self._data_mean(self.runner.evaluate(tokens).detach().float().reshape(())))
 
     def train_step(self, batch: tuple[torch.Tensor | LocalBatch, np.ndarray | None] | None = None) -> StepStats:
+        """One optimizer step, as the replica manager (`self.replicas`) shares it: an ordinary run's single
+        replica computes the whole global batch (`batch`, when given, is its rows); a live replica of a quorum
+        its share, reduced over the quorum, committed only if the whole quorum finished, else redone with the
+        next quorum over the same global batch (raydist.elastic.live)."""
         self._require_weights()
-        if self.replicas is not None:
-            return self._live_step()
+        g, dp = self.layout.global_batch, self.layout.dp
         start = time.perf_counter()
         ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.elastic.hang)
-        with doing("data: next batch"):
-            tokens, ids = batch if batch is not None else self.next_batch(whole=False)
-        data_wait = time.perf_counter() - start
-        with doing("forward/backward"):
-            out = self.runner.step(tokens, record_timeline=self.step == TIMELINE_STEP)
-        if self.options.capture_grads:  # before clipping: clipping would hide a gradient's scale
-            self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
-        with doing("clip: gradient norm"):
-            grad_norm = self.runner.clip(self.cfg.train.grad_clip)
-        if self.options.capture_grads:  # what clipping left (max_norm 0: measure only)
-            self.last_clipped_norm = float(self.runner.clip(0.0))
+        data_wait = 0.0
+        while True:
+            share = self.replicas.share(self.position, g, self.mesh.dp_rank, dp, self.runner.rows_multiple,
+                                        self.layout.micro_batch)  # the quorum: a replacement heals here
+            wait_start = time.perf_counter()
+            with doing("data: next batch"):
+                tokens, ids = (batch if batch is not None and share.span is None
+                               else self.next_batch(share.span, whole=False))
+            data_wait += time.perf_counter() - wait_start
+            with doing("forward/backward"):
+                out = self.runner.step(tokens, micro_batch=share.micro_batch,
+                                       record_timeline=self.step == TIMELINE_STEP)
+            loss = self.replicas.reduce([p for p in self.pm.model.parameters() if p.requires_grad], out.loss,
+                                        self._data_mean, share.weight)
+            if self.options.capture_grads:  # before clipping: clipping would hide a gradient's scale
+                self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
+            with doing("clip: gradient norm"):
+                grad_norm = self.runner.clip(self.cfg.train.grad_clip)
+            if self.options.capture_grads:  # what clipping left (max_norm 0: measure only)
+                self.last_clipped_norm = float(self.runner.clip(0.0))
+            if self.replicas.should_commit():
+                break
+            self.optimizer.zero_grad(set_to_none=True)  # a replica was lost inside the step: redo it
+            self.retried_steps += 1
         lr = self.scheduler.get_last_lr()[0]
         with doing("optimizer step"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        self.position += self.layout.global_batch
-        if self.options.record_samples and ids is not None:
-            self.sample_log.append(ids)
-        stats = StepStats(self, out.loss, grad_norm, lr, time.perf_counter() - start, data_wait, ids, out)
-        self._unsettled.append(stats)
-        return stats
-
-    def _live_step(self) -> StepStats:
-        """One step as a replica of a torchft quorum (raydist.elastic.live): this replica's share of the global
-        batch, cut equally over its dp ranks, gradients and loss summed over the quorum weighted by the
-        replica's rows / G, committed only if the whole quorum finished; a step that fails is redone with the
-        next quorum over the same [P, P + G)."""
-        g, dp = self.layout.global_batch, self.layout.dp
-        start = time.perf_counter()
-        data_wait = 0.0
-        while True:
-            rank, count = self.replicas.begin_step()  # a replacement receives the live state here
-            # whole units: every dp rank an equal part, a whole number of the runner's rows (a pipeline's
-            # micro-batches); tp, cp and pp peers share their dp rank's rows as in the other step
-            span = live_slice(self.position, g, rank, count, unit=dp * self.runner.rows_multiple)
-            mine = rank_slice(span[0], span[1] - span[0], self.mesh.dp_rank, dp)
-            wait_start = time.perf_counter()
-            tokens, ids = self.next_batch(mine, whole=False)
-            data_wait += time.perf_counter() - wait_start
-            rows = mine[1] - mine[0]
-            out = self.runner.step(tokens, micro_batch=micro_batch_for(rows, self.layout.micro_batch))
-            # this rank's mean loss -> the replica's (its dp x cp ranks hold equal shares of its tokens, and the
-            # data-parallel strategy averaged their gradients)
-            loss = self._reduce_over_replicas(self._data_mean(out.loss.detach().float().reshape(())),
-                                              (span[1] - span[0]) / g)
-            if self.options.capture_grads:  # before clipping, as in train_step
-                self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
-            grad_norm = self.runner.clip(self.cfg.train.grad_clip)
-            if self.replicas.should_commit():
-                break
-            self.optimizer.zero_grad(set_to_none=True)  # a replica was lost inside the step: redo it
-            self.retried_steps += 1
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.step += 1
         self.position += g
-        self.last_span, self.last_replica_span, self.last_quorum = mine, span, (rank, count)
+        self.last_span, self.last_replica_span, self.last_quorum = share.span, share.replica_span, share.quorum
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
-        stats = StepStats(None, loss, float(grad_norm), lr, time.perf_counter() - start, data_wait, ids)
-        stats.replicas = count
+        stats = StepStats(self, loss, grad_norm, lr, time.perf_counter() - start, data_wait, ids, out)
+        stats.replicas = share.replicas
+        if not stats.settled:
+            self._unsettled.append(stats)
         return stats
-
-    def _reduce_over_replicas(self, replica_loss: torch.Tensor, weight: float) -> float:
-        """Gradients and loss <- sum over the quorum of weight_r x (this replica's), weight_r = rows_r / G: the
-        mean over the global batch when replicas hold unequal shares. One flat all-reduce of this rank's
-        gradient shards (FSDP: the local shards of its DTensors; rank j of every replica holds the same ones)."""
-        params = [p for p in self.pm.model.parameters() if p.requires_grad]
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        flat = torch.cat([g.detach().float().reshape(-1) for g in grads] +
-                         [replica_loss.detach().float().reshape(1)]) * weight
-        self.replicas.all_reduce_sum(flat)
-        offset = 0
-        for grad in grads:
-            n = grad.numel()
-            grad.copy_(flat[offset:offset + n].view_as(grad))
-            offset += n
-        return float(flat[-1])
 
     def evaluate(self) -> float:
         batches = self.cfg.train.eval_batches

@@ -54,7 +54,7 @@ def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expe
     # (those received no gradient), and with `drop` take one's away in the last step (the check must fail)
     named = [(trainer.pm.aliases.get(n, n), p) for n, p in trainer.pm.model.named_parameters() if p.requires_grad]
     no_grad: set[str] = set()
-    reduce = trainer._reduce_over_replicas
+    reduce = replicas.reduce
 
     def reduce_recording(*args):
         if drop is not None and trainer.step == STEPS - 1:
@@ -65,7 +65,7 @@ def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expe
         no_grad.update(name for name, param in named if param.grad is None)
         return reduce(*args)
 
-    trainer._reduce_over_replicas = reduce_recording
+    replicas.reduce = reduce_recording
     if flag is not None and replica == 1 and rank == 0:
         open(flag, "w").close()  # replica 1 is about to ask for its first quorum
     healed = replicas.join()
