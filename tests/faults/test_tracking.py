@@ -1,10 +1,14 @@
-"""Experiment tracking against a real local `mlflow server` (127.0.0.1, a free port, started and stopped
-here): a run's params are the flattened config, its loss history is metrics.jsonl's, its events are there,
-a rerun of the run name resumes the same MLflow run, and an unreachable server is one `error:` line."""
+"""Experiment tracking, all written by the driver's Follower (raydist.metrics.tracking):
+
+- MLflow against a real local `mlflow server` (127.0.0.1, a free port, started and stopped here): a run's
+  params are the flattened config, its loss history is metrics.jsonl's, its events are there, a rerun of
+  the run name resumes the same MLflow run, and an unreachable server is one `error:` line;
+- TensorBoard: the driver's process writes RUN_DIR/tensorboard/ (the workers write no event files)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -12,6 +16,7 @@ import urllib.request
 
 import mlflow
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from fault_runs import small_config
 from raydist.cli import main
@@ -52,11 +57,20 @@ def mlflow_server(tmp_path_factory):
 
 
 def train(tmp_path, data, name, uri, steps=10):
+    return train_with(tmp_path, data, name, steps, f"tracking.mlflow_uri={uri}",
+                      "tracking.mlflow_experiment=raydist-test")
+
+
+def train_with(tmp_path, data, name, steps, *settings):
     config = tmp_path / f"{name}.toml"
     config.write_text(dump_toml(small_config(data, steps=steps)))
+    sets = [arg for setting in settings for arg in ("--set", setting)]
     return main(["train", str(config), "--set", f"checkpoint.storage={tmp_path}", "--set", f"train.run_name={name}",
-                 "--set", "ray.num_workers=1", "--set", f"tracking.mlflow_uri={uri}",
-                 "--set", "tracking.mlflow_experiment=raydist-test"])
+                 "--set", "ray.num_workers=1", *sets])
+
+
+def jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in open(path).read().splitlines()]
 
 
 def test_mlflow_gets_the_params_the_loss_history_and_the_events(tiny_data, tmp_path, mlflow_server, capsys,
@@ -99,3 +113,20 @@ def test_an_unreachable_tracking_server_is_one_error_line(tiny_data, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: tracking.mlflow_uri={uri} cannot be used"), err
     assert launch_without_ray["trainers"] == 0  # failed before any worker
+
+
+# ---- TensorBoard -----------------------------------------------------------------------------------
+
+
+def test_tensorboard_is_written_by_the_driver(tiny_data, tmp_path, launch_without_ray):
+    """RUN_DIR/tensorboard/ holds metrics.jsonl's loss at each step and the checkpoint events, in event
+    files of the driver's process (their names end in the writer's host and pid)."""
+    assert train_with(tmp_path, tiny_data, "tb", 6) == 0
+    files = sorted(os.listdir(tmp_path / "tb" / "tensorboard"))
+    assert files and all(name.split(".")[-2] == str(os.getpid()) for name in files), files
+    acc = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    acc.Reload()
+    metrics = jsonl(tmp_path / "tb" / "metrics.jsonl")
+    assert [(e.step, round(e.value, 4)) for e in acc.Scalars("train/loss")] == \
+        [(r["step"], round(r["loss"], 4)) for r in metrics]
+    assert [e.step for e in acc.Scalars("events/checkpoint")] == [5, 6]
