@@ -17,7 +17,7 @@ written locally (~/.cache/raydist/logs/<run>) and copied to RUN_DIR/logs/ when t
 
 `Follower` tails metrics.jsonl and events.jsonl (incrementally by byte offset on local storage) and hands
 each new record to its sinks: the console's `ProgressSink`, and the trackers (raydist.metrics.tracking:
-MLflow, TensorBoard), each Follower in its own thread so a slow tracking server never stalls the console.
+MLflow, W&B, TensorBoard), each Follower in its own thread so a slow tracking server never stalls the console.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from raydist.elastic import failures
 from raydist.metrics.logger import join, read_json, write_text
 from raydist.metrics.tensorboard import TensorBoardTracker
 from raydist.metrics.tracking import MlflowTracker, Tracker, end_all, start_all
+from raydist.metrics.wandb_tracker import WandbTracker
 from raydist.models.peft import check_pipeline_stages
 from raydist.parallel.layout import Layout
 from raydist.planner.policy import plan_layout
@@ -293,10 +294,13 @@ def record_end(run_dir: str, start_time: float, status: str, error: str) -> None
 
 def configured_trackers(cfg: Config, run_dir: str, run_name: str, log: Callable[[str], None]) -> list[Tracker]:
     """Every tracker the config asks for, the only writers of tracking data (raydist.metrics.tracking), in
-    the order they start (those that can fail first): MLflow with tracking.mlflow_uri, TensorBoard always."""
+    the order they start (those that can fail first): MLflow with tracking.mlflow_uri, Weights & Biases with
+    tracking.wandb_project, TensorBoard always."""
     trackers: list[Tracker] = []
     if cfg.tracking.mlflow_uri:
         trackers.append(MlflowTracker(cfg, run_dir, run_name, log))
+    if cfg.tracking.wandb_project:
+        trackers.append(WandbTracker(cfg, run_dir, run_name, log))
     trackers.append(TensorBoardTracker(run_dir, log))
     return trackers
 

@@ -2,7 +2,8 @@
 
 The driver's Follower (raydist.driver.follow) tails RUN_DIR/metrics.jsonl and events.jsonl and hands each
 record to every configured tracker; the launcher builds that list in one place (raydist.driver.launcher:
-MLflow with `[tracking] mlflow_uri`, TensorBoard always (raydist.metrics.tensorboard)). Workers need neither the trackers' packages nor a route
+MLflow with `[tracking] mlflow_uri`, Weights & Biases with `wandb_project` (raydist.metrics.wandb_tracker),
+TensorBoard always (raydist.metrics.tensorboard)). Workers need neither the trackers' packages nor a route
 to their servers, and restarts, resizes and resumed runs need nothing special. A tracker
 
     start   before Ray starts: a backend that cannot be reached or is misconfigured raises ConfigError
