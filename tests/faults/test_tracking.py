@@ -81,7 +81,8 @@ def train_with(tmp_path, data, name, steps, *settings):
 
 
 def jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in open(path).read().splitlines()]
+    with open(path) as f:
+        return [json.loads(line) for line in f.read().splitlines()]
 
 
 def test_mlflow_gets_the_params_the_loss_history_and_the_events(tiny_data, tmp_path, mlflow_server, capsys,
@@ -133,7 +134,8 @@ def wandb_records(path: str):
     """The records of a W&B run file: a 7-byte header (`:W&B`, magic, version), then LevelDB log blocks of
     32 KiB whose chunks (crc32c, length, type: 1 whole, 2 first, 3 middle, 4 last) hold serialized
     `wandb_internal_pb2.Record`s (wandb 0.31 ships no Python reader for its own file)."""
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     assert data[:4] == b":W&B", path
     pos, chunk, block = 7, b"", 32768
     while pos + 7 <= len(data):
