@@ -263,6 +263,15 @@ class TrackingConfig:
     params, metrics and events there. Empty: no MLflow (TensorBoard files are written either way)."""
     mlflow_experiment: str = "raydist"
     """MLflow experiment the run is logged in (created when missing)."""
+    wandb_project: str = ""
+    """Weights & Biases project: the driver logs the run's config, metrics and events to a W&B run named
+    after train.run_name (a rerun of the name resumes it). Needs `pip install wandb` and, online, `wandb
+    login` or WANDB_API_KEY on the driver. Empty: no W&B."""
+    wandb_entity: str = ""
+    """W&B entity (user or team) the project belongs to. Empty: the API key's default entity."""
+    wandb_mode: str = "online"
+    """online: logged to the W&B server as the run goes; offline: written under RUN_DIR/wandb/ (WANDB_DIR
+    when set) for a later `wandb sync`, no network needed."""
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -276,6 +285,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ray.use_gpu": ("auto", "true", "false"),
     "kernels.attention": ("auto", "triton", "sdpa", "eager"),
     "kernels.matmul": ("auto", "triton", "torch"),
+    "tracking.wandb_mode": ("online", "offline"),
 }
 
 SECTIONS: dict[str, type] = {

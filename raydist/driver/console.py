@@ -16,8 +16,8 @@ console writes to duplicates of the original descriptors. On object-store run di
 written locally (~/.cache/raydist/logs/<run>) and copied to RUN_DIR/logs/ when the block ends.
 
 `Follower` tails metrics.jsonl and events.jsonl (incrementally by byte offset on local storage) and hands
-each new record to its sinks: the console's `ProgressSink`, and the experiment tracker
-(raydist.metrics.tracking), each in its own thread so a slow tracking server never stalls the console.
+each new record to its sinks: the console's `ProgressSink`, and the trackers (raydist.metrics.tracking:
+MLflow, W&B, TensorBoard), each Follower in its own thread so a slow tracking server never stalls the console.
 """
 
 from __future__ import annotations

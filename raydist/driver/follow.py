@@ -1,5 +1,5 @@
 """Following a run directory from the driver: new lines of metrics.jsonl and events.jsonl (and their
-per-writer parts) as they are written, for the console's progress and the experiment tracker."""
+per-writer parts) as they are written, for the console's progress and the trackers (raydist.metrics.tracking)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ class JsonlTail:
 
 class Follower:
     """A thread that hands each new metrics record and event of a run to its sinks (`metric(rec)`,
-    `event(ev)`, and `close()` after a last poll when the block ends)."""
+    `event(ev)`, and `close()`, where a sink has one, after a last poll when the block ends; a Tracker has
+    none: the launcher ends it with the run's status)."""
 
     def __init__(self, run_dir: str, sinks: Iterable[Any], interval_s: float = 1.0, name: str = "raydist-follow",
                  from_end: bool = True):
@@ -78,8 +79,10 @@ class Follower:
         self._thread.join()
         self.poll()
         for sink in self.sinks:
-            with contextlib.suppress(Exception):
-                sink.close()
+            close = getattr(sink, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):
+                    close()
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

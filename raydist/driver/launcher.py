@@ -10,7 +10,6 @@ logs and the config.toml it writes are redacted (raydist.store.redact); the I/O 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import time
@@ -29,6 +28,9 @@ from raydist.driver.follow import Follower
 from raydist.driver.ray_cluster import connect_ray, resolve_use_gpu, wait_for_capacity, worker_resources
 from raydist.elastic import failures
 from raydist.metrics.logger import join, read_json, write_text
+from raydist.metrics.tensorboard import TensorBoardTracker
+from raydist.metrics.tracking import MlflowTracker, Tracker, end_all, start_all
+from raydist.metrics.wandb_tracker import WandbTracker
 from raydist.models.peft import check_pipeline_stages
 from raydist.parallel.layout import Layout
 from raydist.planner.policy import plan_layout
@@ -290,18 +292,39 @@ def record_end(run_dir: str, start_time: float, status: str, error: str) -> None
         pass
 
 
+def configured_trackers(cfg: Config, run_dir: str, run_name: str, log: Callable[[str], None]) -> list[Tracker]:
+    """Every tracker the config asks for, the only writers of tracking data (raydist.metrics.tracking), in
+    the order they start (those that can fail first): MLflow with tracking.mlflow_uri, Weights & Biases with
+    tracking.wandb_project, TensorBoard always."""
+    trackers: list[Tracker] = []
+    if cfg.tracking.mlflow_uri:
+        trackers.append(MlflowTracker(cfg, run_dir, run_name, log))
+    if cfg.tracking.wandb_project:
+        trackers.append(WandbTracker(cfg, run_dir, run_name, log))
+    trackers.append(TensorBoardTracker(run_dir, log))
+    return trackers
+
+
+def _summary(run_dir: str) -> dict[str, Any]:
+    """summary.json's content for the trackers' end ({} when missing, torn or unreadable)."""
+    try:
+        summary = read_json(join(run_dir, "summary.json"))
+    except Exception:
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
 def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
             log: Callable[[str], None], console: Console, record_samples: bool = False) -> dict[str, Any]:
-    from raydist.metrics.tracking import open_tracker
-
     write_text(join(lp.run_dir, "config.toml"), redact(cfg.to_toml()))
-    tracker = open_tracker(cfg, lp.run_dir, lp.run_name, log)  # before Ray: a bad tracking URI fails fast
+    # before Ray: a tracker that cannot start is one `error:` line
+    trackers = start_all(configured_trackers(cfg, lp.run_dir, lp.run_name, log), log)
     status = "FAILED"
     try:
         with console.quiet(lp.run_dir, lp.run_name) as logs:
             ray_log = RayLogFile(os.path.join(logs, "workers.log")) if logs else None
             try:
-                _run_on_ray(cfg, lp, address, start_time, log, console, ray_log, tracker, record_samples)
+                _run_on_ray(cfg, lp, address, start_time, log, console, ray_log, trackers, record_samples)
             finally:
                 if ray_log is not None:
                     ray_log.close()
@@ -310,15 +333,15 @@ def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
         status = "KILLED"
         raise
     finally:
-        if tracker is not None:
-            tracker.end(status)
+        end_all(trackers, status, _summary(lp.run_dir), log)
     summary = read_json(join(lp.run_dir, "summary.json")) or {}
     log(result_line(summary, lp.run_dir, time.time() - start_time))
     return summary
 
 
 def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float, log: Callable[[str], None],
-                console: Console, ray_log: RayLogFile | None, tracker=None, record_samples: bool = False) -> None:
+                console: Console, ray_log: RayLogFile | None, trackers: list[Tracker],
+                record_samples: bool = False) -> None:
     import ray
 
     needed = cfg.elastic.min_workers if cfg.elastic_enabled else cfg.ray.num_workers
@@ -345,7 +368,7 @@ def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: fl
             log(f"Ray's own output goes to {console.logs_dir}/ (driver.log, workers.log); --verbose shows it here")
         trainer = build_trainer(lp, use_gpu, start_time, record_samples)
         try:
-            tracking = Follower(lp.run_dir, [tracker], name="raydist-tracking") if tracker else contextlib.nullcontext()
+            tracking = Follower(lp.run_dir, trackers, name="raydist-tracking")
             with Progress(lp.run_dir, cfg.train.steps, console=console), tracking:
                 trainer.fit()
         finally:

@@ -55,11 +55,11 @@ TOP_UP_S = 10.0
 # What a raydist Ray Train worker imports, in order; the last ones lazily, on its way to the first step:
 # ray.train.torch (TorchConfig, unpickled on every worker), raydist's train function module and all it
 # imports, torch._dynamo (imported by torch the first time a module is built on the meta device: 0.55 s),
-# TensorBoard's writer (rank 0 opens one at every start), Ray Tune (`ray.train.get_context()` asks whether
-# it runs in a Tune session, first in Ray Train's own process-group setup: 0.3 s), torch's profiler
+# Ray Tune (`ray.train.get_context()` asks whether it runs in a Tune session, first in Ray Train's own
+# process-group setup: 0.3 s), torch's profiler
 PRELOAD = ("torch", "torch.distributed", "ray.train", "ray.train.torch", "raydist.training.ray_session",
            "raydist.training.loop", "raydist.training.trainer", "torch._dynamo")
-PRELOAD_OPTIONAL = ("torch.utils.tensorboard", "ray.tune.trainable.trainable_fn_utils", "torch.profiler")
+PRELOAD_OPTIONAL = ("ray.tune.trainable.trainable_fn_utils", "torch.profiler")
 PRELOAD_CONTROLLER = ("ray.train.v2._internal.execution.checkpoint.sync_actor",
                       "ray.train.v2._internal.data_integration.dataset_manager")
 

@@ -37,11 +37,9 @@ from raydist.store.redact import redact_tree
 class EventLog(MetricsWriter):
     """events.jsonl: {"kind", "time", "elapsed_s", "step", ...}."""
 
-    def __init__(self, run_dir: str, run_start: float, mirror: Callable[[dict], None] | None = None,
-                 background=None):
+    def __init__(self, run_dir: str, run_start: float, background=None):
         super().__init__(run_dir, name="events.jsonl", background=background)
         self.run_start = run_start
-        self.mirror = mirror  # e.g. the TensorBoard writer's `event`
 
     def event(self, kind: str, step: int | None, **fields: Any) -> dict:
         now = time.time()
@@ -50,8 +48,6 @@ class EventLog(MetricsWriter):
         if self.gate is not None and not self.gate():
             return record
         self.write(record)
-        if self.mirror is not None:
-            self.mirror(record)
         return record
 
 

@@ -1,13 +1,14 @@
 """TensorBoard event files for a run: RUN_DIR/tensorboard/, one scalar per numeric metric per logged step.
 
-Rank 0's RunLogger calls `write(record)` with each metrics.jsonl record (and `event(...)` with each
-events.jsonl entry). Event files are written by `torch.utils.tensorboard.SummaryWriter` (needs the
-`tensorboard` package). SummaryWriter writes to local files only, so for an fsspec run directory
-(s3://, gs://, ...) it writes to a local temporary directory and copies the files up on `flush()` and
+Written by the driver, like every tracker (raydist.metrics.tracking): `TensorBoardTracker` is handed each
+metrics.jsonl record and events.jsonl event by the driver's Follower; workers write no event files.
+Event files are written by `torch.utils.tensorboard.SummaryWriter` (needs the `tensorboard` package).
+SummaryWriter writes to local files only, so for an fsspec run directory (s3://, gs://, ...) it writes to
+a local temporary directory and copies the files up on `flush()` (with each committed checkpoint) and
 `close()`; an event file is append-only, so copying the whole file again each time is correct.
 
-    tb = open_tensorboard(run_dir)     # None (with a warning) when tensorboard is not installed
-    tb.write(record); tb.event({"kind": "restart", "step": 30, ...}); tb.close()
+    tb = TensorBoardTracker(run_dir, log); tb.start()   # a warning line when tensorboard is not installed
+    tb.metric(record); tb.event({"kind": "restart", "step": 30, ...}); tb.end("FINISHED", summary)
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import warnings
-from typing import Any
+from typing import Any, Callable
 
 import fsspec
+
+from raydist.metrics.tracking import Guard
 
 SCALARS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "mfu",
            "mem_peak_mb", "world_size", "tokens")
@@ -92,13 +94,32 @@ class TensorBoardWriter:
             fs.put_file(os.path.join(self.log_dir, name), path.rstrip("/") + "/" + name)
 
 
-def open_tensorboard(run_dir: str | None) -> TensorBoardWriter | None:
-    """A writer for `run_dir`, or None when there is no run directory or tensorboard is not installed."""
-    if not run_dir:
-        return None
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        warnings.warn("tensorboard is not installed: no event files (pip install tensorboard)", stacklevel=2)
-        return None
-    return TensorBoardWriter(run_dir)
+class TensorBoardTracker:
+    """RUN_DIR/tensorboard/ as a Tracker: the driver's Follower writes each record and event."""
+
+    def __init__(self, run_dir: str, log: Callable[[str], None] = print):
+        self.run_dir, self.log = run_dir, log
+        self.writer: TensorBoardWriter | None = None
+        self.guard = Guard("TensorBoard", log)
+
+    def start(self) -> None:
+        try:
+            self.writer = TensorBoardWriter(self.run_dir)
+        except ImportError:
+            self.log("warning: tensorboard is not installed: no event files in RUN_DIR/tensorboard/ "
+                     "(pip install tensorboard)")
+
+    def metric(self, record: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.guard(f"step {record.get('step')}'s scalars", lambda: self.writer.write(record))
+
+    def event(self, event: dict[str, Any]) -> None:
+        if self.writer is None:
+            return
+        self.guard(f"the {event.get('kind')} event", lambda: self.writer.event(event))
+        if event.get("kind") == "checkpoint":  # object stores: copy the event files up with each checkpoint
+            self.guard("the event files", self.writer.flush)
+
+    def end(self, status: str, summary: dict[str, Any]) -> None:
+        if self.writer is not None:
+            self.guard("the event files", self.writer.close)

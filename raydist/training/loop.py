@@ -31,7 +31,6 @@ from raydist.metrics.flops import peak_flops
 from raydist.metrics.goodput import EventLog, Goodput
 from raydist.metrics.logger import MetricsWriter, join, write_json
 from raydist.metrics.stragglers import StragglerDetector, per_rank, percentiles
-from raydist.metrics.tensorboard import open_tensorboard
 from raydist.models.gpt import flops_per_token
 from raydist.strict.audit import marking_host_tensors
 from raydist.training.trainer import StepStats, Trainer, peak_memory_mb
@@ -42,13 +41,12 @@ from raydist.training.trainer import StepStats, Trainer, peak_memory_mb
 class RunLogger:
     """Rank 0 writes metrics.jsonl; every rank keeps the interval's timings."""
 
-    def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int, tensorboard=None,
+    def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int,
                  background=None, events: EventLog | None = None, workers: list[dict] | None = None):
         self.trainer = trainer
         self.events, self.workers = events, workers or []
         self.rank0 = dist.get_rank() == 0
         self.writer = MetricsWriter(run_dir, background=background) if run_dir and self.rank0 else None
-        self.tensorboard = tensorboard
         cfg = trainer.cfg
         self.run_start = run_start
         self.attempt = attempt
@@ -137,14 +135,8 @@ class RunLogger:
             rec["replicas"] = stats.replicas
         if self.writer is not None and self.gate():
             self.writer.write(rec)
-        if self.tensorboard is not None and self.gate():
-            self.tensorboard.write(rec)
         self.last = rec
         return rec
-
-    def close(self) -> None:
-        if self.tensorboard is not None:
-            self.tensorboard.close()
 
 
 # ---- the loop -------------------------------------------------------------------------------------
@@ -154,11 +146,10 @@ class _Checkpoints:
     """Saving on schedule, agreeing on what is committed, and telling the session and the event log."""
 
     def __init__(self, trainer: Trainer, run_dir: str, events: EventLog | None, goodput: Goodput | None,
-                 session: Session, log: Callable[[str], None], tensorboard=None):
+                 session: Session, log: Callable[[str], None]):
         self.trainer, self.events, self.goodput, self.session = trainer, events, goodput, session
         self.manager = CheckpointManager(run_dir, trainer.cfg.checkpoint.keep, trainer.checkpoint_group, log=log,
                                          timeout_s=trainer.cfg.elastic.checkpoint_timeout_s)
-        self.tensorboard = tensorboard  # rank 0's TensorBoard writer, flushed with each checkpoint
         self.reported = -1
 
     def resume(self) -> dict | None:
@@ -196,8 +187,6 @@ class _Checkpoints:
             uri = join(self.manager.root, f"step_{step:08d}")
             if self.events:
                 self.events.event("checkpoint", step, path=uri, write_s=round(self.manager.last_write_s, 3))
-            if self.tensorboard:
-                self.tensorboard.flush()  # object stores: copy the event files up with each checkpoint
             self.session.commit(step, uri, metrics)
             self.reported = step
 
@@ -235,10 +224,8 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     rank0 = dist.get_rank() == 0
     goodput = Goodput(run_dir, trainer.options.start_time, bookkeeping) if run_dir and rank0 else None
     run_start = goodput.run_start if goodput else trainer.options.start_time
-    tensorboard = open_tensorboard(run_dir) if run_dir and rank0 else None
-    events = EventLog(run_dir, run_start, mirror=tensorboard.event if tensorboard else None,
-                      background=bookkeeping) if run_dir and rank0 else None
-    ckpt = _Checkpoints(trainer, run_dir, events, goodput, session, log, tensorboard) if run_dir else None
+    events = EventLog(run_dir, run_start, background=bookkeeping) if run_dir and rank0 else None
+    ckpt = _Checkpoints(trainer, run_dir, events, goodput, session, log) if run_dir else None
     replicas = trainer.replicas  # the replica manager (raydist.elastic.live); an ordinary run's is one replica
     lead = replicas.is_leader  # the replica that writes the run's bookkeeping and durable checkpoints
     for writer in (events, goodput):
@@ -273,7 +260,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         if previous is not None and previous != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,
                          mesh=trainer.layout.degrees())
-    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], tensorboard, bookkeeping, events=events,
+    logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], bookkeeping, events=events,
                        workers=workers)
     logger.gate = lead
     first_val = last_val = None
@@ -345,7 +332,6 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         write_json(join(run_dir, "summary.json"), summary)
         events.event("end", trainer.step, status="completed")
         bookkeeping.flush()
-    logger.close()
     session.finish(summary)
     return summary
 

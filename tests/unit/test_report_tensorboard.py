@@ -1,10 +1,13 @@
-"""TensorBoard event files written from metrics records, local and through an fsspec URI."""
+"""TensorBoard event files written by the driver's TensorBoardTracker from metrics records and events, local and
+through an fsspec URI (that the launcher's Follower writes them in a real run: tests/faults/test_tracking.py)."""
 
 from __future__ import annotations
 
+import sys
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from raydist.metrics.tensorboard import open_tensorboard
+from raydist.metrics.tensorboard import TensorBoardTracker
 
 RECORDS = [
     {"step": 0, "loss": 5.8, "val_loss": 5.8, "tokens_per_s": 0.0, "world_size": 2},
@@ -23,11 +26,12 @@ def _scalars(log_dir: str) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_scalars_round_trip(tmp_path):
-    tb = open_tensorboard(str(tmp_path))
+    tb = TensorBoardTracker(str(tmp_path))
+    tb.start()
     for record in RECORDS:
-        tb.write(record)
+        tb.metric(record)
     tb.event({"kind": "restart", "step": 10, "elapsed_s": 12.0, "reason": "worker died"})
-    tb.close()
+    tb.end("FINISHED", {"steps": 20})
     scalars = _scalars(str(tmp_path / "tensorboard"))
     assert scalars["train/loss"] == [(0, 5.8), (10, 4.0), (20, 3.0)]
     assert [s for s, _ in scalars["train/val_loss"]] == [0, 20]
@@ -38,17 +42,19 @@ def test_scalars_round_trip(tmp_path):
 
 
 def test_remote_run_dir_is_uploaded(tmp_path):
-    """A non-local fsspec run dir (memory://) gets the event files copied up on flush and close."""
+    """A non-local fsspec run dir (memory://) gets the event files copied up with each checkpoint and at the end."""
     import fsspec
 
-    tb = open_tensorboard("memory://runs/remote-run")
-    assert not tb.local
-    tb.write(RECORDS[1])
-    tb.flush()
+    tb = TensorBoardTracker("memory://runs/remote-run")
+    tb.start()
+    assert not tb.writer.local
+    tb.metric(RECORDS[1])
     fs = fsspec.filesystem("memory")
+    assert not fs.exists("/runs/remote-run/tensorboard") or not fs.ls("/runs/remote-run/tensorboard")
+    tb.event({"kind": "checkpoint", "step": 10, "path": "memory://runs/remote-run/checkpoints/step_00000010"})
     files = fs.ls("/runs/remote-run/tensorboard")
     assert files and all("tfevents" in f["name"] for f in files)
-    tb.close()
+    tb.end("FINISHED", {})
     local = tmp_path / "copy"
     local.mkdir()
     for f in fs.ls("/runs/remote-run/tensorboard"):
@@ -56,5 +62,13 @@ def test_remote_run_dir_is_uploaded(tmp_path):
     assert _scalars(str(local))["train/loss"] == [(10, 4.0)]
 
 
-def test_no_run_dir_no_writer():
-    assert open_tensorboard(None) is None
+def test_without_tensorboard_a_warning_and_no_writer(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    lines = []
+    tb = TensorBoardTracker(str(tmp_path), lines.append)
+    tb.start()
+    tb.metric(RECORDS[0])
+    tb.end("FINISHED", {})
+    assert tb.writer is None and not (tmp_path / "tensorboard").exists()
+    assert lines == ["warning: tensorboard is not installed: no event files in RUN_DIR/tensorboard/ "
+                     "(pip install tensorboard)"]
