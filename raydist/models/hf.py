@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from raydist.config.hf import HF_CONFIG_KEYS, check_explicit_keys, model_config_from_hf
-from raydist.config.sections import ModelConfig
+from raydist.config_io import HF_CONFIG_KEYS, check_explicit_keys, model_config_from_hf
+from raydist.config_sections import ModelConfig
 from raydist.errors import ConfigError
 
 INDEX_FILE = "model.safetensors.index.json"

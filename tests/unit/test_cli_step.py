@@ -24,12 +24,12 @@ def eval_data(tmp_path_factory) -> str:
     split, and the shared data's validation split takes a minute on a loaded machine."""
     from pathlib import Path
 
-    import raydist.config.run
+    import raydist.config
     from raydist.config import DataConfig
     from raydist.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("eval-data")
-    (root / "text.txt").write_text(Path(raydist.config.run.__file__).read_text()[:6000])
+    (root / "text.txt").write_text(Path(raydist.config.__file__).read_text()[:6000])
     prepare(DataConfig(corpus=str(root / "text.txt"), seq_len=32, val_fraction=0.0), str(root / "data"),
             log=lambda *_: None)
     return str(root / "data")

@@ -1,7 +1,12 @@
-"""The whole run's configuration: `Config` holds one frozen section per TOML table, is loaded from TOML
-with `--set section.key=value` overrides (`Config.load`), and `validate()` checks the relations between
-fields. Every error is a `ConfigError` whose message names the offending value and the fix, so the CLI
-can print it as a single `error:` line before any worker starts."""
+"""Run configuration: one frozen dataclass per TOML section, `--set section.key=value` overrides, validation.
+
+`Config` holds one frozen section per TOML table (raydist.config_sections: each field with its docstring, the
+choices a string key allows), is loaded from TOML with `--set` overrides (`Config.load`; raydist.config_io
+reads and writes TOML, type-checks values, fills [model] from `model.init_from = "hf:DIR"`'s config.json),
+and `validate()` checks the relations between fields. Every error is a `ConfigError` whose message names
+the offending value and the fix, so the CLI can print it as a single `error:` line before any worker
+starts. Callers import all of it from here; `python -m raydist.config` prints the README's reference.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raydist.config.hf import model_from_init
-from raydist.config.io import build_section, dump_toml, parse_override, read_toml
-from raydist.config.sections import (SECTIONS, CheckpointConfig, DataConfig, ElasticConfig, KernelsConfig, ModelConfig,
-                                     MonitorConfig, ParallelConfig, PeftConfig, RayConfig, TrackingConfig, TrainConfig)
+from raydist.config_io import (build_section, dump_toml, field_docs, hf_dir_of, model_from_init, parse_override,
+                               read_toml, reference_markdown)
+from raydist.config_sections import (CHOICES, SECTIONS, CheckpointConfig, DataConfig, ElasticConfig, KernelsConfig,
+                                     ModelConfig, MonitorConfig, ParallelConfig, PeftConfig, RayConfig, TrackingConfig,
+                                     TrainConfig)
 from raydist.errors import ConfigError
+
+__all__ = ["CHOICES", "DEFAULT_WORKLOAD", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+           "ElasticConfig", "KernelsConfig", "ModelConfig", "MonitorConfig", "ParallelConfig", "PeftConfig",
+           "RayConfig", "TrackingConfig", "TrainConfig", "divisors", "dump_toml", "field_docs", "hf_dir_of",
+           "parse_override", "read_toml", "reference_markdown"]
 
 DEFAULT_WORKLOAD = "gpt_tiny.toml"
 
@@ -221,3 +232,7 @@ def _positive(name: str, value: int) -> None:
 
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+if __name__ == "__main__":  # regenerates the README's reference: python -m raydist.config
+    print(reference_markdown())

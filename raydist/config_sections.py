@@ -2,7 +2,7 @@
 parallel, train) and how the run is kept (checkpoints, elasticity, Ray, kernels, fine-tuning, monitoring,
 tracking); the choices a string key allows, and the table name of each section.
 
-Each field carries a docstring (the string literal under it); `raydist.config.io.field_docs` reads them
+Each field carries a docstring (the string literal under it); `raydist.config_io.field_docs` reads them
 back from this source so that the README's reference and error hints never drift from the code."""
 
 from __future__ import annotations
