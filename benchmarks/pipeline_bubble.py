@@ -86,10 +86,10 @@ import torch.distributed as dist
 from torch import nn
 
 from raydist.parallel.runtime import spawn
+from raydist.schedule.registry import KINDS, chunks_per_rank, make_schedule
 
 P, V = 4, 2
 SHAPE = (1, 4, 8)  # (B_micro, T, D) of the activations passed between stages: tiny, the cost is the sleep
-KINDS = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 TORCH_NAME = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
               "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 
@@ -210,14 +210,11 @@ def _timed_pair(ours, theirs, steps: int, warmup: int, clocks: tuple[StageClock,
 
 
 def _chunks(kind: str) -> int:
-    from raydist.schedule.actions import chunks_per_rank
-
     return chunks_per_rank(kind, V)
 
 
 def raydist_runner(kind: str, m: int, tf: float, tb: float, tw: float):
     from raydist.parallel.pipeline_executor import PipelineExecutor
-    from raydist.schedule.generators import make_schedule
 
     rank = dist.get_rank()
     v = _chunks(kind)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raydist.schedule.registry import KINDS
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -279,7 +281,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "peft.lora_targets": ("attention", "mlp", "all"),
     "data.reader": ("auto", "ray", "arrow"),
     "parallel.cp_impl": ("ring", "ulysses"),
-    "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved", "zbh1", "zbv"),
+    "parallel.pp_schedule": KINDS,  # the schedule registry's kinds
     "train.activation_checkpoint": ("none", "full", "every_k", "selective"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "ray.use_gpu": ("auto", "true", "false"),

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 from raydist.errors import ConfigError
 from raydist.parallel.mesh import DIMS, MeshSpec
-from raydist.schedule.actions import chunks_per_rank, placement_of, stages_of_rank
+from raydist.schedule.actions import stages_of_rank
+from raydist.schedule.registry import KINDS, SCHEDULE_KINDS, chunks_per_rank, placement_of
 
 if TYPE_CHECKING:  # the model's shape; attribute access only, so leaf code need not import the config
     from raydist.config import ModelConfig
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 CP_IMPLEMENTATIONS = ("ring", "ulysses")
 RECOMPUTE_POLICIES = ("none", "full", "every_k", "selective")
 
@@ -321,10 +321,11 @@ def _context_parallel(lay: Layout, m: "ModelConfig", seq_len: int) -> list[str]:
 
 def _pipeline(lay: Layout, m: "ModelConfig") -> list[str]:
     out = []
-    if lay.pp_schedule not in PIPELINE_SCHEDULES:
-        return [f"parallel.pp_schedule={lay.pp_schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}"]
-    if lay.pp_schedule == "interleaved" and lay.virtual_stages < 2:
-        out.append("parallel.pp_schedule='interleaved' needs parallel.virtual_stages >= 2")
+    if lay.pp_schedule not in SCHEDULE_KINDS:
+        return [f"parallel.pp_schedule={lay.pp_schedule!r} is not one of {', '.join(KINDS)}"]
+    kind = SCHEDULE_KINDS[lay.pp_schedule]
+    if lay.virtual_stages < kind.min_virtual_stages:
+        out.append(f"parallel.pp_schedule={kind.name!r} needs parallel.virtual_stages >= {kind.min_virtual_stages}")
     if m.num_layers < lay.num_stages:
         out.append(f"model.num_layers={m.num_layers} is less than pp x virtual_stages = {lay.num_stages}: every "
                    "pipeline stage needs a block; lower parallel.pp or add layers")
@@ -332,14 +333,9 @@ def _pipeline(lay: Layout, m: "ModelConfig") -> list[str]:
             min(lay.stage_layers) < 1:
         out.append(f"stage partition {list(lay.stage_layers)} does not split model.num_layers={m.num_layers} into "
                    f"{lay.num_stages} non-empty stages")
-    if lay.pp_schedule == "interleaved" and lay.num_microbatches % lay.pp:
-        out.append(f"interleaved 1F1B needs the micro-batch count ({lay.num_microbatches}) to be a multiple of "
-                   f"parallel.pp={lay.pp}; set parallel.num_microbatches accordingly")
-    if lay.pp_schedule in ("zbh1", "zbv") and lay.num_microbatches < lay.pp:
-        out.append(f"parallel.pp_schedule={lay.pp_schedule!r} needs at least parallel.pp={lay.pp} micro-batches, got "
-                   f"{lay.num_microbatches} (its warm-up fills the pipeline with P of them); raise "
-                   "parallel.num_microbatches (or train.global_batch) or use pp_schedule='1f1b'")
-    if lay.pp_schedule in ("zbh1", "zbv") and lay.activation_checkpoint == "selective":
+    if problem := kind.microbatch_problem(kind.name, lay.pp, lay.num_microbatches, True):
+        out.append(problem)
+    if kind.split_backward and lay.activation_checkpoint == "selective":
         out.append(f"parallel.pp_schedule={lay.pp_schedule!r} splits the backward in two passes (B, then W) and "
                    "train.activation_checkpoint='selective' keeps its cached tensors for one pass only; use "
                    "activation_checkpoint 'full' or 'every_k', or pp_schedule='1f1b'")

@@ -30,6 +30,7 @@ from raydist.parallel.checkpointing import apply_activation_checkpointing
 from raydist.parallel.data_parallel import NoDataParallel, make_data_parallel
 from raydist.parallel.layout import Layout
 from raydist.parallel.mesh import Mesh
+from raydist.schedule.registry import placement_of
 
 
 @dataclass
@@ -115,7 +116,6 @@ def _parallelize_pipeline(model: nn.Module, mesh: Mesh, layout: Layout, data_par
     parallelize each chunk on the rest of the mesh; `model` becomes a view over the chunks with the
     unsharded names. The loss function is the last stage's (vocabulary-parallel under TP)."""
     from raydist.parallel.pipeline import split_model, stage_view, tied_aliases
-    from raydist.schedule.actions import placement_of
 
     chunks = split_model(model, mesh.local_rank("pp"), layout.pp, layout.virtual_stages,
                          stage_layers=layout.stage_layers, placement=placement_of(layout.pp_schedule))

@@ -18,6 +18,7 @@ from raydist.planner.hardware import Hardware
 from raydist.planner.memory import rank_memory
 from raydist.planner.placement import Layout, Workload
 from raydist.planner.timing import step_time
+from raydist.schedule.registry import SCHEDULE_KINDS
 
 TIME_TERMS = {
     "recompute": "activation recompute",
@@ -133,7 +134,7 @@ def _time_hint(term: str, est: Estimate) -> str:
     lay = est.layout
     if term == "bubble":
         v = lay.virtual_stages
-        formula = {"zbh1": "(p-1)/(3m+p-1)", "zbv": "(p-1)/(6m+p-1)"}.get(lay.pp_schedule, "(p-1)/(v m+p-1)")
+        formula = SCHEDULE_KINDS[lay.pp_schedule].formula
         return (f" ({lay.pp_schedule}, p={lay.pp}, m={est.num_microbatches}, v={v}: {formula} = "
                 f"{est.time['bubble_fraction']:.1%})")
     if term == "dp_comm_exposed":

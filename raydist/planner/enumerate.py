@@ -28,6 +28,7 @@ from raydist.parallel.layout import mesh_problems
 from raydist.planner.cost_model import Estimate, complete, estimate, layout_problems
 from raydist.planner.hardware import Hardware, get_hardware
 from raydist.planner.placement import Layout, Workload, rank_layer_counts
+from raydist.schedule.registry import DEFAULT_KIND, SCHEDULE_KINDS
 
 ALL_FEATURES = frozenset({"tp", "cp", "pp"})
 CHECKPOINT_POLICIES = ("none", "selective", "every_k", "full")
@@ -59,10 +60,9 @@ def layout_shapes(w: Workload, world: int, hw: Hardware, features: Iterable[str]
                     base = Layout(pp=pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=cp, tp=tp,
                                   sequence_parallel=tp > 1)
                     for cp_impl in (("ring", "ulysses") if cp > 1 else ("ring",)):
-                        schedules = [("1f1b", 1)]
-                        schedules += [("interleaved", v) for v in (2, 4) if pp > 1 and pp * v <= m.num_layers]
-                        schedules += [("zbh1", 1)] if pp > 1 else []
-                        schedules += [("zbv", 2)] if pp > 1 and 2 * pp <= m.num_layers else []
+                        # each kind's chunk counts (with pp = 1 only the default: no pipeline to schedule)
+                        schedules = [(k.name, v) for k in SCHEDULE_KINDS.values() for v in k.planner_virtual_stages
+                                     if (pp > 1 or k.name == DEFAULT_KIND) and pp * v <= m.num_layers]
                         for schedule, v in schedules:
                             for reshard in ((True, False) if base.fsdp_size > 1 else (True,)):
                                 yield Layout(**{**base.to_dict(), "cp_impl": cp_impl, "pp_schedule": schedule,

@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass
 
 from raydist.planner.placement import Layout, Workload, every_k_segment, holders, holds_stage, rank_layer_counts
+from raydist.schedule.registry import SCHEDULE_KINDS
 
 STATE_BYTES_PER_ELEMENT = {"params": 4, "grads": 4, "optimizer": 8}
 
@@ -193,22 +194,11 @@ def block_input_bytes(w: Workload, lay: Layout) -> float:
 
 def in_flight_microbatches(lay: Layout, num_microbatches: int, stage: int = 0) -> float:
     """Micro-batches whose activations a stage holds at its peak (in units of the stage's blocks), as
-    `raydist.schedule.validate` measures them; zero-bubble schedules hold a micro-batch until its W."""
-    p, m, v = lay.pp, num_microbatches, lay.virtual_stages
-    if p == 1:
+    `raydist.schedule.validate` measures them; zero-bubble schedules hold a micro-batch until its W (each
+    kind's `activation_peak` in `raydist.schedule.registry`)."""
+    if lay.pp == 1:
         return 1
-    if lay.pp_schedule == "gpipe":
-        return m
-    if lay.pp_schedule in ("zbh1", "zbv"):
-        # ZB-H1 delays rank r's Ws by r micro-batches, so every rank holds 1F1B's first-stage peak;
-        # ZB-V's greedy keeps 2P chunk activations (half a rank's blocks each) = P whole micro-batches.
-        return min(m, p)
-    if lay.pp_schedule == "interleaved" and v > 1:
-        # Megatron: warm-up chunks = (p - stage - 1) * 2 + (v - 1) * p, plus the one in flight; a chunk
-        # holds 1/v of the stage's blocks.
-        chunks = min(m * v, (p - stage - 1) * 2 + (v - 1) * p + 1)
-        return chunks / v
-    return min(m, p - stage)
+    return SCHEDULE_KINDS[lay.pp_schedule].activation_peak(lay.pp, num_microbatches, lay.virtual_stages, stage)
 
 
 def activation_bytes(w: Workload, lay: Layout, layers: int, num_microbatches: int, stage: int = 0) -> dict:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from raydist.config import Config, ModelConfig
 from raydist.parallel.layout import Layout, stage_partition
-from raydist.schedule.actions import placement_of, stages_of_rank
+from raydist.schedule.actions import stages_of_rank
+from raydist.schedule.registry import placement_of
 
 __all__ = ["Layout", "Workload", "rank_layer_counts", "holds_stage", "holders", "every_k_segment"]
 

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from raydist.config import Config
 from raydist.errors import ConfigError
-from raydist.parallel.layout import Layout, chunks_per_rank, stage_partition, validate
+from raydist.parallel.layout import Layout, stage_partition, validate
 from raydist.parallel.mesh import MeshSpec
+from raydist.schedule.registry import SCHEDULE_KINDS, chunks_per_rank
 
 AUTO_MICRO_BATCH_LIMIT = 8
 
@@ -37,11 +38,12 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
 
 def _auto_micro_batch(per_rank: int, limit: int, pp: int, schedule: str) -> int:
     """The largest divisor of `per_rank` not above `limit`; with a pipeline, one giving M >= pp micro-batches
-    (a multiple of pp when interleaved), when such a divisor exists."""
+    (and what else the schedule needs of M: a multiple of pp when interleaved), when such a divisor exists."""
     candidates = [d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0]
+    kind = SCHEDULE_KINDS.get(schedule)
     if pp > 1:
         fitting = [d for d in candidates if per_rank // d >= pp and
-                   (schedule != "interleaved" or (per_rank // d) % pp == 0)]
+                   (kind is None or kind.microbatch_problem(kind.name, pp, per_rank // d, True) is None)]
         candidates = fitting or candidates
     return max(candidates)
 

@@ -18,8 +18,9 @@ Vocabulary (P pipeline ranks, V model chunks per rank, M micro-batches, S = P * 
   (B_micro, T, D) tensor; it is local (no point-to-point op) when both stages sit on one rank (V > 1 with
   P = 1, or stages P - 1 and P under the V placement).
 
-A `Schedule` is produced by a pure generator (`generators.py`, `zero_bubble.py`), checked by
-`validate.py`, timed by `timeline.py` and run by `executor.py`. Nothing here touches torch.
+A `Schedule` is produced by a pure generator (`generators.py`, `zero_bubble.py`; each kind's entry in
+`registry.py`), checked by `validate.py`, timed by `timeline.py` and run by `executor.py`. Nothing here
+touches torch.
 """
 
 from __future__ import annotations
@@ -31,48 +32,18 @@ from raydist.errors import ConfigError
 FORWARD = "F"
 BACKWARD = "B"  # the whole backward, or only the input gradient when the schedule splits the backward
 WEIGHT = "W"  # the weight gradient of a split backward
-KINDS = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
-SPLIT_BACKWARD_KINDS = ("zbh1", "zbv")  # the kinds whose schedules have W actions
 PLACEMENTS = ("loop", "v")
 
 
-def check_shape(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
-    """ConfigError naming the value and the fix for a (kind, P, M, V) no generator can build."""
-    if kind not in KINDS:
-        raise ConfigError(f"schedule kind {kind!r} is not one of {', '.join(KINDS)}")
+def check_dims(num_ranks: int, num_microbatches: int, virtual_stages: int) -> None:
+    """ConfigError naming the value and the fix for a P, M or V below 1 (what a kind needs beyond that:
+    `registry.check_shape`)."""
     if num_ranks < 1:
         raise ConfigError(f"pipeline stages={num_ranks} must be >= 1")
     if num_microbatches < 1:
         raise ConfigError(f"num_microbatches={num_microbatches} must be >= 1")
     if virtual_stages < 1:
         raise ConfigError(f"virtual_stages={virtual_stages} must be >= 1")
-    if kind == "zbv" and virtual_stages != 2:
-        raise ConfigError(f"virtual_stages={virtual_stages}: zbv always runs 2 chunks per rank in a V; "
-                          "leave virtual_stages (--virtual) unset or pass 2")
-    if kind in ("zbh1", "zbv") and num_microbatches < num_ranks:
-        raise ConfigError(f"{kind} needs num_microbatches >= pipeline stages: M={num_microbatches}, "
-                          f"P={num_ranks}; use M>={num_ranks}, or the 1f1b schedule")
-    if kind not in ("interleaved", "zbv") and virtual_stages != 1:
-        raise ConfigError(f"virtual_stages={virtual_stages} needs the interleaved schedule (kind {kind!r} "
-                          "runs one chunk per rank); use --kind interleaved or virtual_stages=1")
-    if kind == "interleaved" and num_microbatches % num_ranks:
-        lower = (num_microbatches // num_ranks) * num_ranks
-        options = f"{lower} or {lower + num_ranks}" if lower else f"{num_ranks}"
-        raise ConfigError(f"interleaved 1F1B needs num_microbatches a multiple of the pipeline stages: "
-                          f"M={num_microbatches}, P={num_ranks}; use M={options}, or the 1f1b schedule")
-
-
-def chunks_per_rank(kind: str, virtual_stages: int) -> int:
-    """Model chunks each pipeline rank holds under schedule `kind`: the configured V for interleaved 1F1B,
-    two for ZB-V (a V over the ranks), one otherwise. The one place this rule lives."""
-    if kind == "interleaved":
-        return virtual_stages
-    return 2 if kind == "zbv" else 1
-
-
-def placement_of(kind: str) -> str:
-    """How schedule `kind` lays its virtual stages on the ranks: "v" for ZB-V, "loop" otherwise."""
-    return "v" if kind == "zbv" else "loop"
 
 
 def stages_of_rank(placement: str, num_ranks: int, virtual_stages: int, rank: int) -> list[int]:
@@ -116,7 +87,7 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Schedule:
-    kind: str  # one of KINDS
+    kind: str  # one of registry.KINDS
     num_ranks: int  # P
     num_microbatches: int  # M
     virtual_stages: int  # V

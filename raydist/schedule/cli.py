@@ -12,13 +12,9 @@ import argparse
 from fractions import Fraction
 
 from raydist.errors import ConfigError
-from raydist.schedule.actions import KINDS
-from raydist.schedule.generators import make_schedule
+from raydist.schedule.registry import KINDS, ONE_F_ONE_B, make_schedule, schedule_kind
 from raydist.schedule.timeline import ideal_step_time, render_png, render_text, simulate, theoretical_bubble
 from raydist.schedule.validate import ScheduleReport, validate
-
-FORMULAS = {"interleaved": "(P-1)/(V*M+P-1)", "zbh1": "(P-1)(F+B-W)/(M(F+B+W)+(P-1)(F+B-W))",
-            "zbv": "(P-1)F/2/(M(F+B+W)+(P-1)F/2)"}  # others: (P-1)/(M+P-1)
 
 
 def _fraction(text: str) -> Fraction:
@@ -41,10 +37,10 @@ def _peaks(report: ScheduleReport) -> str:
 
 
 def cmd_schedule(args) -> int:
-    default_virtual = 2 if args.kind in ("interleaved", "zbv") else 1
-    virtual = args.virtual if args.virtual is not None else default_virtual
-    if args.kind == "interleaved" and virtual < 2:
-        raise ConfigError(f"--virtual {virtual}: interleaved 1F1B needs at least 2 chunks per rank")
+    kind = schedule_kind(args.kind)
+    virtual = args.virtual if args.virtual is not None else kind.default_virtual_stages
+    if virtual < kind.min_virtual_stages:
+        raise ConfigError(f"--virtual {virtual}: {kind.label} needs at least {kind.min_virtual_stages} chunks per rank")
     tw = args.tb / 2 if args.tw is None else args.tw
     if tw > args.tb:
         raise ConfigError(f"--tw {tw} is more than --tb {args.tb}: tw is the weight-gradient part of the backward")
@@ -67,13 +63,13 @@ def cmd_schedule(args) -> int:
         theory = 1 - busy / ideal_step_time(schedule.kind, p, m, v, args.tf, args.tb, tw)
     else:
         theory = theoretical_bubble(schedule.kind, p, m, v)
-    formula = FORMULAS.get(schedule.kind, "(P-1)/(M+P-1)")
+    formula = kind.formula_in_costs
     print(f"\nstep time {timeline.step_time} (busy {timeline.busy_per_rank[0]} per rank)")
     print(f"bubble fraction {_show(timeline.bubble_fraction)}  (theory {formula} = {_show(theory)})")
     held = " (held from F to W)" if split else ""
     print(f"peak activation memory, micro-batches of a rank's layers{held}: {_peaks(report)}")
     if split:
-        baseline = validate(make_schedule("1f1b", p, m))
+        baseline = validate(make_schedule(ONE_F_ONE_B.name, p, m))
         print(f"  1F1B at the same P, M: {_peaks(baseline)}; {schedule.kind} peak "
               + ("<=" if report.peak_activations <= baseline.peak_activations else ">") + " 1F1B's peak")
     if v > 1:

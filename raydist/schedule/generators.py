@@ -17,15 +17,13 @@ shrinks the fill and drain of the pipeline V-fold.
 
 from __future__ import annotations
 
-from fractions import Fraction
-
-from raydist.schedule import zero_bubble
-from raydist.schedule.actions import BACKWARD, FORWARD, Action, Schedule, check_shape
+from raydist.errors import ConfigError
+from raydist.schedule.actions import BACKWARD, FORWARD, Action, Schedule, check_dims
 
 
 def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
     """All forwards, then all backwards: every rank holds all M micro-batches' activations at the peak."""
-    check_shape("gpipe", num_ranks, num_microbatches, 1)
+    check_dims(num_ranks, num_microbatches, 1)
     ranks = []
     for r in range(num_ranks):
         forwards = [Action(FORWARD, r, m) for m in range(num_microbatches)]
@@ -36,7 +34,7 @@ def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
 
 def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
     """PipeDream-flush: warm-up min(P - r - 1, M) forwards, then alternate F and B, then drain the Bs."""
-    check_shape("1f1b", num_ranks, num_microbatches, 1)
+    check_dims(num_ranks, num_microbatches, 1)
     ranks = []
     for r in range(num_ranks):
         warmup = min(num_ranks - r - 1, num_microbatches)
@@ -46,6 +44,20 @@ def one_f_one_b(num_ranks: int, num_microbatches: int) -> Schedule:
         seq += [Action(BACKWARD, r, m) for m in range(num_microbatches - warmup, num_microbatches)]
         ranks.append(tuple(seq))
     return Schedule("1f1b", num_ranks, num_microbatches, 1, tuple(ranks))
+
+
+def interleaved_microbatch_problem(kind: str, num_ranks: int, num_microbatches: int,
+                                   config_keys: bool = False) -> str | None:
+    """Interleaved 1F1B runs micro-batches in groups of P: M must be a multiple of P (None when it is)."""
+    if num_microbatches % num_ranks == 0:
+        return None
+    if config_keys:
+        return (f"interleaved 1F1B needs the micro-batch count ({num_microbatches}) to be a multiple of "
+                f"parallel.pp={num_ranks}; set parallel.num_microbatches accordingly")
+    lower = (num_microbatches // num_ranks) * num_ranks
+    options = f"{lower} or {lower + num_ranks}" if lower else f"{num_ranks}"
+    return (f"interleaved 1F1B needs num_microbatches a multiple of the pipeline stages: M={num_microbatches}, "
+            f"P={num_ranks}; use M={options}, or the 1f1b schedule")
 
 
 def _interleaved_unit(k: int, num_ranks: int, virtual_stages: int, backward: bool) -> tuple[int, int]:
@@ -67,7 +79,9 @@ def interleaved(num_ranks: int, num_microbatches: int, virtual_stages: int) -> S
     Rank r warms up with min(2 (P - r - 1) + (V - 1) P, M V) forward units, then alternates one forward
     and one backward unit, then drains the remaining backwards. M must be a multiple of P.
     """
-    check_shape("interleaved", num_ranks, num_microbatches, virtual_stages)
+    check_dims(num_ranks, num_microbatches, virtual_stages)
+    if problem := interleaved_microbatch_problem("interleaved", num_ranks, num_microbatches):
+        raise ConfigError(problem)
     total = num_microbatches * virtual_stages  # forward units (and backward units) per rank
     ranks = []
     for r in range(num_ranks):
@@ -83,24 +97,3 @@ def interleaved(num_ranks: int, num_microbatches: int, virtual_stages: int) -> S
         seq += [unit(k, True) for k in range(total - warmup, total)]
         ranks.append(tuple(seq))
     return Schedule("interleaved", num_ranks, num_microbatches, virtual_stages, tuple(ranks))
-
-
-def make_schedule(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int | None = None, *,
-                  tf: Fraction | int = 1, tb: Fraction | int = 2, tw: Fraction | int | None = None) -> Schedule:
-    """The schedule of `kind` (one of KINDS) for P ranks, M micro-batches, V chunks per rank.
-
-    virtual_stages defaults to 2 for zbv (the only value it takes) and 1 otherwise. The costs (forward,
-    backward, its weight-gradient part; `timeline`'s units) shape only zbv, whose greedy order is built
-    for them; every other kind's order is the same whatever the costs."""
-    if virtual_stages is None:
-        virtual_stages = 2 if kind == "zbv" else 1
-    check_shape(kind, num_ranks, num_microbatches, virtual_stages)
-    if kind == "gpipe":
-        return gpipe(num_ranks, num_microbatches)
-    if kind == "1f1b":
-        return one_f_one_b(num_ranks, num_microbatches)
-    if kind in ("zbh1", "zbv"):
-        if kind == "zbh1":
-            return zero_bubble.zbh1(num_ranks, num_microbatches)
-        return zero_bubble.zbv(num_ranks, num_microbatches, tf, tb, tw)
-    return interleaved(num_ranks, num_microbatches, virtual_stages)

@@ -31,8 +31,9 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, chunks_per_rank
+from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from raydist.schedule.progress import execution_order
+from raydist.schedule.registry import schedule_kind
 
 
 @dataclass(frozen=True)
@@ -95,22 +96,20 @@ def simulate(schedule: Schedule, tf: Fraction | int = 1, tb: Fraction | int = 2,
 
 def theoretical_bubble(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Fraction:
     """(P - 1) / (M + P - 1) for gpipe and 1f1b; (P - 1) / (V M + P - 1) for interleaved; at unit costs
-    F = B = W (tf = 1, tb = 2, tw = 1): (P - 1) / (3 M + P - 1) for zbh1, (P - 1) / (6 M + P - 1) for zbv."""
-    p, m = num_ranks, num_microbatches
-    if kind in ("zbh1", "zbv"):
-        return Fraction(p - 1, (3 if kind == "zbh1" else 6) * m + p - 1)
-    return Fraction(p - 1, chunks_per_rank(kind, virtual_stages) * m + p - 1)
+    F = B = W (tf = 1, tb = 2, tw = 1): (P - 1) / (3 M + P - 1) for zbh1, (P - 1) / (6 M + P - 1) for zbv
+    (each kind's `bubble` in `registry`)."""
+    entry = schedule_kind(kind)
+    return entry.bubble(num_ranks, num_microbatches, entry.chunks_per_rank(virtual_stages))
 
 
 def ideal_step_time(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int,
                     tf: float, tb: float, tw: float | None = None) -> float:
     """The step time without overheads: (M + P - 1)(tf + tb), or (M + (P - 1)/V)(tf + tb) interleaved;
-    M (tf + tb) + (P - 1)(tf + tb - 2 tw) for zbh1, M (tf + tb) + (P - 1) tf / 2 for zbv (tw default tb / 2)."""
-    p, m = num_ranks, num_microbatches
-    if kind in ("zbh1", "zbv"):
-        tw = tb / 2 if tw is None else tw
-        return m * (tf + tb) + (p - 1) * ((tf + tb - 2 * tw) if kind == "zbh1" else tf / 2)
-    return (m + (p - 1) / chunks_per_rank(kind, virtual_stages)) * (tf + tb)
+    M (tf + tb) + (P - 1)(tf + tb - 2 tw) for zbh1, M (tf + tb) + (P - 1) tf / 2 for zbv (tw default tb / 2;
+    each kind's `step_time` in `registry`)."""
+    entry = schedule_kind(kind)
+    tw = tb / 2 if tw is None else tw
+    return entry.step_time(num_ranks, num_microbatches, entry.chunks_per_rank(virtual_stages), tf, tb, tw)
 
 
 def render_text(timeline: Timeline, width_per_unit: int = 2) -> str:

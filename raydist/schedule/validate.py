@@ -29,9 +29,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from fractions import Fraction
 
-from raydist.schedule.actions import BACKWARD, FORWARD, KINDS, SPLIT_BACKWARD_KINDS, WEIGHT, Action, Schedule
 from raydist.schedule import nccl_model
+from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from raydist.schedule.progress import ScheduleError, execution_order
+from raydist.schedule.registry import SCHEDULE_KINDS, SPLIT_BACKWARD_KINDS
 
 
 @dataclass(frozen=True)
@@ -46,12 +47,14 @@ class ScheduleReport:
 
 def _check_split(schedule: Schedule) -> None:
     """A kind that splits the backward has W actions; one that does not has none."""
-    if schedule.kind not in KINDS or schedule.split_backward == (schedule.kind in SPLIT_BACKWARD_KINDS):
+    entry = SCHEDULE_KINDS.get(schedule.kind)
+    if entry is None or schedule.split_backward == entry.split_backward:
         return
     if schedule.split_backward:
         rank, w = next((r, a) for r, acts in enumerate(schedule.actions) for a in acts if a.kind == WEIGHT)
         raise ScheduleError(f"kind {schedule.kind!r} does not split the backward (its B computes both gradients) "
-                            f"but rank {rank} runs {w}; drop the W actions or use kind zbh1/zbv")
+                            f"but rank {rank} runs {w}; drop the W actions or use kind "
+                            f"{'/'.join(SPLIT_BACKWARD_KINDS)}")
     raise ScheduleError(f"kind {schedule.kind!r} splits the backward into B (input gradient) and W (weight "
                         "gradient) but the schedule has no W action; add one W after each B")
 

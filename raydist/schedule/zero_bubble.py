@@ -52,14 +52,30 @@ import heapq
 from collections import deque
 from fractions import Fraction
 
-from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, check_shape
+from raydist.errors import ConfigError
+from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, check_dims
 from raydist.schedule.progress import ScheduleError
+
+
+def microbatch_problem(kind: str, num_ranks: int, num_microbatches: int, config_keys: bool = False) -> str | None:
+    """Both zero-bubble kinds need M >= P (their warm-up fills the pipeline with P micro-batches; see above):
+    None when M is enough, else the problem in the generators' words or (config_keys) the config's."""
+    if num_microbatches >= num_ranks:
+        return None
+    if config_keys:
+        return (f"parallel.pp_schedule={kind!r} needs at least parallel.pp={num_ranks} micro-batches, got "
+                f"{num_microbatches} (its warm-up fills the pipeline with P of them); raise "
+                "parallel.num_microbatches (or train.global_batch) or use pp_schedule='1f1b'")
+    return (f"{kind} needs num_microbatches >= pipeline stages: M={num_microbatches}, P={num_ranks}; "
+            f"use M>={num_ranks}, or the 1f1b schedule")
 
 
 def zbh1(num_ranks: int, num_microbatches: int) -> Schedule:
     """ZB-H1: 1F1B's F/B order per rank, the W of micro-batch i after the B of micro-batch i + r on rank r
     (the paper's Figure 3, top: rank 1 of 4 runs ... B1 F4 B2 W1 F5 B3 W2 ... B6 W5 B7 W6 W7)."""
-    check_shape("zbh1", num_ranks, num_microbatches, 1)
+    check_dims(num_ranks, num_microbatches, 1)
+    if problem := microbatch_problem("zbh1", num_ranks, num_microbatches):
+        raise ConfigError(problem)
     p, m = num_ranks, num_microbatches
     ranks = []
     for r in range(p):
@@ -99,7 +115,9 @@ def zbv(num_ranks: int, num_microbatches: int, tf: Fraction | int = 1, tb: Fract
     at the limit it yields to a pending W (the paper's memory recycling); with nothing else ready the
     pending Ws fill the bubble.
     """
-    check_shape("zbv", num_ranks, num_microbatches, 2)
+    check_dims(num_ranks, num_microbatches, 2)
+    if problem := microbatch_problem("zbv", num_ranks, num_microbatches):
+        raise ConfigError(problem)
     tf, tb = Fraction(tf), Fraction(tb)
     tw = tb / 2 if tw is None else Fraction(tw)
     if not (tf > 0 and 0 <= tw <= tb):

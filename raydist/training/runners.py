@@ -43,6 +43,7 @@ from raydist.parallel.mesh import Mesh
 from raydist.parallel.parallelize import ParallelModel
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
 from raydist.schedule.clock import ActionClock
+from raydist.schedule.registry import SCHEDULE_KINDS, make_schedule
 
 if TYPE_CHECKING:
     from raydist.parallel.pipeline_executor import PipelineExecutor, PipelineStepStats
@@ -166,8 +167,6 @@ class PipelineRunner:
 
     def __init__(self, pm: ParallelModel, layout: Layout, mesh: Mesh, device: torch.device, needs: BatchNeeds,
                  masked: bool = False):
-        from raydist.schedule import make_schedule
-
         self.pm, self.layout, self.device = pm, layout, device
         self.needs = needs  # inputs on the rank holding the first stage, targets on the one holding the last
         self.masked = masked
@@ -177,8 +176,7 @@ class PipelineRunner:
         self.tied = TiedEmbeddingSync(pm.chunks, self.group)
         # between stages: this rank's part of the sequence (T / cp; a tp-th of that under sequence parallelism)
         self.seq_len = pm.model.max_seq_len // layout.cp // (layout.tp if layout.sequence_parallel else 1)
-        self.hooks = pm.data_parallel.pipeline_hooks(pm.modules, make_schedule(
-            layout.pp_schedule, layout.pp, layout.num_microbatches, layout.virtual_stages).split_backward)
+        self.hooks = pm.data_parallel.pipeline_hooks(pm.modules, SCHEDULE_KINDS[layout.pp_schedule].split_backward)
         self._executors: dict[tuple[int, int], PipelineExecutor] = {}
         self._executor(layout.micro_batch, layout.num_microbatches)  # the layout's own, checked now
 
@@ -188,12 +186,12 @@ class PipelineRunner:
         micro-batches, and a count interleaved 1F1B can run (a multiple of pp). Live recovery's replicas take
         whole multiples of it, at least the whole run's M micro-batches per rank (zero-bubble schedules need
         M >= pp, which the layout already has)."""
-        return self.layout.micro_batch * (self.layout.pp if self.layout.pp_schedule == "interleaved" else 1)
+        kind = SCHEDULE_KINDS[self.layout.pp_schedule]
+        return self.layout.micro_batch * (self.layout.pp if kind.microbatches_multiple_of_ranks else 1)
 
     def _executor(self, micro_batch: int, num_microbatches: int) -> "PipelineExecutor":
         """The executor of the layout's schedule for M = num_microbatches micro-batches of micro_batch rows,
         built once per shape (a live replica's share of the global batch changes M with the quorum)."""
-        from raydist.schedule import make_schedule
         from raydist.parallel.pipeline_executor import PipelineExecutor
 
         key = (micro_batch, num_microbatches)

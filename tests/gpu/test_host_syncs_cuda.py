@@ -63,7 +63,7 @@ def _unlogged_pipeline_steps(microbatches: int) -> dict:
     from raydist.models.gpt import build_model, cross_entropy
     from raydist.parallel.runtime import pick_device
     from raydist.parallel.pipeline_executor import PipelineExecutor, stage_timings
-    from raydist.schedule.generators import make_schedule
+    from raydist.schedule.registry import make_schedule
 
     device = pick_device()
     cfg = ModelConfig(**SMALL)

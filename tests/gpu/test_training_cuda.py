@@ -134,7 +134,7 @@ def _pipeline_one_stage(microbatches: int) -> dict:
     from raydist.models.gpt import build_model, cross_entropy
     from raydist.parallel.runtime import pick_device
     from raydist.parallel.pipeline_executor import PipelineExecutor
-    from raydist.schedule.generators import make_schedule
+    from raydist.schedule.registry import make_schedule
 
     device = pick_device()
     cfg = ModelConfig(**SMALL)

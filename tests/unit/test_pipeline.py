@@ -25,8 +25,7 @@ from raydist.parallel.data_parallel import (apply_ddp, ddp_grad_sync, fsdp_grad_
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline, split_model
 from raydist.parallel.pipeline_executor import PipelineExecutor, stage_timings
 from raydist.parallel.runtime import spawn
-from raydist.schedule.actions import placement_of
-from raydist.schedule.generators import make_schedule
+from raydist.schedule.registry import make_schedule, placement_of
 
 CFG = ModelConfig(num_layers=4, d_model=32, num_heads=4, num_kv_heads=2, ffn_hidden=64, vocab_size=64)
 SEQ, BATCH, STEPS, LR, CLIP = 16, 8, 10, 3e-3, 1.0

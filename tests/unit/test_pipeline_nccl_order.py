@@ -19,7 +19,7 @@ import torch.distributed as dist
 from raydist import strict
 from raydist.parallel.runtime import spawn
 from raydist.schedule import nccl_model
-from raydist.schedule.generators import make_schedule
+from raydist.schedule.registry import make_schedule
 from raydist.schedule.progress import ScheduleError
 from raydist.schedule.transfer_plan import Posting, TransferPlan
 from raydist.schedule.validate import validate
