@@ -44,7 +44,17 @@ class LaunchPlan:
     run_name: str
     run_dir: str
     num_workers: int | tuple[int, int]
-    layout: Layout  # at the smallest worker count that has one (workers plan again at each start)
+    layout: Layout  # at the smallest worker count that has one (`planned_for`)
+    planned_for: int = 0  # the worker count `layout` was planned for
+
+    def layout_for_workers(self) -> dict | None:
+        """The layout as data for a worker group of `planned_for` workers, which then plans nothing (another
+        size plans its own). The policy's layout is a function of the config and the worker count alone; not
+        sent for `parallel.auto` (the planner prices the device it runs on, which the driver's need not be)
+        nor for live recovery (a replica plans its own world)."""
+        if self.cfg.parallel.auto or self.cfg.elastic.live_recovery or not self.planned_for:
+            return None
+        return {"world_size": self.planned_for, "layout": self.layout.to_dict()}
 
 
 def resolve_storage(uri: str) -> str:
@@ -123,7 +133,7 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     errors = []
     for size in sizes:  # at least the smallest size must give a valid layout
         try:
-            layout = plan_layout(cfg, size)
+            layout, planned_for = plan_layout(cfg, size), size
             break
         except ConfigError as exc:
             errors.append(exc)
@@ -136,7 +146,7 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     run_dir = join(cfg.checkpoint.storage, run_name)
     check_storage(cfg.checkpoint.storage)  # before anything reads it: an unreachable store is one error line
     check_run_dir(run_dir, cfg, read_manifest(cfg.data.path))  # a resumed run's checkpoints must fit
-    return LaunchPlan(cfg, run_name, run_dir, num_workers, layout)
+    return LaunchPlan(cfg, run_name, run_dir, num_workers, layout, planned_for)
 
 
 
@@ -154,7 +164,8 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
     if cfg.elastic_enabled:
         scaling.elastic_resize_monitor_interval_s = cfg.elastic.resize_check_interval_s
     payload = {"config": cfg.to_dict(), "run_dir": lp.run_dir, "use_gpu": use_gpu, "start_time": start_time,
-               "record_samples": record_samples, "driver_node": ray.get_runtime_context().get_node_id()}
+               "record_samples": record_samples, "driver_node": ray.get_runtime_context().get_node_id(),
+               "layout": lp.layout_for_workers()}
     backend = dict(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s))
     if cfg.elastic.live_recovery:
         # Ray Train runs torchft's Lighthouse and makes every replica's dp_shard x cp x tp x pp workers a replica

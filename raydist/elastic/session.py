@@ -34,7 +34,11 @@ class Idle:
     reason: str
 
 
-def _planned(cfg: Config) -> dict:
+def _planned(cfg: Config, given: dict | None = None) -> dict:
+    """This world's layout as data: the driver's (`given`, {"world_size", "layout"}) when the driver planned
+    it for this many workers, else planned here (the world changed since, or nothing was given)."""
+    if given is not None and given["world_size"] == dist.get_world_size():
+        return {"layout": given["layout"]}
     try:
         return {"layout": plan_layout(cfg, dist.get_world_size()).to_dict()}
     except ConfigError as exc:
@@ -47,20 +51,22 @@ def _received(box: dict) -> Layout:
     return Layout.from_dict(box["layout"])
 
 
-def broadcast_layout(cfg: Config) -> Layout:
-    """Rank 0 plans the layout for the whole world and every rank receives it (a collective on the default
-    group). A planning error on rank 0 reaches every rank as the same ConfigError."""
-    box: list = [_planned(cfg) if dist.get_rank() == 0 else None]
+def broadcast_layout(cfg: Config, given: dict | None = None) -> Layout:
+    """Rank 0 plans the layout for the whole world (or takes the driver's, `given`) and every rank receives
+    it (a collective on the default group). A planning error on rank 0 reaches every rank as the same
+    ConfigError."""
+    box: list = [_planned(cfg, given) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)  # between this run's own processes, never from storage
     return _received(box[0])
 
 
-def layout_through_store(cfg: Config, store: dist.Store, key: str = "raydist/layout") -> Layout:
+def layout_through_store(cfg: Config, store: dist.Store, key: str = "raydist/layout",
+                         given: dict | None = None) -> Layout:
     """`broadcast_layout` through the world's key-value store instead of a collective: no operation on the
     world group before the workers know whether to bind it to their devices (raydist.training.ray_session).
     JSON written by rank 0 of this attempt's own store."""
     if dist.get_rank() == 0:
-        store.set(key, json.dumps(_planned(cfg)))
+        store.set(key, json.dumps(_planned(cfg, given)))
     return _received(json.loads(store.get(key)))
 
 
@@ -80,9 +86,11 @@ def bind_when_all_train(started: "Layout | Idle", device) -> bool:
 class Session:
     """The interface, with no-op defaults."""
 
+    given_layout: dict | None = None  # the driver's layout as data, for the world size it was planned for
+
     def share_layout(self, cfg: Config) -> Layout:
-        """The world's layout, the same on every rank (rank 0 plans it)."""
-        return broadcast_layout(cfg)
+        """The world's layout, the same on every rank (rank 0 plans it, or takes the driver's)."""
+        return broadcast_layout(cfg, self.given_layout)
 
     def start(self, cfg: Config) -> Layout | Idle:
         layout = self.share_layout(cfg)

@@ -163,7 +163,7 @@ class RaySession(Session):
     def share_layout(self, cfg: Config) -> Layout:
         # through the store: the world group may be bound to the GPU only after every rank knows whether
         # any is idle (ray_worker_entry), and NCCL's first collective would connect it unbound
-        return layout_through_store(cfg, dist.distributed_c10d._get_default_store())
+        return layout_through_store(cfg, dist.distributed_c10d._get_default_store(), given=self.given_layout)
 
     def start(self, cfg: Config) -> Layout | Idle:
         started = super().start(cfg)
@@ -273,6 +273,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
         print(f"worker {dist.get_rank()}: not training: {fatal['error']}", flush=True)
         return
     session = RaySession(cfg, payload["run_dir"], payload["start_time"])
+    session.given_layout = payload.get("layout")  # the driver's, for the world size it planned it for
     session.timings = {"process_started": process_start_time(), "entered": entered, "preloaded": warm.preloaded_at}
     session.driver_node = payload.get("driver_node")
     try:
