@@ -210,12 +210,13 @@ class Replicas:
         return StepShare(span, micro_batch_for(span[1] - span[0], micro_batch),
                          (replica_span[1] - replica_span[0]) / global_batch, count, replica_span, (rank, count))
 
-    def reduce(self, params: list[torch.nn.Parameter], local_loss: torch.Tensor,
+    def reduce(self, model: torch.nn.Module, local_loss: torch.Tensor,
                data_mean: Callable[[torch.Tensor], torch.Tensor], weight: float) -> torch.Tensor | float:
         """Gradients and loss <- sum over the quorum of weight_r x (replica r's), weight_r = rows_r / G: the
         mean over the global batch when replicas hold unequal shares. One flat all-reduce of this rank's
         gradient shards (FSDP: the local shards of its DTensors; rank j of every replica holds the same ones)
         and its replica's mean loss; returns that loss over the global batch, read."""
+        params = [p for p in model.parameters() if p.requires_grad]
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -271,7 +272,7 @@ class SingleReplica(Replicas):
               micro_batch: int) -> StepShare:
         return StepShare()
 
-    def reduce(self, params, local_loss: torch.Tensor, data_mean, weight: float) -> torch.Tensor:
+    def reduce(self, model, local_loss: torch.Tensor, data_mean, weight: float) -> torch.Tensor:
         return local_loss
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:

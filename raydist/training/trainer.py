@@ -328,8 +328,7 @@ class Trainer:
             with doing("forward/backward"):
                 out = self.runner.step(tokens, micro_batch=share.micro_batch,
                                        record_timeline=self.step == TIMELINE_STEP)
-            loss = self.replicas.reduce([p for p in self.pm.model.parameters() if p.requires_grad], out.loss,
-                                        self._data_mean, share.weight)
+            loss = self.replicas.reduce(self.pm.model, out.loss, self._data_mean, share.weight)
             if self.options.capture_grads:  # before clipping: clipping would hide a gradient's scale
                 self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
             with doing("clip: gradient norm"):
