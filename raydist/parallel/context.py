@@ -16,8 +16,9 @@ rank's mean over its T/cp tokens, and FSDP averages gradients over dp_shard x cp
 every cp rank (both shardings give T/cp) make that the mean over the whole sequence. The cp ranks hold the
 same parameters (FSDP shards them over dp_shard x cp; mesh.py).
 
-Attention backends: ring attention runs the Triton flash-attention blocks when the model's attention is
-the Triton kernel (`kernels.attention`, CUDA or TRITON_INTERPRET=1) and plain-torch blocks otherwise;
+Attention backends: ring attention runs the Triton flash-attention blocks on CUDA (where the head dim is one the
+kernel supports) and wherever the model's attention is the Triton kernel (TRITON_INTERPRET=1 on a CPU), and
+plain-torch blocks otherwise (`ring_backend_for`);
 Ulysses wraps whichever attention the model has. Under tensor parallelism both see H/tp local heads.
 """
 
@@ -83,11 +84,20 @@ def context_attention(impl: str, group, inner: Callable, backend: str) -> Callab
     raise ValueError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
 
 
-def ring_backend_for(attention_fn: Callable) -> str:
-    """'triton' when the model runs the Triton attention kernel (kernels.select installed it), else 'torch'."""
-    from raydist.kernels.attention import triton_causal_attention
+def ring_backend_for(attention_fn: Callable, device_type: str, head_dim: int) -> str:
+    """'triton' when the model runs the Triton attention kernel (kernels.select installed it, CUDA or the CPU
+    interpreter), or on CUDA wherever that kernel can run this head dim; else 'torch'. Ring attention needs
+    per-block attention that returns the log-sum-exp: SDPA's public call (the model's attention under
+    `kernels.attention = auto`) does not, and the torch blocks materialise (B, H, T, S) scores, the memory
+    context parallelism exists to save, so on CUDA the ring keeps the flash blocks whatever the model's
+    attention is."""
+    from raydist.kernels import runtime
+    from raydist.kernels.attention import SUPPORTED_HEAD_DIMS, triton_causal_attention
 
-    return "triton" if attention_fn is triton_causal_attention else "torch"
+    if attention_fn is triton_causal_attention:
+        return "triton"
+    cuda_flash = device_type == "cuda" and head_dim in SUPPORTED_HEAD_DIMS
+    return "triton" if cuda_flash and runtime.triton_unusable_reason("cuda") is None else "torch"
 
 
 def apply_context_parallel(model, mesh: Mesh, impl: str) -> None:
@@ -99,4 +109,5 @@ def apply_context_parallel(model, mesh: Mesh, impl: str) -> None:
     group = cp_mesh.get_group()
     for block in model.layers.values():
         inner = block.attention.attention_fn
-        block.attention.attention_fn = context_attention(impl, group, inner, ring_backend_for(inner))
+        backend = ring_backend_for(inner, mesh.device_type, block.attention.head_dim)
+        block.attention.attention_fn = context_attention(impl, group, inner, backend)

@@ -3,10 +3,10 @@ precision, the pipeline executor with a 1-stage schedule, and checkpoints saved 
 memory (async saves stage through pinned host memory).
 
 World size 1 everywhere (one GPU is what a check machine has), but with the backends and devices of a real
-run: NCCL initialised eagerly on cuda:0 (`raydist.parallel.runtime.spawn(device="cuda")`), CUDA tensors, Triton
-kernels (`kernels = auto` on CUDA), bf16. Each test also runs on the CPU (gloo, fp32, torch's kernels: what
-`auto` picks there), so that its body is proven to run; the CUDA cases are skipped without a GPU
-(tests/gpu/conftest.py).
+run: NCCL initialised eagerly on cuda:0 (`raydist.parallel.runtime.spawn(device="cuda")`), CUDA tensors, the
+device's default kernels (`kernels = auto`: flash SDPA and cuBLAS; the Triton ones are test_kernels_cuda.py's),
+bf16. Each test also runs on the CPU (gloo, fp32, torch's kernels), so that its body is proven to run; the
+CUDA cases are skipped without a GPU (tests/gpu/conftest.py).
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ from raydist.testing import run_fit, tiny_config
 
 SMALL = dict(num_layers=2, d_model=128, num_heads=2, num_kv_heads=1, ffn_hidden=352, vocab_size=320)  # head dim 64
 # what `kernels = auto` runs on each device
-AUTO_KERNELS = {"cuda": {"attention": "triton", "matmul": "triton"}, "cpu": {"attention": "sdpa", "matmul": "torch"}}
+AUTO_KERNELS = {"cuda": {"attention": "sdpa", "matmul": "torch"}, "cpu": {"attention": "sdpa", "matmul": "torch"}}
 
 
 def cuda_config(data: str, **sections) -> dict:
     """tiny_config on the device's defaults (train.dtype auto: bf16 autocast on CUDA, fp32 on the CPU;
-    kernels auto: Triton on CUDA)."""
+    kernels auto: SDPA and cuBLAS on CUDA)."""
     sections.setdefault("model", SMALL)
     raw = tiny_config(data, **sections)
     raw["train"]["dtype"] = sections.get("train", {}).get("dtype", "auto")

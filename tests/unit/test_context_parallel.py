@@ -57,6 +57,19 @@ def test_ring_on_triton_blocks_equals_single_process(tiny_data, monkeypatch):
         assert calls.get("attention.triton") == 2 * 2 * 2, calls
 
 
+def test_the_ring_keeps_flash_blocks_on_cuda_whatever_the_models_attention():
+    # `kernels.attention = auto` is SDPA on CUDA, whose public call returns no log-sum-exp: the ring must still
+    # run flash blocks there, not the torch blocks that build (B, H, T, S) scores. Looks at names only: no GPU.
+    from raydist.kernels.attention import triton_causal_attention
+    from raydist.models.gpt import sdpa_attention
+    from raydist.parallel.context import ring_backend_for
+
+    assert ring_backend_for(sdpa_attention, "cuda", 128) == "triton"
+    assert ring_backend_for(sdpa_attention, "cuda", 80) == "torch"  # a head dim the kernel lacks
+    assert ring_backend_for(sdpa_attention, "cpu", 64) == "torch"
+    assert ring_backend_for(triton_causal_attention, "cpu", 64) == "triton"  # asked for, interpreted
+
+
 @pytest.mark.parametrize("impl,sequence_parallel", [("ring", False), ("ulysses", False), ("ring", True)],
                          ids=["ring", "ulysses", "ring-sp"])
 def test_context_parallel_with_tensor_parallel_equals_single_process(tiny_data, single, impl, sequence_parallel):
