@@ -27,7 +27,7 @@ from raydist.checkpoint import CheckpointManager, compat
 from raydist.checkpoint.manager import read_extra
 from raydist.elastic.session import LocalSession, Session
 from raydist.metrics.background import BackgroundWriter
-from raydist.metrics.flops import peak_flops
+from raydist.metrics.flops import run_peak_flops
 from raydist.metrics.goodput import EventLog, Goodput
 from raydist.metrics.logger import MetricsWriter, join, write_json
 from raydist.metrics.stragglers import StragglerDetector, per_rank, percentiles
@@ -52,11 +52,8 @@ class RunLogger:
         self.attempt = attempt
         self.tokens_per_step = trainer.layout.global_batch * cfg.data.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)
-        # The peak is taken after training has started (start-up work such as Ray Data's first read
-        # tasks competes for the CPU and would understate it), and on CPU re-measured every few logged
-        # intervals keeping the best figure.
-        self.peak_flops, self.peak_source = 0.0, ""
-        self.records = 0
+        # the device's peak FLOP/s for MFU (none on CPU: raydist.metrics.flops says why)
+        self.peak_flops, self.peak_source = run_peak_flops(trainer.device)
         self.interval_time = self.interval_wait = 0.0
         self.interval_steps = 0
         self.step_times: list[float] = []  # this rank's step and busy times of the interval (stragglers)
@@ -107,10 +104,6 @@ class RunLogger:
             settle_start = time.perf_counter()
             stats.loss
             self.interval_time += time.perf_counter() - settle_start
-            if self.records % 10 == 0:
-                peak, self.peak_source = peak_flops(self.trainer.device)
-                self.peak_flops = max(self.peak_flops, peak)
-            self.records += 1
             steps = max(self.interval_steps, 1)
             tokens_per_s = self.tokens_per_step * self.interval_steps / max(self.interval_time, 1e-9)
             # (live recovery: the step's replicas share the work, each over its own world of world_size workers)

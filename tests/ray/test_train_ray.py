@@ -7,6 +7,7 @@ import pytest
 
 from raydist.config import Config, ConfigError
 from raydist.driver.launcher import launch
+from raydist.metrics.flops import NO_CPU_PEAK
 
 pytestmark = pytest.mark.ray
 
@@ -31,7 +32,7 @@ def test_train_two_workers_writes_the_run_directory(local_ray, tiny_data, tmp_pa
         assert REQUIRED <= r.keys(), r.keys()
         assert r["world_size"] == 2 and r["mesh"]["dp_replicate"] == 2
     assert [r["step"] for r in records if "val_loss" in r] == [0, 6, 12]
-    assert records[-1]["mfu"] > 0 and records[-1]["mfu_peak_source"] == "measured:cpu_fp32_matmul"
+    assert records[-1]["mfu"] is None and records[-1]["mfu_peak_source"] == NO_CPU_PEAK  # (metrics/flops.py)
     assert summary == json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 12
     assert summary["final_val_loss"] < summary["first_val_loss"]

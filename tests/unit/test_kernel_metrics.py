@@ -7,6 +7,7 @@ CPU through Triton's interpreter (TRITON_INTERPRET=1, inherited by the spawned r
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -67,3 +68,19 @@ def test_tensor_parallel_run_reports_the_triton_linear_fallback(tiny_data, tmp_p
     # attention sees each rank's local heads as plain tensors: the Triton kernel does run
     assert ran["attention"].get("triton", 0) > 0 and set(ran["attention"]) == {"triton"}, ran
     assert lines[-1]["kernels"] == ran
+
+
+def test_a_cpu_run_reports_no_mfu_and_the_console_shows_none(tiny_data, tmp_path):
+    # A matmul timed in the run understated the peak: MFU 153% on the default run's console (flops.py)
+    from raydist.driver.console import Console, ProgressSink
+    from raydist.metrics.flops import NO_CPU_PEAK
+
+    raw = tiny_config(tiny_data, train=SHORT, checkpoint={"every_steps": 0})
+    run_fit(raw, 1, str(tmp_path))
+    lines, summary = records(tmp_path)
+    logged = [r for r in lines if r.get("tokens_per_s")]
+    assert logged and all(r["mfu"] is None and r["mfu_peak_source"] == NO_CPU_PEAK for r in logged)
+    assert summary["mfu"] is None and summary["mfu_peak_source"] == NO_CPU_PEAK
+    out = io.StringIO()
+    ProgressSink(2, Console(out=out), stream=io.StringIO(), tty=False).metric(logged[-1])
+    assert out.getvalue().startswith("step 2/2") and "MFU" not in out.getvalue()
