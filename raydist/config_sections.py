@@ -101,8 +101,10 @@ class ParallelConfig:
     """Micro-batches per step in the pipeline (0: one per micro_batch of the per-rank batch)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B needs >= 2; zbv always uses 2)."""
-    fsdp_reshard_after_forward: bool = True
-    """FSDP: free the gathered parameters after forward (ZeRO-3) rather than keep them for backward."""
+    fsdp_reshard_after_forward: str = "auto"
+    """FSDP: free the gathered parameters after forward (ZeRO-3, `true`) or keep them for backward (`false`);
+    `auto`: `true`, but `false` under a pipeline, whose chunks then stay gathered from their first forward to
+    their last backward of the step (one all-gather per chunk and step, not two per micro-batch)."""
     fsdp_forward_prefetch: bool = True
     """FSDP: all-gather the next block's parameters while the current block computes."""
 
@@ -223,9 +225,10 @@ class RayConfig:
 @dataclass(frozen=True)
 class KernelsConfig:
     attention: str = "auto"
-    """`auto` (sdpa: faster than the Triton kernel on an H100, README), `triton`, `sdpa`, `eager`."""
+    """`auto` (sdpa: flash attention on CUDA, faster than the Triton kernel on an H100: README's GPU check
+    suite), `triton`, `sdpa`, `eager`."""
     matmul: str = "auto"
-    """`auto` (torch: cuBLAS beat the Triton matmul on an H100, README), `triton`, `torch`."""
+    """`auto` (torch: cuBLAS on CUDA, faster than the Triton matmul on an H100), `triton`, `torch`."""
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "train.activation_checkpoint": ("none", "full", "every_k", "selective"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "ray.use_gpu": ("auto", "true", "false"),
+    "parallel.fsdp_reshard_after_forward": ("auto", "true", "false"),
     "kernels.attention": ("auto", "triton", "sdpa", "eager"),
     "kernels.matmul": ("auto", "triton", "torch"),
     "tracking.wandb_mode": ("online", "offline"),

@@ -110,7 +110,9 @@ class FSDP(NoDataParallel):
         return contextlib.nullcontext()
 
     def pipeline_hooks(self, chunks: Sequence[nn.Module], split_backward: bool = False):
-        return (None, fsdp_split_grad_sync(chunks)) if split_backward else (fsdp_grad_sync(chunks), None)
+        if split_backward:
+            return None, fsdp_split_grad_sync(chunks)
+        return fsdp_grad_sync(chunks, hold=not self.reshard_after_forward), None
 
     def autocast(self, device_type: str):
         return contextlib.nullcontext()  # the mixed-precision policy casts parameters (fsdp.py)
@@ -166,12 +168,17 @@ def ddp_grad_sync(chunks: Sequence[nn.Module]) -> BackwardHook:
     return hook
 
 
-def fsdp_grad_sync(chunks: Sequence[nn.Module]) -> BackwardHook:
+def fsdp_grad_sync(chunks: Sequence[nn.Module], hold: bool = False) -> BackwardHook:
     """FSDP2 pipeline chunks: accumulate unsharded gradients locally and reduce-scatter once, during each
-    chunk's last backward of the step."""
+    chunk's last backward of the step. `hold` (parameters not resharded after forward): nor after any
+    backward but the chunk's last, so a chunk is all-gathered once per step, not again for each micro-batch's
+    forward after a backward (torch.distributed.pipelining's stage does the same with
+    `set_reshard_after_backward`)."""
 
     def hook(chunk_index: int, is_last: bool) -> None:
         chunks[chunk_index].set_requires_gradient_sync(is_last)
+        if hold:
+            chunks[chunk_index].set_reshard_after_backward(is_last)
 
     return hook
 

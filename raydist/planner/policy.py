@@ -81,7 +81,8 @@ def resolve_layout(cfg: Config, spec: MeshSpec, *, micro_batch_limit: int | None
         sequence_parallel=p.sequence_parallel, cp_impl=p.cp_impl, pp_schedule=p.pp_schedule,
         virtual_stages=p.virtual_stages,
         stage_layers=stage_partition(cfg.model, stages) if 1 < spec.pp and stages <= cfg.model.num_layers else (),
-        fsdp_reshard_after_forward=p.fsdp_reshard_after_forward, fsdp_forward_prefetch=p.fsdp_forward_prefetch,
+        fsdp_reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, spec.pp),
+        fsdp_forward_prefetch=p.fsdp_forward_prefetch,
         reason=reason)
     problems = validate(layout, cfg.model, cfg.data.seq_len)
     if problems:
@@ -136,3 +137,10 @@ def _planned(cfg: Config, world_size: int) -> Layout:
               f"recompute {layout.activation_checkpoint}; estimated step {estimate.get('step_time_s', '?')} s, "
               f"MFU {estimate.get('mfu', '?')}")
     return layout.replace(reason=reason)
+
+
+def reshard_after_forward(setting: str, pp: int) -> bool:
+    """`parallel.fsdp_reshard_after_forward` resolved: `auto` keeps a pipeline's gathered parameters from
+    forward to backward (as torchtitan does under PP: the M micro-batches would re-gather every chunk twice
+    each) and frees them after forward otherwise (ZeRO-3)."""
+    return {"true": True, "false": False}.get(setting, pp == 1)

@@ -52,3 +52,34 @@ def test_pipeline_transfers_are_counted(tiny_data):
     for sent in spawn(_count, 2, raw):
         # stage 0 sends each micro-batch's activations forward, stage 1 each input gradient back
         assert sent["send"] == micro_batches * activation + tied
+
+
+def _gathers(raw):
+    from torch.distributed.fsdp import FSDPModule
+
+    from raydist.parallel.data_parallel import fsdp_param_groups
+    from raydist.training.trainer import Trainer
+
+    trainer = Trainer(Config.from_dict(raw), torch.device("cpu"))
+    counter = CommCounter()
+    trainer.train_step()
+    with counter.patch(functional=False):
+        trainer.train_step(trainer.next_batch())
+    units = sum(len(fsdp_param_groups(m._get_fsdp_state())) for chunk in trainer.pm.modules
+                for m in chunk.modules() if isinstance(m, FSDPModule))  # the units that hold parameters
+    out = {"all_gather": counter.calls["all_gather"], "units": units, "layout": trainer.layout.describe()}
+    trainer.close()
+    return out
+
+
+def test_fsdp_under_a_pipeline_gathers_each_unit_once_per_step(tiny_data):
+    # pp 2 x dp_shard 2, 4 micro-batches of 1F1B: `auto` keeps each rank's FSDP units gathered from their
+    # first forward to their last backward; resharding after forward (ZeRO-3) gathers the blocks again
+    # for every micro-batch's forward and backward
+    raw = tiny_config(tiny_data, train={"global_batch": 8, "micro_batch": 1},
+                      parallel={"pp": 2, "dp_replicate": 1, "dp_shard": 2, "pp_schedule": "1f1b"})
+    for rank in spawn(_gathers, 4, raw):
+        assert rank["units"] >= 2 and rank["all_gather"] == rank["units"], rank
+    raw["parallel"]["fsdp_reshard_after_forward"] = "true"
+    for rank in spawn(_gathers, 4, raw):
+        assert rank["all_gather"] > 4 * rank["units"], rank
