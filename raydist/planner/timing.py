@@ -47,6 +47,7 @@ from raydist.models.gpt import flops_per_token, param_counts
 from raydist.planner.hardware import Hardware, Link
 from raydist.planner.memory import block_activation_bytes, block_selective_bytes, stage_elements
 from raydist.planner.placement import Layout, Workload, holders, rank_layer_counts
+from raydist.schedule.registry import schedule_kind
 from raydist.schedule.timeline import theoretical_bubble
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -165,12 +166,11 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     elif kind in ("fsdp", "hsdp"):
         s = lay.fsdp_size
         link = hw.link(crosses_nodes(s, tp, hw))
-        gathers_per_mb = 2 if lay.fsdp_reshard_after_forward else 1
         reduce_scatters = m if lay.pp > 1 else 1
         per_unit_param = n_unsharded / units
         ag = all_gather_s(a * per_unit_param, s, link) * units
         rs = all_gather_s(4.0 * per_unit_param, s, link) * units
-        dp_s = ag * gathers_per_mb * m + rs * reduce_scatters
+        dp_s = ag * fsdp_gathers_per_step(lay, m) + rs * reduce_scatters
         if lay.dp_replicate > 1:
             rlink = hw.link(crosses_nodes(lay.dp_replicate, tp * s, hw))
             dp_s += all_reduce_s(4.0 * per_unit_param / s, lay.dp_replicate, rlink) * units * reduce_scatters
@@ -186,3 +186,15 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
         "dp_comm": dp_s, "dp_comm_exposed": dp_exposed, "optimizer": optimizer_s,
         "bubble_fraction": bubble, "total": total, "model_flops": model_flops,
     }
+
+
+def fsdp_gathers_per_step(lay: Layout, m: int) -> int:
+    """All-gathers of each FSDP unit per step over `m` micro-batches, as the runtime runs them: resharding
+    after forward gathers again for backward (2 per micro-batch); otherwise once per micro-batch (resharded
+    after each backward), except a pipeline without a split backward, whose chunks stay gathered from their
+    first forward to their last backward (raydist.parallel.data_parallel.fsdp_grad_sync): once per step."""
+    if lay.fsdp_reshard_after_forward:
+        return 2 * m
+    if lay.pp > 1 and not schedule_kind(lay.pp_schedule).split_backward:
+        return 1
+    return m

@@ -14,7 +14,7 @@ from raydist.planner.enumerate import choose_layout, enumerate_estimates
 from raydist.planner.hardware import DEVICES, Hardware, Link, get_hardware
 from raydist.planner.memory import rank_memory
 from raydist.planner.placement import Layout, Workload
-from raydist.planner.timing import all_gather_s, all_reduce_s, bubble_fraction, step_time
+from raydist.planner.timing import all_gather_s, all_reduce_s, bubble_fraction, fsdp_gathers_per_step, step_time
 
 GPT_TINY = "workloads/gpt_tiny.toml"
 
@@ -26,6 +26,15 @@ def _workload(**model) -> Workload:
 
 
 # ---- the published formulas ---------------------------------------------------------------------
+
+
+def test_fsdp_gathers_per_step_are_the_runtimes():
+    # (tests/unit/test_comm_volume.py counts the runtime's: one per unit and step under 1F1B, kept gathered)
+    assert fsdp_gathers_per_step(Layout(dp_shard=2), 4) == 8  # ZeRO-3: forward and backward, each micro-batch
+    assert fsdp_gathers_per_step(Layout(dp_shard=2, fsdp_reshard_after_forward=False), 4) == 4
+    kept = dict(dp_shard=2, pp=2, fsdp_reshard_after_forward=False)
+    assert fsdp_gathers_per_step(Layout(**kept, pp_schedule="1f1b"), 4) == 1
+    assert fsdp_gathers_per_step(Layout(**kept, pp_schedule="zbh1"), 4) == 4  # the split backward reshards
 
 
 def test_bubble_fractions_follow_the_published_formulas():
