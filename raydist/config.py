@@ -21,10 +21,11 @@ from raydist.config_sections import (CHOICES, SECTIONS, CheckpointConfig, DataCo
                                      ModelConfig, MonitorConfig, ParallelConfig, PeftConfig, RayConfig, TrackingConfig,
                                      TrainConfig)
 from raydist.errors import ConfigError
+from raydist.schedule.batch import divisors
 
 __all__ = ["CHOICES", "DEFAULT_WORKLOAD", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "ElasticConfig", "KernelsConfig", "ModelConfig", "MonitorConfig", "ParallelConfig", "PeftConfig",
-           "RayConfig", "TrackingConfig", "TrainConfig", "divisors", "dump_toml", "field_docs", "hf_dir_of",
+           "RayConfig", "TrackingConfig", "TrainConfig", "dump_toml", "field_docs", "hf_dir_of",
            "parse_override", "read_toml", "reference_markdown"]
 
 DEFAULT_WORKLOAD = "gpt_tiny.toml"
@@ -228,10 +229,6 @@ class Config:
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(f"{name}={value} must be a positive integer")
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 if __name__ == "__main__":  # regenerates the README's reference: python -m raydist.config

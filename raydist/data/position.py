@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from raydist.schedule.batch import per_rank_rows
+
 
 def _rng(*keys: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in keys]))
@@ -133,9 +135,7 @@ class SampleOrder:
 def rank_slice(position: int, global_batch: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
     """[start, stop) positions that dp rank `dp_rank` of `dp_size` takes from the global batch at
     `position`. global_batch must be divisible by dp_size (the layout policy guarantees it)."""
-    if global_batch % dp_size:
-        raise ValueError(f"global_batch={global_batch} is not divisible by the data-parallel size {dp_size}")
-    per_rank = global_batch // dp_size
+    per_rank = per_rank_rows(global_batch, dp_size)
     start = position + dp_rank * per_rank
     return start, start + per_rank
 
@@ -152,9 +152,7 @@ class RankPlan:
     phase: int = 0  # step boundaries are the positions = phase (mod global_batch)
 
     def __post_init__(self):
-        if self.global_batch % self.dp_size:
-            raise ValueError(f"global_batch={self.global_batch} is not divisible by the data-parallel size "
-                             f"{self.dp_size}")
+        per_rank_rows(self.global_batch, self.dp_size)  # (a ValueError when the ranks' shares differ)
         if not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"dp_rank={self.dp_rank} is outside 0..{self.dp_size - 1}")
 
@@ -165,7 +163,7 @@ class RankPlan:
 
     @property
     def per_rank(self) -> int:
-        return self.global_batch // self.dp_size
+        return per_rank_rows(self.global_batch, self.dp_size)
 
     def taken(self, positions: np.ndarray) -> np.ndarray:
         """(n,) bool: which of `positions` this rank takes."""

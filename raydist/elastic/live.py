@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from raydist.config import Config
 from raydist.data.position import rank_slice
+from raydist.schedule.batch import largest_divisor
 
 REPLICA_ID_PREFIX = "raydist_replica_"
 
@@ -105,12 +106,6 @@ def replica_identity(workers_per_replica: int) -> ReplicaIdentity:
     return ReplicaIdentity(**{field: int(os.environ[name]) for field, name in IDENTITY_ENV.items()})
 
 
-def micro_batch_for(rows: int, limit: int) -> int:
-    """The largest micro-batch <= limit that divides `rows` (equal micro-batches: their mean loss is the mean
-    over the rows)."""
-    return max(d for d in range(1, min(rows, max(limit, 1)) + 1) if rows % d == 0)
-
-
 def workers_per_replica(cfg: Config) -> int:
     """The workers of one replica: its own mesh of dp_shard x cp x tp x pp ranks."""
     p = cfg.parallel
@@ -120,7 +115,7 @@ def workers_per_replica(cfg: Config) -> int:
 def replica_config(cfg: Config) -> Config:
     """The config one replica trains with in its own world of `workers_per_replica` workers: the same run with
     dp_replicate 1. Without a pipeline a live step picks each step's micro-batch from the rows it got, up to
-    the layout's (`micro_batch_for`), and the whole run's layout need not exist (3 replicas may share a
+    the layout's (`largest_divisor` of its rows), and the whole run's layout need not exist (3 replicas may share a
     global batch of 8). A pipeline runs whole micro-batches of the whole run's size: the replica's layout,
     which holds the whole global batch, gets `train.micro_batch` = the whole run's and
     `parallel.num_microbatches` = the whole run's M x dp_replicate, so that a step gives each rank the whole
@@ -207,7 +202,7 @@ class Replicas:
         rank, count = self.begin_step()
         replica_span = live_slice(position, global_batch, rank, count, unit=dp * unit)
         span = rank_slice(replica_span[0], replica_span[1] - replica_span[0], dp_rank, dp)
-        return StepShare(span, micro_batch_for(span[1] - span[0], micro_batch),
+        return StepShare(span, largest_divisor(span[1] - span[0], micro_batch),
                          (replica_span[1] - replica_span[0]) / global_batch, count, replica_span, (rank, count))
 
     def reduce(self, model: torch.nn.Module, local_loss: torch.Tensor,

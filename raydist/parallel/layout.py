@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from raydist.errors import ConfigError
 from raydist.parallel.mesh import DIMS, MeshSpec
 from raydist.schedule.actions import stages_of_rank
+from raydist.schedule.batch import divisors
 from raydist.schedule.registry import KINDS, SCHEDULE_KINDS, chunks_per_rank, placement_of
 
 if TYPE_CHECKING:  # the model's shape; attribute access only, so leaf code need not import the config
@@ -218,10 +219,6 @@ def rank_layers(layout: Layout, pp_rank: int) -> int:
 # ---- validation --------------------------------------------------------------------------------------
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
 def smallest_tp_rows(model: "ModelConfig", tp: int) -> int:
     """The smallest first dimension of a parameter after tensor parallelism (what FSDP then shards)."""
     head_dim = model.d_model // model.num_heads
@@ -278,10 +275,10 @@ def _tensor_parallel(lay: Layout, m: "ModelConfig", seq_len: int) -> list[str]:
     for key, value in (("num_heads", m.num_heads), ("ffn_hidden", m.ffn_hidden), ("vocab_size", m.vocab_size)):
         if value % tp:
             out.append(f"parallel.tp={tp} does not divide model.{key}={value}; pick tp from "
-                       f"{[d for d in _divisors(value) if d > 1]} or change model.{key}")
+                       f"{[d for d in divisors(value) if d > 1]} or change model.{key}")
     kv = m.num_kv_heads
     if kv % tp and tp % kv:
-        choices = sorted(set(_divisors(kv)) | {kv * d for d in _divisors(m.num_heads // kv)})
+        choices = sorted(set(divisors(kv)) | {kv * d for d in divisors(m.num_heads // kv)})
         out.append(f"parallel.tp={tp} and model.num_kv_heads={kv}: tensor parallelism splits kv heads evenly "
                    f"(tp divides num_kv_heads) or replicates them (num_kv_heads divides tp); pick tp from {choices}")
     if lay.sequence_parallel:

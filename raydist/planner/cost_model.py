@@ -18,6 +18,7 @@ from raydist.planner.hardware import Hardware
 from raydist.planner.memory import rank_memory
 from raydist.planner.placement import Layout, Workload
 from raydist.planner.timing import step_time
+from raydist.schedule.batch import BatchPlan, splits
 from raydist.schedule.registry import SCHEDULE_KINDS
 
 TIME_TERMS = {
@@ -67,14 +68,15 @@ class Estimate:
 
 
 def num_microbatches(w: Workload, lay: Layout) -> int:
-    return w.global_batch // (lay.dp * lay.micro_batch)
+    """The workload's micro-batch count under `lay` (the batch plan's: raydist.schedule.batch)."""
+    return BatchPlan(w.global_batch, lay.dp, lay.micro_batch).num_microbatches
 
 
 def complete(w: Workload, lay: Layout) -> Layout:
     """`lay` with what follows from the workload filled in, as the runtime resolves it: the micro-batch
     count and the pipeline's stage partition."""
     changes = {}
-    if w.global_batch % (lay.dp * lay.micro_batch) == 0 and lay.num_microbatches != num_microbatches(w, lay):
+    if splits(w.global_batch, lay.dp, lay.micro_batch) and lay.num_microbatches != num_microbatches(w, lay):
         changes["num_microbatches"] = num_microbatches(w, lay)
     if lay.pp > 1 and not lay.stage_layers and lay.num_stages <= w.model.num_layers:
         changes["stage_layers"] = stage_partition(w.model, lay.num_stages)
@@ -83,7 +85,7 @@ def complete(w: Workload, lay: Layout) -> Layout:
 
 def layout_problems(w: Workload, lay: Layout) -> list[str]:
     """Why `lay` cannot run `w` (empty: it can)."""
-    if w.global_batch % (lay.dp * lay.micro_batch):
+    if not splits(w.global_batch, lay.dp, lay.micro_batch):
         return [f"train.global_batch={w.global_batch} must be divisible by dp ({lay.dp}) x train.micro_batch "
                 f"({lay.micro_batch}); change global_batch, micro_batch or the layout"]
     return validate(complete(w, lay), w.model, w.seq_len)

@@ -23,11 +23,12 @@ import dataclasses
 import importlib.util
 from typing import Iterable, Iterator
 
-from raydist.config import Config, ConfigError, divisors
+from raydist.config import Config, ConfigError
 from raydist.parallel.layout import mesh_problems
 from raydist.planner.cost_model import Estimate, complete, estimate, layout_problems
 from raydist.planner.hardware import Hardware, get_hardware
 from raydist.planner.placement import Layout, Workload, rank_layer_counts
+from raydist.schedule.batch import divisors, microbatch_count, per_rank_rows
 from raydist.schedule.registry import DEFAULT_KIND, SCHEDULE_KINDS
 
 ALL_FEATURES = frozenset({"tp", "cp", "pp"})
@@ -83,7 +84,7 @@ def _candidates(w, world, hw, features, policies, micro_batches):
     """valid_layouts' candidates as (completed shape, policy, layout, accepted)."""
     for shape in layout_shapes(w, world, hw, features):
         shape = complete(w, shape)  # the stage partition, once per shape
-        per_rank = w.global_batch // shape.dp
+        per_rank = per_rank_rows(w.global_batch, shape.dp)  # (shapes whose dp divides it)
         sizes = sorted(micro_batches) if micro_batches is not None else divisors(per_rank)
         layers = max(rank_layer_counts(w, shape)) if shape.num_stages <= w.model.num_layers else 0
         fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
@@ -95,7 +96,7 @@ def _candidates(w, world, hw, features, policies, micro_batches):
                 divides = per_rank % size == 0
                 # (a constructor call: dataclasses.replace costs twice as much, half a million times)
                 lay = Layout(**{**fields, "micro_batch": size, "activation_checkpoint": policy,
-                                "num_microbatches": per_rank // size if divides else 1})
+                                "num_microbatches": microbatch_count(per_rank, size) if divides else 1})
                 yield shape, policy, lay, divides and mesh_ok and not layout_problems(w, lay)
 
 

@@ -17,8 +17,9 @@ depends on a live measurement.
   (e.g. the 5th worker when tp = 2) stay idle and are reported.
 - `parallel.auto`: the planner's best layout for the live worker count.
 
-A micro-batch left unset (train.micro_batch = 0) is derived: the largest divisor of the per-rank batch
-not above `AUTO_MICRO_BATCH_LIMIT` (with a pipeline: one that also gives at least pp micro-batches).
+A micro-batch left unset (train.micro_batch = 0) is derived by the batch plan (raydist.schedule.batch): the
+largest divisor of the per-rank batch not above `AUTO_MICRO_BATCH_LIMIT` (with a pipeline: one that also
+gives at least pp micro-batches).
 """
 
 from __future__ import annotations
@@ -27,56 +28,24 @@ from raydist.config import Config
 from raydist.errors import ConfigError
 from raydist.parallel.layout import Layout, stage_partition, validate
 from raydist.parallel.mesh import MeshSpec
-from raydist.schedule.registry import SCHEDULE_KINDS, chunks_per_rank
-
-AUTO_MICRO_BATCH_LIMIT = 8
-
-
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
-
-
-def _auto_micro_batch(per_rank: int, limit: int, pp: int, schedule: str) -> int:
-    """The largest divisor of `per_rank` not above `limit`; with a pipeline, one giving M >= pp micro-batches
-    (and what else the schedule needs of M: a multiple of pp when interleaved), when such a divisor exists."""
-    candidates = [d for d in range(1, min(per_rank, limit) + 1) if per_rank % d == 0]
-    kind = SCHEDULE_KINDS.get(schedule)
-    if pp > 1:
-        fitting = [d for d in candidates if per_rank // d >= pp and
-                   (kind is None or kind.microbatch_problem(kind.name, pp, per_rank // d, True) is None)]
-        candidates = fitting or candidates
-    return max(candidates)
+from raydist.schedule.batch import AUTO_MICRO_BATCH_LIMIT, plan_batch
+from raydist.schedule.registry import chunks_per_rank
 
 
 def resolve_layout(cfg: Config, spec: MeshSpec, *, micro_batch_limit: int | None = None,
                    reason: str = "") -> Layout:
     """The Layout of `cfg` on the resolved degrees `spec`, or a ConfigError naming the value and the fix.
 
-    The micro-batch: with a pipeline and parallel.num_microbatches set, per-rank batch / M; else
-    train.micro_batch, which must divide the per-rank batch; unset (0) or under `micro_batch_limit`
-    (elastic runs), the largest fitting divisor up to the limit."""
+    The micro-batch is the batch plan's (raydist.schedule.batch.plan_batch): with a pipeline and
+    parallel.num_microbatches set, per-rank batch / M; else train.micro_batch, which must divide the per-rank
+    batch; unset (0) or under `micro_batch_limit` (elastic runs), the largest fitting divisor up to the limit."""
     p, t = cfg.parallel, cfg.train
-    if t.global_batch % spec.dp:
-        micro = f" x train.micro_batch ({t.micro_batch})" if t.micro_batch else ""
-        raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by dp ({spec.dp}){micro}; change "
-                          "global_batch, micro_batch or the layout (the worker count)")
-    per_rank = t.global_batch // spec.dp
-    if spec.pp > 1 and p.num_microbatches:
-        if per_rank % p.num_microbatches:
-            raise ConfigError(f"parallel.num_microbatches={p.num_microbatches} does not divide the per-rank batch "
-                              f"{per_rank} (train.global_batch / dp); pick a divisor of it")
-        micro = per_rank // p.num_microbatches
-    elif t.micro_batch and micro_batch_limit is None:
-        micro = t.micro_batch
-        if per_rank % micro:
-            raise ConfigError(f"train.global_batch={t.global_batch} must be divisible by dp ({spec.dp}) x "
-                              f"train.micro_batch ({micro}); change global_batch, micro_batch or the layout")
-    else:
-        micro = _auto_micro_batch(per_rank, micro_batch_limit or AUTO_MICRO_BATCH_LIMIT, spec.pp, p.pp_schedule)
+    batch = plan_batch(t.global_batch, spec.dp, micro_batch=t.micro_batch, limit=micro_batch_limit, pp=spec.pp,
+                       schedule=p.pp_schedule, num_microbatches=p.num_microbatches)
     stages = spec.pp * chunks_per_rank(p.pp_schedule, p.virtual_stages)
     layout = Layout(
         pp=spec.pp, dp_replicate=spec.dp_replicate, dp_shard=spec.dp_shard, cp=spec.cp, tp=spec.tp,
-        micro_batch=micro, num_microbatches=per_rank // micro,
+        micro_batch=batch.micro_batch, num_microbatches=batch.num_microbatches,
         activation_checkpoint=t.activation_checkpoint, activation_checkpoint_k=t.activation_checkpoint_k,
         sequence_parallel=p.sequence_parallel, cp_impl=p.cp_impl, pp_schedule=p.pp_schedule,
         virtual_stages=p.virtual_stages,

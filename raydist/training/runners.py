@@ -42,6 +42,7 @@ from raydist.parallel.layout import Layout
 from raydist.parallel.mesh import Mesh
 from raydist.parallel.parallelize import ParallelModel
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline
+from raydist.schedule.batch import microbatch_count
 from raydist.schedule.clock import ActionClock
 from raydist.schedule.registry import SCHEDULE_KINDS, make_schedule
 
@@ -218,9 +219,7 @@ class PipelineRunner:
         same for every micro-batch and every stage)."""
         batch = _local(tokens, self.needs)
         micro = micro_batch or self.layout.micro_batch
-        if batch.count % micro:
-            raise ValueError(f"{batch.count} rows are no whole number of {micro}-row micro-batches")
-        executor = self._executor(micro, batch.count // micro)
+        executor = self._executor(micro, microbatch_count(batch.count, micro))
         if self.needs.targets:
             self.mask_scale.update(batch)
         parts = batch.split(micro)

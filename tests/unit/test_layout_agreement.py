@@ -9,11 +9,12 @@ import itertools
 
 import pytest
 
-from raydist.config import Config, ConfigError, divisors
+from raydist.config import Config, ConfigError
 from raydist.planner.enumerate import ALL_FEATURES, valid_layouts
 from raydist.planner.hardware import DEVICES
 from raydist.planner.placement import Workload
 from raydist.planner.policy import plan_layout
+from raydist.schedule.batch import divisors
 
 SHAPES = {
     "gqa": dict(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=320),

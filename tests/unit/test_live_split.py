@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from raydist.elastic.live import Membership, Replicas, live_slice, micro_batch_for
+from raydist.elastic.live import Membership, Replicas, live_slice
+from raydist.schedule.batch import largest_divisor
 from raydist.testing import run_layout, tiny_config
 
 STEPS, LOST_AT_STEP = 6, 4
@@ -30,7 +31,7 @@ def test_live_slice_partitions_the_global_batch():
         assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
     with pytest.raises(ValueError):
         live_slice(0, 8, 2, 2)
-    assert micro_batch_for(6, 4) == 3 and micro_batch_for(5, 2) == 1 and micro_batch_for(8, 8) == 8
+    assert largest_divisor(6, 4) == 3 and largest_divisor(5, 2) == 1 and largest_divisor(8, 8) == 8
 
 
 def test_membership_events_and_time_to_rejoin():
