@@ -104,12 +104,14 @@ class LiveActivations(torch.utils._python_dispatch.TorchDispatchMode):
     caller). At the end of forward, minus the output, that is the activation memory held for backward,
     whatever mechanism holds it. Counted once per storage."""
 
-    def __init__(self):
+    def __init__(self, track_peak: bool = False):
         super().__init__()
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self._storage_ref = StorageWeakRef  # tracks the storage itself: views keep it alive
         self._storages: dict[int, tuple] = {}
+        # `track_peak`: `peak_bytes`, the most bytes live after any op (a scan per op: small tests only)
+        self.track_peak, self.peak_bytes = track_peak, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -120,12 +122,16 @@ class LiveActivations(torch.utils._python_dispatch.TorchDispatchMode):
                 known = self._storages.get(key)
                 if key and (known is None or known[0].expired()):  # new, or an address reused after a free
                     self._storages[key] = (self._storage_ref(storage), storage.nbytes())
+        if self.track_peak:
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes())
         return out
 
     def live_bytes(self, exclude: tuple[torch.Tensor, ...] = ()) -> int:
         skip = {t.untyped_storage().data_ptr() for t in exclude}
         total = 0
-        for key, (ref, nbytes) in self._storages.items():
-            if key not in skip and not ref.expired():
+        for key, (ref, nbytes) in list(self._storages.items()):
+            if ref.expired():
+                del self._storages[key]
+            elif key not in skip:
                 total += nbytes
         return total

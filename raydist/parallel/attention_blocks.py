@@ -6,8 +6,9 @@ attention runs at each ring step. Two backends with one signature:
 
 - `triton`: raydist.kernels' flash attention (`attention_forward` / `attention_backward`), on CUDA or on CPU
   under TRITON_INTERPRET=1;
-- `torch`: plain torch in fp32 (fp64 for fp64 input), materialising the block's (B, H, T, S) scores: the CPU
-  path, and the oracle the Triton backend is checked against.
+- `torch`: plain torch in fp32 (fp64 for fp64 input), one tile of KEY_TILE keys at a time (online softmax
+  forward, tiled backward), so memory grows linearly with the block's length, never with T x S: the CPU path,
+  and the one on CUDA for head dims the Triton kernel lacks (context.ring_backend_for).
 
 q (B, H, T, E), k/v (B, K, S, E), H a multiple of K. `backward` takes the *merged* out and lse of the query
 rows (over every key block, not just this one): with them P_ij = exp(scale q_i.k_j - lse_i) is already the
@@ -21,7 +22,7 @@ import math
 
 import torch
 
-from raydist.kernels.reference import attention_reference, repeat_kv
+from raydist.kernels.reference import repeat_kv
 from raydist.metrics.kernels import count_call
 
 BACKENDS = ("torch", "triton")
@@ -31,32 +32,73 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
 
 
-def torch_forward(q, k, v, causal: bool, scale: float | None = None):
-    count_call("attention.torch")
-    with torch.no_grad():
-        return attention_reference(q, k, v, causal=causal, return_lse=True, scale=scale)
+KEY_TILE = 256  # keys per tile of the torch blocks: (B, H, T, KEY_TILE) scores at a time
 
 
-def torch_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None = None, grad_lse=None):
-    """dS = P * (dP - delta), dq = scale dS k, dk = scale dS^T q, dv = P^T dO (kv heads summed over their
-    query-head group)."""
-    scale = _scale(q, scale)
-    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
-    (b, h, t, e), kv_heads, s = q.shape, k.shape[1], k.shape[2]
-    qf, kf, vf = q.to(cd), repeat_kv(k, h).to(cd), repeat_kv(v, h).to(cd)
-    scores = (qf @ kf.transpose(-2, -1)) * scale  # (B, H, T, S)
+def _tiles(s: int, tile: int):
+    return ((j, min(j + tile, s)) for j in range(0, s, tile))
+
+
+def _tile_scores(qf, k, j0: int, j1: int, h: int, cd, scale: float, causal: bool):
+    """Scores (B, H, T, j1 - j0) of the queries against keys [j0, j1), causally masked (key j > query i)."""
+    kt = repeat_kv(k[:, :, j0:j1], h).to(cd)
+    scores = (qf @ kt.transpose(-2, -1)) * scale
     if causal:
-        future = torch.ones(t, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    p = torch.exp(scores - lse.to(cd)[..., None])  # the final softmax's entries for these keys
-    do = dout.to(cd)
+        rows = torch.arange(qf.shape[2], device=qf.device)[:, None]
+        cols = torch.arange(j0, j1, device=qf.device)[None, :]
+        scores = scores.masked_fill(cols > rows, float("-inf"))
+    return kt, scores
+
+
+def torch_forward(q, k, v, causal: bool, scale: float | None = None, tile: int | None = None):
+    """Online softmax over key tiles (FlashAttention's recurrence, Dao et al. 2022, in plain torch): peak
+    memory (B, H, T, tile) scores, linear in T, never the block's (B, H, T, S). fp32 (fp64 for fp64 input)."""
+    count_call("attention.torch")
+    scale, tile = _scale(q, scale), tile or KEY_TILE
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    (b, h, t, e), s = q.shape, k.shape[2]
+    if causal and t != s:
+        raise ValueError(f"a causal block is square, got {t} queries and {s} keys")
+    with torch.no_grad():
+        qf = q.to(cd)
+        m = torch.full((b, h, t), float("-inf"), dtype=cd, device=q.device)  # running max
+        den = torch.zeros((b, h, t), dtype=cd, device=q.device)  # running sum of exp(score - m)
+        acc = torch.zeros((b, h, t, e), dtype=cd, device=q.device)
+        for j0, j1 in _tiles(s, tile):
+            _, scores = _tile_scores(qf, k, j0, j1, h, cd, scale, causal)
+            m_new = torch.maximum(m, scores.amax(-1))
+            safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # rows with no key yet
+            p = torch.exp(scores - safe[..., None])
+            alpha = torch.exp(m - safe)
+            den = den * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + p @ repeat_kv(v[:, :, j0:j1], h).to(cd)
+            m = m_new
+        out = acc / den[..., None]
+        lse = m + torch.log(den)
+    return out.to(q.dtype), lse
+
+
+def torch_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None = None, grad_lse=None,
+                   tile: int | None = None):
+    """dS = P * (dP - delta), dq = scale dS k, dk = scale dS^T q, dv = P^T dO (kv heads summed over their
+    query-head group), one key tile at a time: (B, H, T, tile) at a time, as the forward."""
+    scale, tile = _scale(q, scale), tile or KEY_TILE
+    cd = torch.float64 if q.dtype == torch.float64 else torch.float32
+    (b, h, _, e), kv_heads, s = q.shape, k.shape[1], k.shape[2]
+    qf, do, lse_c = q.to(cd), dout.to(cd), lse.to(cd)[..., None]
     delta = (do * out.to(cd)).sum(-1)  # (B, H, T)
     if grad_lse is not None:
         delta = delta - grad_lse.to(cd)
-    ds = p * (do @ vf.transpose(-2, -1) - delta[..., None])  # (B, H, T, S)
-    dq = (ds @ kf) * scale
-    dk = ((ds.transpose(-2, -1) @ qf) * scale).view(b, kv_heads, h // kv_heads, s, e).sum(2)
-    dv = (p.transpose(-2, -1) @ do).view(b, kv_heads, h // kv_heads, s, e).sum(2)
+    dq = torch.zeros_like(qf)
+    dk = torch.empty((b, kv_heads, s, e), dtype=cd, device=q.device)
+    dv = torch.empty_like(dk)
+    for j0, j1 in _tiles(s, tile):
+        kt, scores = _tile_scores(qf, k, j0, j1, h, cd, scale, causal)
+        p = torch.exp(scores - lse_c)  # the final softmax's entries for these keys
+        ds = p * (do @ repeat_kv(v[:, :, j0:j1], h).to(cd).transpose(-2, -1) - delta[..., None])
+        dq += (ds @ kt) * scale
+        dk[:, :, j0:j1] = ((ds.transpose(-2, -1) @ qf) * scale).view(b, kv_heads, h // kv_heads, j1 - j0, e).sum(2)
+        dv[:, :, j0:j1] = (p.transpose(-2, -1) @ do).view(b, kv_heads, h // kv_heads, j1 - j0, e).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

@@ -57,6 +57,19 @@ def test_ring_on_triton_blocks_equals_single_process(tiny_data, monkeypatch):
         assert calls.get("attention.triton") == 2 * 2 * 2, calls
 
 
+def test_ring_on_tiled_torch_blocks_at_head_dim_80_equals_single_process(tiny_data):
+    # kernels.attention = sdpa (auto's choice) and a head dim the Triton kernel lacks: the ring runs the
+    # tiled torch blocks (memory linear in T: test_context_parallel_attention.py), and equals one process
+    small = {"global_batch": 4, "micro_batch": 4}
+    model = {"d_model": 160, "num_heads": 2, "num_kv_heads": 1, "ffn_hidden": 256}
+    kernels = {"attention": "sdpa", "matmul": "torch"}
+    [(ref, _)] = spawn(_run_counting_kernels, 1, tiny_config(tiny_data, kernels=kernels, train=small, model=model), 2)
+    raw = tiny_config(tiny_data, kernels=kernels, train=small, model=model, parallel={"cp": 2})
+    for rank, calls in spawn(_run_counting_kernels, 2, raw, 2):
+        assert_equivalent(ref, rank)
+        assert calls.get("attention.torch") == 2 * 2 * 2, calls  # steps x layers x ring steps (forward)
+
+
 def test_the_ring_keeps_flash_blocks_on_cuda_whatever_the_models_attention():
     # `kernels.attention = auto` is SDPA on CUDA, whose public call returns no log-sum-exp: the ring must still
     # run flash blocks there, not the torch blocks that build (B, H, T, S) scores. Looks at names only: no GPU.

@@ -63,6 +63,50 @@ def test_ring_attention_on_triton_blocks_equals_full_attention():
         assert max(errors.values()) < 2e-5, errors
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_tiled_torch_blocks_equal_full_attention(causal):
+    # one block alone, keys in tiles of 2 over 7 keys (a short last tile), 6 query heads on 2 kv heads, fp64
+    from raydist.parallel.attention_blocks import torch_backward, torch_forward
+
+    q, k, v, w_out, w_lse = _inputs(7, 6, 2, 8, torch.float64)
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = attention_reference(*full, causal=causal, return_lse=True) if causal else _full_noncausal(*full)
+    ((out * w_out).sum() + (lse * w_lse).sum()).backward()
+    out_t, lse_t = torch_forward(q, k, v, causal, tile=2)
+    grads = torch_backward(w_out, q, k, v, out_t, lse_t, causal, grad_lse=w_lse, tile=2)
+    assert float((out_t - out).abs().max()) < 1e-12 and float((lse_t - lse).abs().max()) < 1e-12
+    for got, x in zip(grads, full):
+        assert float((got - x.grad).abs().max()) < 1e-12
+
+
+def _full_noncausal(q, k, v):
+    from raydist.kernels.reference import repeat_kv
+
+    scores = q @ repeat_kv(k, q.shape[1]).transpose(-2, -1) / q.shape[-1] ** 0.5
+    lse = torch.logsumexp(scores, -1)
+    return torch.exp(scores - lse[..., None]) @ repeat_kv(v, q.shape[1]), lse
+
+
+def test_torch_block_memory_grows_linearly_with_the_sequence():
+    # head dim 80 (no Triton kernel: context.ring_backend_for picks these blocks, on CUDA too). Doubling T
+    # doubles the peak (B, H, T, KEY_TILE) tiles; the (B, H, T, T) scores of a materialising block would
+    # quadruple it, which the second check plants and sees caught
+    from raydist.metrics.memory import LiveActivations
+    from raydist.parallel.attention_blocks import torch_backward, torch_forward
+
+    def peak(seq_len, tile=None):
+        q, k, v, w_out, _ = _inputs(seq_len, 4, 2, 80, torch.float32)
+        with LiveActivations(track_peak=True) as live:
+            out, lse = torch_forward(q, k, v, True, tile=tile)
+            torch_backward(w_out, q, k, v, out, lse, True, tile=tile)
+        return live.peak_bytes
+
+    small, large = peak(1024), peak(2048)
+    assert large < 2.3 * small, (small, large)
+    materialised_small, materialised_large = peak(1024, tile=1024), peak(2048, tile=2048)  # one tile: T x S
+    assert materialised_large > 3.5 * materialised_small, (materialised_small, materialised_large)
+
+
 def _compare_ulysses(seq_len, heads, kv_heads, head_dim):
     from raydist.parallel.ulysses import ulysses_attention
 
