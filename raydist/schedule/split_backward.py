@@ -75,7 +75,7 @@ def _upward(starts: list[Node], parents: dict[Node, list[Node]], stop: set[Node]
     return reached, met
 
 
-@dataclass
+@dataclass(eq=False)  # groups are told apart by identity (`groups.remove`): comparing tensors would fail
 class _Group:
     """Parameters whose gradients branch off the input path at the same boundary nodes."""
 
