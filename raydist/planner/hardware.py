@@ -8,11 +8,20 @@ a node (NVLink 4: ~450 GB/s per direction on H100, NVIDIA's "900 GB/s" is both d
 below holds datasheet figures; `--device cpu` takes them from `raydist plan --calibrate` (measured here, see
 calibrate.py).
 
-Assumptions (stated, not measured, for the GPU rows):
-- `peak_flops` is the dense bf16 tensor-core peak (raydist.metrics.flops' table), and
-  `compute_efficiency` the share of it that large matmuls reach in practice (a plain PyTorch loop of
-  8k x 8k bf16 matmuls reaches roughly 80% of the H100's dense peak; we take 0.75 to cover smaller
-  shapes and elementwise work).
+Measured, for the H100 (and the H200: the same chip's compute), by the GPU check suite on one H100 80GB
+(2026-11-27, torch 2.11 + CUDA 13.0; benchmarks/results/gpu_suite_h100.json, README "The GPU check suite"):
+- `compute_efficiency`, the share of the dense bf16 peak (raydist.metrics.flops' table) that the model's
+  matmuls reach: cuBLAS forward+backward at Llama 3 8B/70B MLP shapes over 8192 tokens ran at 682-707
+  TFLOP/s, 0.69-0.72 of 989: 0.70.
+- `attention_efficiency`, by sequence length: flash SDPA's causal forward+backward at Llama 3 heads ran at
+  346/401/439 TFLOP/s (T = 2k/4k/8k, the 70B's within 1%), 0.35/0.41/0.44 of the peak on the FLOPs it
+  does; a causal kernel does half the FLOPs that MFU counts (12 L d T per token, Chowdhery et al. 2022),
+  so in the planner's FLOPs the rates are twice that: 0.70/0.81/0.89.
+- `elementwise`: norms, RoPE, the attention layout copies, residual adds, the SwiGLU product, the loss over
+  the vocabulary and the weights' bf16 casts are priced as the bytes they move at memory bandwidth
+  (timing.py); without them the planner put the suite's 8B-shaped stack at 63% MFU against 43.6% measured.
+The A100 row keeps the earlier assumption (not measured: 0.75 of its peak for every FLOP, no elementwise
+term).
 - alpha is an order-of-magnitude guess: 1 us for NVLink and 10 us across nodes (a network hop and the NIC add
   to it); NCCL's real small-message latency is higher, which matters only for layouts with many tiny
   collectives.
@@ -51,7 +60,10 @@ class Hardware:
     intra: Link  # inside a node
     inter: Link  # between nodes
     gpus_per_node: int = 8
-    compute_efficiency: float = 0.75
+    compute_efficiency: float = 0.75  # the matmuls' share of peak_flops
+    # ((seq_len, share of peak_flops on the planner's attention FLOPs), ...) ascending; empty: compute_efficiency
+    attention_efficiency: tuple[tuple[int, float], ...] = ()
+    elementwise: bool = False  # price memory-bound work (norms, RoPE, SwiGLU, the loss, casts) at the bandwidth
     usable_memory_fraction: float = 0.9
     comm_overlap: float = 1.0
     compute_dtype_bytes: int = 2  # bf16 on GPUs, fp32 (4) on CPU
@@ -66,6 +78,14 @@ class Hardware:
     def usable_memory_bytes(self) -> float:
         return self.memory_bytes * self.usable_memory_fraction
 
+    def attention_share(self, seq_len: int) -> float:
+        """The attention kernels' share of peak_flops at `seq_len`: the measured point at or below it (the
+        shortest one below the first), compute_efficiency when none was measured."""
+        if not self.attention_efficiency:
+            return self.compute_efficiency
+        below = [share for t, share in self.attention_efficiency if t <= seq_len]
+        return below[-1] if below else self.attention_efficiency[0][1]
+
     def link(self, crosses_nodes: bool) -> Link:
         return self.inter if crosses_nodes else self.intra
 
@@ -79,9 +99,13 @@ class Hardware:
 # Datasheet rows. H100/H200 SXM: NVLink 4 (18 links x 25 GB/s = 450 GB/s per direction), one 400 Gb/s
 # NDR port per GPU. A100 80GB SXM (Megatron's Selene): NVLink 3 (300 GB/s per direction), one 200 Gb/s
 # HDR port per GPU.
+HOPPER_MEASURED = dict(compute_efficiency=0.70, attention_efficiency=((2048, 0.70), (4096, 0.81), (8192, 0.89)),
+                       elementwise=True, source="measured (GPU check suite, one H100, 2026-11-27)")
 DEVICES: dict[str, Hardware] = {
-    "h100": Hardware("h100", 989e12, 80 * GB, 3.35e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB)),
-    "h200": Hardware("h200", 989e12, 141 * GB, 4.8e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB)),
+    "h100": Hardware("h100", 989e12, 80 * GB, 3.35e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB),
+                     **HOPPER_MEASURED),
+    "h200": Hardware("h200", 989e12, 141 * GB, 4.8e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB),
+                     **HOPPER_MEASURED),
     "a100": Hardware("a100", 312e12, 80 * GB, 2.0e12, Link(1e-6, 300 * GB), Link(10e-6, 25 * GB)),
 }
 DEVICE_NAMES = (*DEVICES, "cpu")

@@ -93,19 +93,28 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     stage_layers = rank_layer_counts(w, lay)
     layers = max(stage_layers)
     rate = hw.peak_flops * hw.compute_efficiency
+    attention_rate = hw.peak_flops * hw.attention_share(w.seq_len)
+    bandwidth = hw.memory_bandwidth_bytes_per_s
 
     # ---- compute per micro-batch on the busiest stage ----------------------------------------------------
-    block_fwd = 2 * tokens * counts["block_matmul"] / tp + 4 * tokens * w.seq_len * h / tp
-    head_fwd = 2 * tokens * m_cfg.vocab_size * h / tp
-    # the busiest rank's forward: its blocks, plus the head on the rank holding the last stage
-    # (every rank's blocks, and the head's holders' blocks plus the head: the same maximum, without asking
-    # each of up to a hundred pipeline ranks whether it holds the head)
-    fwd = max(layers * block_fwd, *(stage_layers[r] * block_fwd + head_fwd for r in holders(lay, "last")))
-    compute_mb = 3 * fwd / rate + (layers + 1) * hw.block_overhead_s
+    # forward seconds of one block and of the head (with the loss); forward + backward is 3x the FLOPs and
+    # the elementwise bytes of elementwise_bytes()
+    block_fwd = 2 * tokens * counts["block_matmul"] / tp / rate + 4 * tokens * w.seq_len * h / tp / attention_rate
+    head_fwd = 2 * tokens * m_cfg.vocab_size * h / tp / rate
+    block_moved = head_moved = 0.0
+    if hw.elementwise:
+        block_moved, head_moved = elementwise_bytes(w, lay, tokens)
+    # the busiest rank: its blocks, plus the head on the rank holding the last stage (every rank's blocks,
+    # and the head's holders' blocks plus the head: the same maximum, without asking each of up to a
+    # hundred pipeline ranks whether it holds the head)
+    block_s = 3 * block_fwd + block_moved / bandwidth
+    head_s = 3 * head_fwd + head_moved / bandwidth
+    compute_mb = (max(layers * block_s, *(stage_layers[r] * block_s + head_s for r in holders(lay, "last")))
+                  + (layers + 1) * hw.block_overhead_s + weight_cast_bytes(w, lay) / bandwidth)
     recompute_mb = 0.0
     policy = lay.activation_checkpoint
     if policy in ("full", "every_k"):
-        recompute_mb = layers * block_fwd / rate
+        recompute_mb = layers * (block_fwd + block_moved / 3 / bandwidth)
     elif policy == "selective":
         elementwise = block_activation_bytes(w, lay) - block_selective_bytes(w, lay)
         recompute_mb = layers * 2 * max(0.0, elementwise) / hw.memory_bandwidth_bytes_per_s
@@ -198,3 +207,31 @@ def fsdp_gathers_per_step(lay: Layout, m: int) -> int:
     if lay.pp > 1 and not schedule_kind(lay.pp_schedule).split_backward:
         return 1
     return m
+
+
+def elementwise_bytes(w: Workload, lay: Layout, tokens: float) -> tuple[float, float]:
+    """Bytes the memory-bound work of one micro-batch moves on a rank, forward and backward: (per block,
+    the head's loss). Per token and block forward, with d = d_model / tp, f = ffn_hidden / tp, a bytes of
+    the compute dtype and the residual stream in fp32: two RMSNorms (read and write 4d, cast to a: 2 (12 + a) d),
+    RoPE on q and k (4 a d (1 + kv/h)), the attention layout copies of q, k, v and the output
+    (2 a d (2 + 2 kv/h)), two residual adds (2 (8 + a) d), the SwiGLU product (5 a f); the backward moves
+    twice that. The loss: the logits cast up to fp32, log-softmax, its gradient and the cast back, 24 V +
+    2 a V per token (V / tp under tensor parallelism)."""
+    m, a = w.model, w.compute_dtype_bytes
+    d, f = m.d_model / lay.tp, m.ffn_hidden / lay.tp
+    kv = m.num_kv_heads / m.num_heads
+    forward = (2 * (12 + a) * d + 4 * a * d * (1 + kv) + 2 * a * d * (2 + 2 * kv) + 2 * (8 + a) * d
+               + 5 * a * f)
+    loss = (24 + 2 * a) * m.vocab_size / lay.tp
+    return 3 * forward * tokens, loss * tokens
+
+
+def weight_cast_bytes(w: Workload, lay: Layout) -> float:
+    """Bytes of one micro-batch's bf16 casts of this rank's fp32 weights (autocast casts each weight at each
+    use: read 4, write 2) and its gradients' accumulation into fp32 (read 2 + 4, write 4): 16 per held
+    element; none in fp32, and none under FSDP, whose mixed-precision policy casts each shard once per
+    all-gather and keeps the gradients in the compute dtype until the reduction."""
+    if w.compute_dtype_bytes >= 4 or lay.fsdp_size > 1:
+        return 0.0
+    counts = param_counts(w.model)
+    return 16.0 * counts["total"] / (lay.tp * lay.pp)
