@@ -118,8 +118,8 @@ class TrainConfig:
     micro_batch: int = 0
     """Samples per forward/backward on one rank; gradient accumulation = global_batch / (dp * micro_batch).
     0: derived for the layout (the largest divisor of the per-rank batch up to 8; with a pipeline, one that
-    gives at least pp micro-batches). In an elastic run it is an upper bound; with a pipeline and
-    parallel.num_microbatches set, or with parallel.auto, the layout decides it."""
+    gives at least pp micro-batches). In an elastic run and under parallel.auto it is an upper bound (the
+    planner picks at most it); with a pipeline and parallel.num_microbatches set, the pipeline decides it."""
     seed: int = 0
     """Seed for the weights, the data order and dropout-free RNG state."""
     lr: float = 3e-3

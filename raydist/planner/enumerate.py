@@ -146,9 +146,12 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int | None = None
     hw = get_hardware(device, world_size, gpus_per_node,
                       workload_signature(dataclasses.asdict(cfg.model), cfg.data.seq_len))
     w = Workload.from_config(cfg, hw.compute_dtype_bytes)
-    fits, counts = enumerate_estimates(w, world_size, hw, features=implemented_features())
+    limit = cfg.train.micro_batch  # set: an upper bound, as in an elastic run (Config.micro_batch_is_exact)
+    fits, counts = enumerate_estimates(w, world_size, hw, features=implemented_features(),
+                                       micro_batches=range(1, limit + 1) if limit else None)
     if not fits:
-        raise ConfigError(f"no layout of {world_size} {device} ranks fits the model ({counts['considered']} "
+        bound = f" with micro-batches of at most train.micro_batch={limit}" if limit else ""
+        raise ConfigError(f"no layout of {world_size} {device} ranks fits the model{bound} ({counts['considered']} "
                           f"considered, {counts['too_big']} too big for {hw.usable_memory_bytes / 1e9:.3g} GB); "
                           "add workers, shrink the model or the sequence, or lower train.global_batch")
     best = fits[0]

@@ -63,6 +63,9 @@ def test_auto_asks_the_planner():
     assert d.spec.world_size == 4 and d.global_batch == 16 and d.num_microbatches * d.micro_batch * d.dp == 16
     assert d.reason.startswith("planner:")
     assert cfg.parallel.auto  # the user's config is not rewritten
+    assert d.micro_batch <= 8  # train.micro_batch bounds the planner's choice
+    one = plan_layout(Config.from_dict({"parallel": "auto", "train": {"global_batch": 16, "micro_batch": 1}}), 4)
+    assert one.micro_batch == 1 and one.num_microbatches * one.dp == 16
 
 
 # ---- the two validators agree ---------------------------------------------------------------------------------
