@@ -56,7 +56,7 @@ BWD_DKDV_CONFIGS = _configs([(32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2), (6
 BWD_DQ_CONFIGS = _configs([(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3),
                            (128, 64, 4, 3)])
 PRUNE = {"early_config_prune": _prune_fp32}
-KEY = ["T_Q", "T_K", "HEAD_DIM", "CAUSAL"]
+KEY = ["T_Q", "T_K", "HEAD_DIM", "CAUSAL", "stride_qt", "stride_kt"]  # (strides: layouts tune apart)
 
 
 # Only Triton *builtins* below, plus our own @triton.jit helpers: Triton's standard-library functions
@@ -159,6 +159,43 @@ def _attn_fwd(Q, K, V, O, LSE,
     tl.store(LSE + pid_bh * T_Q + rows, lse, mask=rows < T_Q)
 
 
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, stride_qt, stride_qe, stride_dot, stride_doe,
+                cols, offs_m, offs_e, lo, hi, T_Q, T_K, scale_log2,
+                MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    # dK, dV of one key tile over the query tiles [lo, hi). Unmasked (MASKED false): whole query tiles that
+    # see every key of the tile, no bounds or causal test; masked: the diagonal band and the tail tile.
+    for start_m in range(lo, hi, BLOCK_M):
+        rows = start_m + offs_m
+        q_ptrs = q_base + rows[:, None] * stride_qt + offs_e[None, :] * stride_qe
+        do_ptrs = do_base + rows[:, None] * stride_dot + offs_e[None, :] * stride_doe
+        if MASKED:
+            row_ok = rows < T_Q
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # (BLOCK_M, E)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            lse_log2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse_log2 = tl.load(LSE + row_base + rows) * 1.4426950408889634
+            delta = tl.load(DELTA + row_base + rows)
+        s_t = _dot(k, tl.trans(q), None, UPCAST, PRECISION) * scale_log2  # (BLOCK_N, BLOCK_M)
+        if MASKED:
+            keep = row_ok[None, :] & (cols[:, None] < T_K)
+            if CAUSAL:
+                keep = keep & (rows[None, :] >= cols[:, None])
+            p_t = tl.where(keep, tl.exp2(s_t - lse_log2[None, :]), 0.0)
+        else:
+            p_t = tl.exp2(s_t - lse_log2[None, :])
+        dv = _dot(p_t.to(do.dtype), do, dv, UPCAST, PRECISION)
+        dp_t = _dot(v, tl.trans(do), None, UPCAST, PRECISION)  # (BLOCK_N, BLOCK_M)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = _dot(ds_t.to(q.dtype), q, dk, UPCAST, PRECISION)
+    return dk, dv
+
+
 @triton.autotune(configs=BWD_DKDV_CONFIGS, key=KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
@@ -185,36 +222,63 @@ def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                 mask=col_ok, other=0.0)
     dk = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
     dv = tl.full([BLOCK_N, HEAD_DIM], 0.0, dtype=tl.float32)
+    # Query tiles: [lo, band) the causal diagonal band (masked), [band, full) whole tiles whose every row sees
+    # every key of this tile (no mask), [max(band, full), T_Q) the tail tile (masked). Tiles on BLOCK_M's grid.
     lo = 0
+    band = 0
     if CAUSAL:  # query tiles wholly above this key tile cannot see it
         lo = (col0 // BLOCK_M) * BLOCK_M
+        band = lo + ((col0 + BLOCK_N - 1 - lo + BLOCK_M - 1) // BLOCK_M) * BLOCK_M  # first start >= last col
+    full = (T_Q // BLOCK_M) * BLOCK_M
     for g in range(0, group_size):
         h = kv_h * group_size + g
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
         row_base = (b * num_heads + h) * T_Q  # LSE and DELTA are contiguous (B, H, T)
-        for start_m in range(lo, T_Q, BLOCK_M):
-            rows = start_m + offs_m
-            row_ok = rows < T_Q
-            q = tl.load(q_base + rows[:, None] * stride_qt + offs_e[None, :] * stride_qe,
-                        mask=row_ok[:, None], other=0.0)  # (BLOCK_M, E)
-            do = tl.load(do_base + rows[:, None] * stride_dot + offs_e[None, :] * stride_doe,
-                         mask=row_ok[:, None], other=0.0)
-            lse_log2 = tl.load(LSE + row_base + rows, mask=row_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(DELTA + row_base + rows, mask=row_ok, other=0.0)
-            s_t = _dot(k, tl.trans(q), None, UPCAST, PRECISION) * scale_log2  # (BLOCK_N, BLOCK_M)
-            keep = row_ok[None, :] & (cols[:, None] < T_K)
-            if CAUSAL:
-                keep = keep & (rows[None, :] >= cols[:, None])
-            p_t = tl.where(keep, tl.exp2(s_t - lse_log2[None, :]), 0.0)
-            dv = _dot(p_t.to(do.dtype), do, dv, UPCAST, PRECISION)
-            dp_t = _dot(v, tl.trans(do), None, UPCAST, PRECISION)  # (BLOCK_N, BLOCK_M)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = _dot(ds_t.to(q.dtype), q, dk, UPCAST, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, stride_qt, stride_qe, stride_dot,
+                             stride_doe, cols, offs_m, offs_e, lo, tl.minimum(band, T_Q), T_Q, T_K, scale_log2,
+                             True, CAUSAL, UPCAST, PRECISION, BLOCK_M)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, stride_qt, stride_qe, stride_dot,
+                             stride_doe, cols, offs_m, offs_e, band, full, T_Q, T_K, scale_log2,
+                             False, CAUSAL, UPCAST, PRECISION, BLOCK_M)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, stride_qt, stride_qe, stride_dot,
+                             stride_doe, cols, offs_m, offs_e, tl.maximum(band, full), T_Q, T_Q, T_K, scale_log2,
+                             True, CAUSAL, UPCAST, PRECISION, BLOCK_M)
     dk = dk * scale
     out_off = b * stride_dkb + kv_h * stride_dkh + cols[:, None] * stride_dkt + offs_e[None, :] * stride_dke
     tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=col_ok)
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok)  # DK and DV share one layout
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse_log2, delta, k_base, v_base, stride_kt, stride_ke, stride_vt, stride_ve,
+              rows, offs_n, offs_e, lo, hi, T_K, scale_log2,
+              MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    # dQ of one query tile over the key tiles [lo, hi): unmasked (MASKED false) for whole tiles every row
+    # sees, masked for the diagonal band and the tail tile, as the forward's _fwd_tiles.
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kt_ptrs = k_base + cols[None, :] * stride_kt + offs_e[:, None] * stride_ke  # (E, BLOCK_N)
+        vt_ptrs = v_base + cols[None, :] * stride_vt + offs_e[:, None] * stride_ve
+        if MASKED:
+            col_ok = cols < T_K
+            kt = tl.load(kt_ptrs, mask=col_ok[None, :], other=0.0)
+            vt = tl.load(vt_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        s = _dot(q, kt, None, UPCAST, PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        p = tl.exp2(s - lse_log2[:, None])
+        if MASKED:
+            keep = col_ok[None, :]
+            if CAUSAL:
+                keep = keep & (cols[None, :] <= rows[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = _dot(do, vt, None, UPCAST, PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, UPCAST, PRECISION)
+    return dq
 
 
 @triton.autotune(configs=BWD_DQ_CONFIGS, key=KEY, prune_configs_by=PRUNE)
@@ -247,24 +311,16 @@ def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
     k_base = K + b * stride_kb + kv_h * stride_kh
     v_base = V + b * stride_vb + kv_h * stride_vh
     dq = tl.full([BLOCK_M, HEAD_DIM], 0.0, dtype=tl.float32)
-    hi = T_K
-    if CAUSAL:
+    if CAUSAL:  # key tiles left of row0 are wholly visible; the diagonal band needs the mask
+        n_full = (row0 // BLOCK_N) * BLOCK_N
         hi = tl.minimum(T_K, row0 + BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        cols = start_n + offs_n
-        col_ok = cols < T_K
-        kt = tl.load(k_base + cols[None, :] * stride_kt + offs_e[:, None] * stride_ke,
-                     mask=col_ok[None, :], other=0.0)  # (E, BLOCK_N)
-        vt = tl.load(v_base + cols[None, :] * stride_vt + offs_e[:, None] * stride_ve,
-                     mask=col_ok[None, :], other=0.0)
-        s = _dot(q, kt, None, UPCAST, PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
-        keep = col_ok[None, :]
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None])
-        p = tl.where(keep, tl.exp2(s - lse_log2[:, None]), 0.0)
-        dp = _dot(do, vt, None, UPCAST, PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = _dot(ds.to(kt.dtype), tl.trans(kt), dq, UPCAST, PRECISION)
+    else:  # whole key tiles are visible; the tail tile needs the bounds mask
+        n_full = (T_K // BLOCK_N) * BLOCK_N
+        hi = T_K
+    dq = _dq_tiles(dq, q, do, lse_log2, delta, k_base, v_base, stride_kt, stride_ke, stride_vt, stride_ve,
+                   rows, offs_n, offs_e, 0, n_full, T_K, scale_log2, False, CAUSAL, UPCAST, PRECISION, BLOCK_N)
+    dq = _dq_tiles(dq, q, do, lse_log2, delta, k_base, v_base, stride_kt, stride_ke, stride_vt, stride_ve,
+                   rows, offs_n, offs_e, n_full, hi, T_K, scale_log2, True, CAUSAL, UPCAST, PRECISION, BLOCK_N)
     dq = dq * scale
     tl.store(DQ + b * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqt + offs_e[None, :] * stride_dqe,
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])

@@ -34,11 +34,14 @@ def _configs():
 
 
 def _prune(configs, named_args, **kwargs):
-    """fp32 operands and the SwiGLU's second accumulator double the tile footprint: drop the largest tiles."""
-    big = named_args["A"].dtype.itemsize >= 4 or kwargs.get("SWIGLU", named_args.get("SWIGLU", False))
-    if not big:
+    """fp32 operands and the SwiGLU's second accumulator double the tile footprint: drop the largest tiles.
+    The SwiGLU's two fp32 accumulators must also leave each thread room: at most 128 of its 255 registers
+    (a 128 x 128 tile over 4 warps needs 256 for them alone, and spills)."""
+    swiglu = kwargs.get("SWIGLU", named_args.get("SWIGLU", False))
+    if not (named_args["A"].dtype.itemsize >= 4 or swiglu):
         return configs
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128 and c.num_stages <= 4]
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 128 and c.num_stages <= 4
+            and (not swiglu or 2 * c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 128 * 32 * c.num_warps)]
     return kept or configs[:1]
 
 
@@ -62,7 +65,10 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@triton.autotune(configs=MATMUL_CONFIGS, key=["M", "N", "D", "SWIGLU"], prune_configs_by={"early_config_prune": _prune})
+# keyed on the strides too: the backward's transposed operands (dX = dZ W, dW = X^T dZ) get configs of
+# their own rather than the forward's
+@triton.autotune(configs=MATMUL_CONFIGS, key=["M", "N", "D", "SWIGLU", "stride_am", "stride_ad", "stride_bd",
+                                               "stride_bn"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _matmul(A, B, B2, BIAS, C, H1, H2, M, N, D,
             stride_am, stride_ad, stride_bd, stride_bn, stride_b2d, stride_b2n, stride_cm, stride_cn,

@@ -244,3 +244,20 @@ def test_interpreter_probe_passes_here_and_names_a_broken_interpreter(monkeypatc
         reason = runtime.interpreter_error.__wrapped__()
         assert reason.startswith("Triton ") and "CPU interpreter cannot run the kernels with numpy" in reason
         assert says in reason and "pick the torch kernels" in reason
+
+
+def test_swiglu_tiles_leave_each_thread_registers():
+    # two fp32 accumulators of a 128 x 128 tile over 4 warps take 256 registers a thread (the limit is 255):
+    # the SwiGLU prunes that config and keeps the 8-warp one; a plain bf16 matmul keeps both
+    import triton
+
+    from raydist.kernels.triton_matmul import _prune
+
+    def config(m, n, warps):
+        return triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=warps, num_stages=3)
+
+    configs = [config(128, 128, 4), config(128, 128, 8), config(128, 64, 4)]
+    a = torch.empty(2, 2, dtype=torch.bfloat16)
+    kept = _prune(configs, {"A": a}, SWIGLU=True)
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept] == [(128, 128, 8), (128, 64, 4)]
+    assert _prune(configs, {"A": a}, SWIGLU=False) == configs
