@@ -97,6 +97,11 @@ class Mesh:
       so they shard them too); for HSDP the 2-D (dp_replicate, dp_shard_cp) mesh;
     - `dp_cp`: dp x cp, the ranks whose gradients are averaged;
     - `batch_peers`: pp x cp x tp, the ranks that share one data-parallel index and so one batch.
+
+    A view over dims of which at most one has more than one rank is that dim's own mesh (`_joined`): a
+    flattened copy would be a new process group over the same ranks, on NCCL a communicator of its own
+    (memory on every GPU and a connection at start-up) that no collective needs; and two views over the
+    same wide dims share one flattening. With cp = 1, say, dp_shard_cp is dp_shard and dp_cp is dp.
     """
 
     def __init__(self, spec: MeshSpec, device_type: str):
@@ -119,10 +124,11 @@ class Mesh:
                 self.device_mesh = DeviceMesh(device_type, torch.arange(spec.world_size).view(shape),
                                               mesh_dim_names=DIMS)
             m = self.device_mesh
-            self.dp: DeviceMesh = m["dp_replicate", "dp_shard"]._flatten("dp")
-            self.dp_shard_cp: DeviceMesh = m["dp_shard", "cp"]._flatten("dp_shard_cp")
-            self.dp_cp: DeviceMesh = m["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-            self.batch_peers: DeviceMesh = m["pp", "cp", "tp"]._flatten("batch_peers")
+            flat: dict[tuple[str, ...], DeviceMesh] = {}
+            self.dp: DeviceMesh = _joined(m, ("dp_replicate", "dp_shard"), "dp", flat)
+            self.dp_shard_cp: DeviceMesh = _joined(m, ("dp_shard", "cp"), "dp_shard_cp", flat)
+            self.dp_cp: DeviceMesh = _joined(m, ("dp_replicate", "dp_shard", "cp"), "dp_cp", flat)
+            self.batch_peers: DeviceMesh = _joined(m, ("pp", "cp", "tp"), "batch_peers", flat)
             if spec.dp_replicate > 1:
                 self.fsdp: DeviceMesh = DeviceMesh._concatenate([m["dp_replicate"], self.dp_shard_cp])
             else:
@@ -153,3 +159,15 @@ class Mesh:
 
     def describe(self) -> dict[str, int]:
         return self.spec.degrees()
+
+
+def _joined(mesh: DeviceMesh, dims: tuple[str, ...], name: str, flat: dict) -> DeviceMesh:
+    """`dims` of `mesh` as one 1-D mesh: the dim itself when at most one of them has more than one rank (its
+    process group exists already); else the flattening of those with more (a new group, named `name`), made
+    once per such set of dims (`flat`: dp_cp is dp when cp = 1, dp_shard_cp when dp_replicate = 1)."""
+    wide = tuple(d for d in dims if mesh[d].size() > 1)
+    if len(wide) <= 1:
+        return mesh[wide[0] if wide else dims[-1]]
+    if wide not in flat:
+        flat[wide] = mesh[wide]._flatten(name)
+    return flat[wide]

@@ -123,7 +123,7 @@ def test_the_suite_with_transformers_missing_fails_under_ci_instead_of_skipping(
 def test_a_triton_test_without_triton_fails_under_ci_and_skips_elsewhere(tmp_path, ci):
     """Triton is a dependency on Linux x86_64: a test that needs it skips only outside CI (a developer's
     machine without a wheel), and under CI the skip is a failure naming the reason."""
-    test = "tests/unit/test_kernels_select.py::test_auto_picks_triton_on_cuda_without_touching_the_gpu"
+    test = "tests/unit/test_kernels_select.py::test_triton_attention_with_unsupported_head_dim_is_a_config_error"
     run = pytest_run([test], ROOT, ci=ci, hidden=hide(tmp_path, "triton"))
     out = run.stdout + run.stderr
     if ci:
