@@ -26,6 +26,8 @@ def _share(raw: dict, given: dict | None) -> tuple[dict, list[int]]:
     session.plan_layout = counting
     store = dist.distributed_c10d._get_default_store()
     layout = session.layout_through_store(Config.from_dict(raw), store, given=given)
+    # rank 0 hosts the store: it must not exit (a worker trains on) before every rank has read the layout
+    dist.barrier()
     return layout.to_dict(), planned
 
 
