@@ -83,19 +83,28 @@ def _dot(a, b, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _key_tile_t(base, cols, offs_e, stride_t, stride_e, T_K, MASKED: tl.constexpr):
+    # A key-side tile (K or V) transposed, (E, BLOCK_N): keys `cols`, zero past T_K when MASKED (the tail).
+    ptrs = base + cols[None, :] * stride_t + offs_e[:, None] * stride_e
+    if MASKED:
+        tile = tl.load(ptrs, mask=cols[None, :] < T_K, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_ke, stride_vt, stride_ve,
                rows, offs_n, offs_e, lo, hi, T_K, scale_log2,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
                BLOCK_N: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kt_ptrs = k_base + cols[None, :] * stride_kt + offs_e[:, None] * stride_ke  # (E, BLOCK_N)
+        kt = _key_tile_t(k_base, cols, offs_e, stride_kt, stride_ke, T_K, MASKED)  # (E, BLOCK_N)
         v_ptrs = v_base + cols[:, None] * stride_vt + offs_e[None, :] * stride_ve  # (BLOCK_N, E)
         if MASKED:
-            kt = tl.load(kt_ptrs, mask=cols[None, :] < T_K, other=0.0)
             v = tl.load(v_ptrs, mask=cols[:, None] < T_K, other=0.0)
         else:
-            kt = tl.load(kt_ptrs)
             v = tl.load(v_ptrs)
         s = _dot(q, kt, None, UPCAST, PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N), log2 domain
         if MASKED:
@@ -259,19 +268,12 @@ def _dq_tiles(dq, q, do, lse_log2, delta, k_base, v_base, stride_kt, stride_ke, 
     # sees, masked for the diagonal band and the tail tile, as the forward's _fwd_tiles.
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
-        kt_ptrs = k_base + cols[None, :] * stride_kt + offs_e[:, None] * stride_ke  # (E, BLOCK_N)
-        vt_ptrs = v_base + cols[None, :] * stride_vt + offs_e[:, None] * stride_ve
-        if MASKED:
-            col_ok = cols < T_K
-            kt = tl.load(kt_ptrs, mask=col_ok[None, :], other=0.0)
-            vt = tl.load(vt_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            kt = tl.load(kt_ptrs)
-            vt = tl.load(vt_ptrs)
+        kt = _key_tile_t(k_base, cols, offs_e, stride_kt, stride_ke, T_K, MASKED)  # (E, BLOCK_N)
+        vt = _key_tile_t(v_base, cols, offs_e, stride_vt, stride_ve, T_K, MASKED)
         s = _dot(q, kt, None, UPCAST, PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
         p = tl.exp2(s - lse_log2[:, None])
         if MASKED:
-            keep = col_ok[None, :]
+            keep = cols[None, :] < T_K
             if CAUSAL:
                 keep = keep & (cols[None, :] <= rows[:, None])
             p = tl.where(keep, p, 0.0)
