@@ -77,13 +77,13 @@ class BatchPlan:
 def auto_micro_batch(per_rank: int, limit: int, pp: int = 1, schedule: str = "1f1b") -> int:
     """The largest divisor of `per_rank` not above `limit`; with a pipeline, one giving M >= pp micro-batches
     (and what else the schedule needs of M: a multiple of pp when interleaved), when such a divisor exists."""
-    candidates = [d for d in divisors(per_rank) if d <= limit] or [1]
-    kind = SCHEDULE_KINDS.get(schedule)
     if pp > 1:
-        fitting = [d for d in candidates if per_rank // d >= pp and
+        kind = SCHEDULE_KINDS.get(schedule)
+        fitting = [d for d in divisors(per_rank) if d <= limit and per_rank // d >= pp and
                    (kind is None or kind.microbatch_problem(kind.name, pp, per_rank // d, True) is None)]
-        candidates = fitting or candidates
-    return max(candidates)
+        if fitting:
+            return max(fitting)
+    return largest_divisor(per_rank, limit)
 
 
 def plan_batch(global_batch: int, dp: int, *, micro_batch: int = 0, limit: int | None = None, pp: int = 1,
