@@ -110,7 +110,7 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     block_s = 3 * block_fwd + block_moved / bandwidth
     head_s = 3 * head_fwd + head_moved / bandwidth
     compute_mb = (max(layers * block_s, *(stage_layers[r] * block_s + head_s for r in holders(lay, "last")))
-                  + (layers + 1) * hw.block_overhead_s + weight_cast_bytes(w, lay) / bandwidth)
+                  + (layers + 1) * hw.block_overhead_s + weight_cast_bytes(w, lay, counts["total"]) / bandwidth)
     recompute_mb = 0.0
     policy = lay.activation_checkpoint
     if policy in ("full", "every_k"):
@@ -226,12 +226,11 @@ def elementwise_bytes(w: Workload, lay: Layout, tokens: float) -> tuple[float, f
     return 3 * forward * tokens, loss * tokens
 
 
-def weight_cast_bytes(w: Workload, lay: Layout) -> float:
+def weight_cast_bytes(w: Workload, lay: Layout, params: int) -> float:
     """Bytes of one micro-batch's bf16 casts of this rank's fp32 weights (autocast casts each weight at each
     use: read 4, write 2) and its gradients' accumulation into fp32 (read 2 + 4, write 4): 16 per held
     element; none in fp32, and none under FSDP, whose mixed-precision policy casts each shard once per
-    all-gather and keeps the gradients in the compute dtype until the reduction."""
+    all-gather and keeps the gradients in the compute dtype until the reduction. `params`: the model's total."""
     if w.compute_dtype_bytes >= 4 or lay.fsdp_size > 1:
         return 0.0
-    counts = param_counts(w.model)
-    return 16.0 * counts["total"] / (lay.tp * lay.pp)
+    return 16.0 * params / (lay.tp * lay.pp)
