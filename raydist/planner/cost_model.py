@@ -11,7 +11,8 @@ validator (`raydist.parallel.layout.validate`) refuses it, so the planner and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 
 from raydist.parallel.layout import stage_partition, validate
 from raydist.planner.hardware import Hardware
@@ -41,7 +42,11 @@ class Estimate:
     mfu: float
     fits: bool
     memory_limit_bytes: float
-    reasons: list[str] = field(default_factory=list)
+
+    @functools.cached_property
+    def reasons(self) -> list[str]:
+        """`explain`'s lines, made when first read: a search estimates ~10^5 layouts and shows a few."""
+        return explain(self)
 
     @property
     def memory_gb(self) -> float:
@@ -91,15 +96,15 @@ def layout_problems(w: Workload, lay: Layout) -> list[str]:
     return validate(complete(w, lay), w.model, w.seq_len)
 
 
-def estimate(w: Workload, lay: Layout, hw: Hardware) -> Estimate:
+def estimate(w: Workload, lay: Layout, hw: Hardware, memory: dict[str, float] | None = None) -> Estimate:
+    """memory: `rank_memory`'s bytes for `lay` when the caller has them (the search prices memory first and
+    times only the layouts that fit)."""
     mb = num_microbatches(w, lay)
-    memory = rank_memory(w, lay, mb)
+    memory = rank_memory(w, lay, mb) if memory is None else memory
     time = step_time(w, lay, hw, mb)
     mfu = time["model_flops"] / (time["total"] * hw.peak_flops) if time["total"] > 0 else 0.0
     fits = memory["total"] <= hw.usable_memory_bytes
-    est = Estimate(lay, mb, memory, time, mfu, fits, hw.usable_memory_bytes)
-    est.reasons = explain(est)
-    return est
+    return Estimate(lay, mb, memory, time, mfu, fits, hw.usable_memory_bytes)
 
 
 def explain(est: Estimate) -> list[str]:

@@ -27,6 +27,7 @@ from raydist.config import Config, ConfigError
 from raydist.parallel.layout import mesh_problems
 from raydist.planner.cost_model import Estimate, complete, estimate, layout_problems
 from raydist.planner.hardware import Hardware, get_hardware
+from raydist.planner.memory import rank_memory
 from raydist.planner.placement import Layout, Workload, rank_layer_counts
 from raydist.schedule.batch import divisors, microbatch_count, per_rank_rows
 from raydist.schedule.registry import DEFAULT_KIND, SCHEDULE_KINDS
@@ -60,13 +61,14 @@ def layout_shapes(w: Workload, world: int, hw: Hardware, features: Iterable[str]
                 for dp_shard in divisors(dp):
                     base = Layout(pp=pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=cp, tp=tp,
                                   sequence_parallel=tp > 1)
+                    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}  # (not asdict: 5x)
                     for cp_impl in (("ring", "ulysses") if cp > 1 else ("ring",)):
                         # each kind's chunk counts (with pp = 1 only the default: no pipeline to schedule)
                         schedules = [(k.name, v) for k in SCHEDULE_KINDS.values() for v in k.planner_virtual_stages
                                      if (pp > 1 or k.name == DEFAULT_KIND) and pp * v <= m.num_layers]
                         for schedule, v in schedules:
                             for reshard in ((True, False) if base.fsdp_size > 1 else (True,)):
-                                yield Layout(**{**base.to_dict(), "cp_impl": cp_impl, "pp_schedule": schedule,
+                                yield Layout(**{**fields, "cp_impl": cp_impl, "pp_schedule": schedule,
                                                 "virtual_stages": v, "fsdp_reshard_after_forward": reshard})
 
 
@@ -114,13 +116,13 @@ def enumerate_estimates(w: Workload, world: int, hw: Hardware, features: Iterabl
             continue
         if (shape, policy) in too_big:  # larger micro-batches only need more memory
             continue
-        est = estimate(w, lay, hw)
-        if not est.fits:
+        memory = rank_memory(w, lay, lay.num_microbatches)  # (complete: the batch plan's count)
+        if memory["total"] > hw.usable_memory_bytes:  # not timed: step_time costs more than the memory model
             counts["too_big"] += 1
             too_big.add((shape, policy))
             continue
         counts["fit"] += 1
-        fits.append(est)
+        fits.append(estimate(w, lay, hw, memory))
     fits.sort(key=lambda e: (e.step_time_s, e.memory["total"]))
     return fits, counts
 
