@@ -183,7 +183,7 @@ def context_parallel_section(seq_len: int) -> None:
 
     cfg = Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0", "train.micro_batch=8"])
     m, batch = cfg.model, cfg.train.micro_batch
-    head_dim = m.d_model // m.num_heads
+    head_dim = m.head_size
     print(f"context parallel: bytes sent per rank per attention layer (B={batch}, T={seq_len}, H={m.num_heads}, "
           f"K={m.num_kv_heads}, E={head_dim}, fp32)")
     print(f"  {'impl':<8} {'cp':>3} {'fwd KiB':>9} {'theory':>9} {'bwd KiB':>9} {'theory':>9} {'x local qkv+o':>14}")

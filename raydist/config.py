@@ -123,15 +123,17 @@ class Config:
             raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
         if t.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
-        if m.d_model % m.num_heads:
+        if m.head_dim < 0:
+            raise ConfigError(f"model.head_dim={m.head_dim} must be >= 0 (0: d_model / num_heads)")
+        if not m.head_dim and m.d_model % m.num_heads:
             raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}; "
-                              f"pick num_heads from {divisors(m.d_model)}")
+                              f"pick num_heads from {divisors(m.d_model)}, or set model.head_dim")
         if m.num_heads % m.num_kv_heads:
             raise ConfigError(f"model.num_heads={m.num_heads} is not divisible by model.num_kv_heads={m.num_kv_heads}; "
                               f"pick num_kv_heads from {divisors(m.num_heads)}")
-        if (m.d_model // m.num_heads) % 2:
-            raise ConfigError(f"head dim d_model/num_heads={m.d_model // m.num_heads} must be even for RoPE; "
-                              "change model.d_model or model.num_heads")
+        if m.head_size % 2:
+            raise ConfigError(f"head dim {m.head_size} (model.head_dim, or d_model/num_heads) must be even for "
+                              "RoPE; change model.head_dim, model.d_model or model.num_heads")
         # train.micro_batch is exact only where the layout policy uses it as given: a fixed-size run without a
         # pipeline's parallel.num_microbatches. An elastic run takes it as an upper bound (raydist.planner.policy)
         if t.micro_batch and t.global_batch % t.micro_batch and self.micro_batch_is_exact:
@@ -220,7 +222,7 @@ class Config:
 
     @property
     def head_dim(self) -> int:
-        return self.model.d_model // self.model.num_heads
+        return self.model.head_size
 
 
 # ---- helpers ---------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from typing import Any
 
 from raydist.config_sections import CHOICES, SECTIONS
 from raydist.errors import ConfigError
+from raydist.models.spec import FAMILIES, family_for_hf
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -156,7 +157,8 @@ def reference_markdown() -> str:
 # ---- config.json -----------------------------------------------------------------------------------------
 
 # ModelConfig field -> config.json key, for the fields read from config.json.
-HF_CONFIG_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers",
+HF_CONFIG_KEYS = {"family": "model_type", "head_dim": "head_dim",
+                  "vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers",
                   "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
                   "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
                   "tie_embeddings": "tie_word_embeddings"}
@@ -181,23 +183,30 @@ def model_config_from_hf(hf_dir_or_config_dict: str | os.PathLike | Mapping) -> 
     (`rope_parameters` = {rope_type, rope_theta}). Absent optional keys take LlamaConfig's defaults.
     """
     c, src = _read_config(hf_dir_or_config_dict)
-    if (model_type := c.get("model_type")) == "mistral" and c.get("sliding_window", 4096) is not None:
+    family = family_for_hf(model_type := c.get("model_type"))
+    if family is None:
+        raise ConfigError(f"{src} model_type={model_type!r} is not supported; raydist loads model_type "
+                          f"{', '.join(repr(f.hf_model_type) for f in FAMILIES.values())} (raydist.models.spec)")
+    if model_type == "mistral" and c.get("sliding_window", 4096) is not None:
         raise ConfigError(f"{src} sliding_window={c.get('sliding_window', '4096 (default)')}: raydist has no "
                           "sliding-window attention; only Mistral checkpoints with sliding_window null load")
-    if model_type not in ("llama", "mistral"):
-        extra = " (its q/k/v projections have biases, which raydist lacks)" if model_type == "qwen2" else ""
-        raise ConfigError(f"{src} model_type={model_type!r}{extra} is not supported; raydist loads "
-                          "model_type 'llama' (and 'mistral' with sliding_window null)")
+    if model_type.startswith("qwen") and c.get("use_sliding_window"):
+        raise ConfigError(f"{src} use_sliding_window=true: raydist has no sliding-window attention; only "
+                          "checkpoints with use_sliding_window false load")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         if not isinstance(c.get(key), int):
             raise ConfigError(f"{src} {key}={c.get(key)!r} must be an integer; add it to config.json")
     d, heads = c["hidden_size"], c["num_attention_heads"]
-    if c.get("head_dim") is not None and c["head_dim"] * heads != d:
-        raise ConfigError(f"{src} head_dim={c['head_dim']} != hidden_size/num_attention_heads={d / heads:g}; "
-                          "raydist derives head_dim from d_model/num_heads, so only such checkpoints load")
+    head_dim = c.get("head_dim") or 0
+    if head_dim and head_dim * heads == d:
+        head_dim = 0  # the default: d_model / num_heads
+    if not head_dim and d % heads:
+        raise ConfigError(f"{src} hidden_size={d} is not divisible by num_attention_heads={heads} and head_dim "
+                          "is not set; add head_dim to config.json")
+    # Qwen2's q/k/v biases are its family's (no key says so); elsewhere a bias is a key raydist has no layer for
     for key in (k for k in ("attention_bias", "mlp_bias") if c.get(k)):
-        raise ConfigError(f"{src} {key}=true: raydist's linear layers have no biases; only checkpoints with "
-                          f"{key} false load")
+        raise ConfigError(f"{src} {key}=true: raydist's {model_type} layers have no such biases; only "
+                          f"checkpoints with {key} false load")
     if c.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"{src} hidden_act={c['hidden_act']!r}: raydist's MLP is SwiGLU (silu); only "
                           "hidden_act 'silu' loads")
@@ -210,8 +219,9 @@ def model_config_from_hf(hf_dir_or_config_dict: str | os.PathLike | Mapping) -> 
                           "checkpoints with plain RoPE (rope_scaling null, rope_type 'default') load")
     if rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ConfigError(f"{src} partial_rotary_factor != 1: raydist rotates the whole head")
-    return {"vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"], "num_heads": heads,
-            "num_kv_heads": c.get("num_key_value_heads") or heads, "ffn_hidden": c["intermediate_size"],
+    return {"family": family.name, "vocab_size": c["vocab_size"], "d_model": d, "num_layers": c["num_hidden_layers"],
+            "num_heads": heads, "head_dim": head_dim, "num_kv_heads": c.get("num_key_value_heads") or heads,
+            "ffn_hidden": c["intermediate_size"],
             "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
             "norm_eps": float(c.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(c.get("tie_word_embeddings"))}
 

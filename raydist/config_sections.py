@@ -9,19 +9,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raydist.models.spec import FAMILY_NAMES
 from raydist.schedule.registry import KINDS
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    family: str = "llama"
+    """The decoder family (raydist.models.spec): `llama`, `mistral` (Llama's blocks), `qwen2` (Qwen2 and
+    Qwen2.5: biases on q, k, v) or `qwen3` (RMSNorm on each head of q and k, no biases). Read from
+    config.json's model_type under `init_from = "hf:DIR"`."""
     num_layers: int = 4
     """Transformer blocks."""
     d_model: int = 128
     """Width of the residual stream."""
     num_heads: int = 4
-    """Attention (query) heads; d_model must be divisible by it."""
+    """Attention (query) heads; d_model must be divisible by it unless model.head_dim is set."""
     num_kv_heads: int = 2
     """Key/value heads for grouped-query attention; num_heads must be divisible by it."""
+    head_dim: int = 0
+    """Coordinates per attention head; 0: d_model / num_heads (Llama). Qwen3 sets it apart (0.6B: 1024
+    wide, 16 heads of 128); the q projection is then d_model x num_heads * head_dim."""
     ffn_hidden: int = 352
     """Hidden width of the SwiGLU MLP (Llama uses about 8/3 * d_model, rounded)."""
     vocab_size: int = 320
@@ -36,9 +44,19 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2*layers))."""
     init_from: str = ""
-    """Start from pretrained weights: `hf:DIR`, a Hugging Face Llama directory (config.json and
+    """Start from pretrained weights: `hf:DIR`, a Hugging Face directory of a model.family (config.json and
     *.safetensors). The shape keys above are then read from its config.json (one set here must agree);
     each rank reads only its shards. Resuming from a run's own checkpoint wins over it."""
+
+    @property
+    def head_size(self) -> int:
+        """Coordinates per attention head: head_dim, or d_model / num_heads when it is 0."""
+        return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def q_width(self) -> int:
+        """Outputs of the q projection (and inputs of o): num_heads x head_size (d_model for Llama)."""
+        return self.num_heads * self.head_size
 
 
 @dataclass(frozen=True)
@@ -280,6 +298,7 @@ class TrackingConfig:
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
+    "model.family": FAMILY_NAMES,  # the model registry's families
     "peft.method": ("none", "lora", "freeze"),
     "peft.lora_targets": ("attention", "mlp", "all"),
     "data.reader": ("auto", "ray", "arrow"),

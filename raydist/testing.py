@@ -264,7 +264,7 @@ def _construct(raw: dict) -> Constructed:
             local_bytes += local.numel() * local.element_size()
         modules = trainer.pm.chunks or [trainer.pm.model]
         meta = [name for m in modules for name, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
-        cos, sin = rope_tables(cfg.model.d_model // cfg.model.num_heads, cfg.data.seq_len, cfg.model.rope_theta)
+        cos, sin = rope_tables(cfg.model.head_size, cfg.data.seq_len, cfg.model.rope_theta)
         rope = all(torch.equal(m.rope_cos.cpu(), cos) and torch.equal(m.rope_sin.cpu(), sin) for m in modules)
         tied = all(m.output.weight is m.tok_embeddings.weight for m in modules
                    if cfg.model.tie_embeddings and m.output is not None and m.tok_embeddings is not None)
@@ -281,22 +281,28 @@ def constructed(raw: dict, world_size: int) -> list[Constructed]:
 # ---- Hugging Face Llama directories for the fine-tuning tests -----------------------------------
 
 
-def save_tiny_llama(path, *, tied: bool = True, seed: int = 0, **shape) -> Any:
-    """A transformers LlamaForCausalLM of TINY_MODEL's shape (overridden by `shape`, in raydist's names)
-    with weights of order one (every matrix ~ N(0, 1/D_in), norm gains ~ 1 + N(0, 0.2): logits that a wrong
-    layout would visibly change), saved with save_pretrained at `path`; returns the model (fp32, eager)."""
+def save_tiny_hf(path, *, family: str = "llama", tied: bool = True, seed: int = 0, **shape) -> Any:
+    """A `transformers` model of `family` (raydist.models.spec) in TINY_MODEL's shape (overridden by `shape`,
+    in raydist's names; `head_dim` too) with weights of order one (every matrix ~ N(0, 1/D_in), vectors
+    (norm gains, Qwen2's biases) ~ 1 + N(0, 0.2): logits that a wrong layout would visibly change), saved with
+    save_pretrained at `path`; returns the model (fp32, eager)."""
     import math
 
     import transformers
 
+    from raydist.models.spec import FAMILIES
+
     m = {**TINY_MODEL, "rope_theta": 10000.0, "norm_eps": 1e-5, **shape}
-    config = transformers.LlamaConfig(
-        vocab_size=m["vocab_size"], hidden_size=m["d_model"], num_hidden_layers=m["num_layers"],
-        num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"], intermediate_size=m["ffn_hidden"],
-        rope_theta=m["rope_theta"], rms_norm_eps=m["norm_eps"], tie_word_embeddings=tied,
-        max_position_embeddings=256, attn_implementation="eager")
+    fields = dict(vocab_size=m["vocab_size"], hidden_size=m["d_model"], num_hidden_layers=m["num_layers"],
+                  num_attention_heads=m["num_heads"], num_key_value_heads=m["num_kv_heads"],
+                  intermediate_size=m["ffn_hidden"], rope_theta=m["rope_theta"], rms_norm_eps=m["norm_eps"],
+                  tie_word_embeddings=tied, max_position_embeddings=256, attn_implementation="eager",
+                  **({"head_dim": m["head_dim"]} if m.get("head_dim") else {}))
+    spec = FAMILIES[family]
+    extra = {k: v for k, v in spec.hf_config_extra.items() if k not in ("attention_bias", "mlp_bias")}
+    config = transformers.AutoConfig.for_model(spec.hf_model_type, **fields, **extra)
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for _, p in model.named_parameters():

@@ -80,7 +80,8 @@ def resolve_kernels(cfg, device: torch.device | str, head_dim: int) -> dict[str,
         runtime.require_triton(device, "kernels.attention=triton")
         if head_dim not in SUPPORTED_HEAD_DIMS:
             raise ConfigError(f"kernels.attention=triton supports head dims {SUPPORTED_HEAD_DIMS}, but "
-                              f"d_model/num_heads={head_dim}; change the model shape or use kernels.attention=sdpa")
+                              f"the head dim (model.head_dim, or d_model/num_heads) is {head_dim}; change the model shape or "
+                              "use kernels.attention=sdpa")
     elif attention not in ATTENTION_FNS:
         raise ConfigError(f"kernels.attention={attention!r} is not one of auto, triton, sdpa, eager")
     matmul = cfg.matmul
@@ -124,7 +125,7 @@ def apply_kernels(model: nn.Module, cfg, device: torch.device | str) -> dict[str
     net, not the intended layout).
     """
     model_cfg = model.cfg
-    chosen = resolve_kernels(cfg, device, model_cfg.d_model // model_cfg.num_heads)
+    chosen = resolve_kernels(cfg, device, model_cfg.head_size)
     model.set_attention(ATTENTION_FNS[chosen["attention"]])
     if chosen["matmul"] == "triton":
         install_triton_matmul(model)

@@ -1,4 +1,5 @@
-"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, tied or untied embeddings.
+"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, tied or untied embeddings;
+the families of raydist.models.spec (Mistral, Qwen2/2.5, Qwen3) switch on q/k/v biases and per-head q/k norms.
 
 Shapes use B batch, T sequence, D d_model, H query heads, K kv heads, E head dim, F ffn_hidden, V vocab.
 
@@ -25,6 +26,7 @@ from torch import nn
 
 from raydist.config import ModelConfig
 from raydist.metrics.kernels import count_call
+from raydist.models.spec import family_of
 
 # attention_fn(q, k, v) -> out, with q (B, H, T, E), k/v (B, K, T, E) and out (B, H, T, E); causal.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -116,13 +118,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Grouped-query attention; per the model family (raydist.models.spec) q/k/v projections with biases
+    (Qwen2) and an RMSNorm over each head of q and k before RoPE (Qwen3's `q_norm`, `k_norm`)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.head_dim = cfg.d_model // cfg.num_heads
-        self.wq = nn.Linear(cfg.d_model, cfg.num_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.d_model, cfg.num_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.d_model, cfg.num_kv_heads * self.head_dim, bias=False)
+        family = family_of(cfg)
+        self.head_dim = cfg.head_size
+        self.wq = nn.Linear(cfg.d_model, cfg.num_heads * self.head_dim, bias=family.qkv_bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.num_kv_heads * self.head_dim, bias=family.qkv_bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.num_kv_heads * self.head_dim, bias=family.qkv_bias)
         self.wo = nn.Linear(cfg.num_heads * self.head_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if family.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if family.qk_norm else None
         self.attention_fn: AttentionFn = sdpa_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -131,6 +139,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.head_dim)  # (B, T, H, E), H local under tensor parallelism
         k = self.wk(x).view(b, t, -1, self.head_dim)  # (B, T, K, E)
         v = self.wv(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None:  # over E, per head (heads are dim 2: tensor parallelism shards them)
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|K, T, E)
         if cache is None:
@@ -179,7 +189,7 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.num_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.d_model // cfg.num_heads, max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_size, max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # run_layers(blocks, h, cos, sin) -> h replaces the plain loop (activation checkpointing policies)
@@ -205,7 +215,7 @@ class GPT(nn.Module):
         """Recompute the RoPE tables in place (after `to_empty`, which leaves buffers uninitialised)."""
         if "rope_cos" not in self._buffers or self.rope_cos.is_meta:  # a stage view holds none
             return
-        cos, sin = rope_tables(self.cfg.d_model // self.cfg.num_heads, self.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg.head_size, self.max_seq_len, self.cfg.rope_theta)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
@@ -271,11 +281,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts of the unsharded model by kind."""
-    e = cfg.d_model // cfg.num_heads
+    """Parameter counts of the unsharded model by kind (biases and head norms count as norms: not matmul)."""
+    family, e = family_of(cfg), cfg.head_size
     attention = cfg.d_model * cfg.num_heads * e * 2 + cfg.d_model * cfg.num_kv_heads * e * 2
     mlp = 3 * cfg.d_model * cfg.ffn_hidden
-    norms = 2 * cfg.d_model
+    norms = 2 * cfg.d_model + (2 * e if family.qk_norm else 0)
+    norms += (cfg.num_heads + 2 * cfg.num_kv_heads) * e if family.qkv_bias else 0
     per_block = attention + mlp + norms
     embedding = cfg.vocab_size * cfg.d_model
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
@@ -293,5 +304,5 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     counts = param_counts(cfg)
     n_matmul = cfg.num_layers * counts["block_matmul"] + cfg.vocab_size * cfg.d_model
-    attention = 12 * cfg.num_layers * cfg.d_model * seq_len
+    attention = 12 * cfg.num_layers * cfg.q_width * seq_len  # H E: d_model for Llama, not for Qwen3-0.6B
     return 6.0 * n_matmul + attention

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints <-> raydist's GPT: config, parameter names, RoPE layout, safetensors I/O.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2/2.5, Qwen3: raydist.models.spec) <-> raydist's GPT:
+config, parameter names, RoPE layout, safetensors I/O.
 
 Both models are the Llama decoder (Touvron et al., 2023, "LLaMA: Open and Efficient Foundation Language
 Models"): RMSNorm, SwiGLU MLP, grouped-query attention and rotary position embeddings (RoPE; Su et al.,
@@ -11,7 +12,8 @@ coordinates of a head of size E RoPE pairs up. With angle a_i = pos * theta^(-2i
       (x[i], x[i+E/2]) -> (x[i] cos a_i - x[i+E/2] sin a_i,  x[i] sin a_i + x[i+E/2] cos a_i).
 
 The attention scores q.k are invariant under the same permutation of q's and k's coordinates, so the two
-models agree exactly once the output rows of wq and wk are reordered within each head:
+models agree exactly once the output rows of wq and wk (and their biases, and the per-head q/k norm
+weights of Qwen3, which scale the same coordinates) are reordered within each head:
       hf_row[h*E + j*E/2 + i] = raydist_row[h*E + 2i + j]     (j in {0, 1}, i < E/2),
 i.e. per head the even rows first, then the odd rows (`to_hf`), and the inverse (`to_raydist`). Every
 other tensor has the same layout in both. The permutation never mixes rows of different heads, so a row
@@ -40,6 +42,7 @@ import torch
 from raydist.config_io import HF_CONFIG_KEYS, check_explicit_keys, model_config_from_hf
 from raydist.config_sections import ModelConfig
 from raydist.errors import ConfigError
+from raydist.models.spec import family_of
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -57,8 +60,16 @@ _NAME_TABLE: list[tuple[str, str]] = [
     ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
     ("norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
+    # the families' extra tensors (raydist.models.spec): Qwen2's q/k/v biases, Qwen3's per-head q/k norms
+    ("layers.{i}.attention.wq.bias", "model.layers.{i}.self_attn.q_proj.bias"),
+    ("layers.{i}.attention.wk.bias", "model.layers.{i}.self_attn.k_proj.bias"),
+    ("layers.{i}.attention.wv.bias", "model.layers.{i}.self_attn.v_proj.bias"),
+    ("layers.{i}.attention.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    ("layers.{i}.attention.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
 ]
-_ROTARY = {"attention.wq.weight", "attention.wk.weight"}  # raydist suffixes whose rows are permuted
+# raydist suffixes whose rows (the coordinates of each head) RoPE pairs up: permuted between conventions
+_ROTARY = {"attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
+           "attention.q_norm.weight", "attention.k_norm.weight"}
 # Non-parameter buffers some older exports wrote; recomputed from rope_theta, so skipped when reading.
 _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
@@ -71,7 +82,7 @@ def _translate(name: str, table: list[tuple[re.Pattern, str]], kind: str) -> str
     for pattern, target in table:
         if m := pattern.match(name):
             return target.replace("{i}", m.group(1)) if m.groups() else target
-    raise KeyError(f"{name!r} is not a {kind} Llama parameter name raydist knows")
+    raise KeyError(f"{name!r} is not a {kind} parameter name raydist knows")
 
 
 def hf_to_raydist_name(name: str) -> str:
@@ -90,7 +101,7 @@ def _is_rotary(raydist_name: str) -> bool:
 
 def _permute_rows(w: torch.Tensor, cfg: ModelConfig, from_pairs: bool) -> torch.Tensor:
     """Within each head of E rows (any number of whole heads): interleaved pairs -> halves, or back."""
-    e = cfg.d_model // cfg.num_heads
+    e = cfg.head_size
     inner = (e // 2, 2) if from_pairs else (2, e // 2)
     return w.reshape(w.shape[0] // e, *inner, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
@@ -136,7 +147,7 @@ def _raydist_sources(hf_dir, cfg: ModelConfig) -> dict[str, tuple[str, Path]]:
         except KeyError:
             unknown += [] if _IGNORED_HF.match(hf_name) else [hf_name]
     if unknown:
-        raise ConfigError(f"{hf_dir}: unexpected tensors {unknown[:5]} (not part of a Llama model raydist knows)")
+        raise ConfigError(f"{hf_dir}: unexpected tensors {unknown[:5]} (not part of a model raydist knows)")
     if cfg.tie_embeddings and "output.weight" not in out and "tok_embeddings.weight" in out:
         out["output.weight"] = out["tok_embeddings.weight"]  # read the embedding for a tied head
     return out
@@ -180,7 +191,7 @@ def read_hf_slice(hf_dir: str | os.PathLike, name: str, dim: int, start: int, st
     permutation only moves rows within a head, so such a slice is permuted on its own.
     """
     cfg, sources, _ = _select(hf_dir, cfg, [name])
-    e = cfg.d_model // cfg.num_heads
+    e = cfg.head_size
     if _is_rotary(name) and dim == 0 and (start % e or stop % e):
         raise ValueError(f"row slice [{start}:{stop}] of {name} must be aligned to whole heads of {e} rows")
     from safetensors import safe_open
@@ -190,7 +201,7 @@ def read_hf_slice(hf_dir: str | os.PathLike, name: str, dim: int, start: int, st
 
 
 def load_hf_into(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
-    """Copy a Hugging Face Llama checkpoint into an unsharded raydist GPT (cast to the model's dtypes).
+    """Copy a Hugging Face checkpoint into an unsharded raydist GPT (cast to the model's dtypes).
 
     ConfigError for a config.json that disagrees with model.cfg, missing or unexpected tensors, shape
     mismatches (the model may then be partly overwritten), or a tied model's stored lm_head that differs
@@ -230,26 +241,38 @@ def _replace_into(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def expected_names(cfg: ModelConfig) -> set[str]:
+    """raydist names of every tensor a Hugging Face checkpoint of `cfg`'s family and depth holds (a tied
+    head's `output.weight` included: callers drop it)."""
+    family = family_of(cfg)
+    block = {"attention_norm.weight", "ffn_norm.weight", *(f"attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")),
+             *(f"feed_forward.{w}.weight" for w in ("w1", "w2", "w3")), *family.bias_names, *family.head_norm_names}
+    return {"tok_embeddings.weight", "norm.weight", "output.weight",
+            *(f"layers.{i}.{suffix}" for i in range(cfg.num_layers) for suffix in block)}
+
+
 def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int, dtype: torch.dtype) -> dict[str, Any]:
-    """The config.json of a raydist model as a Hugging Face LlamaForCausalLM (transformers 4 and 5 keys)."""
+    """The config.json of a raydist model as its family's Hugging Face model (transformers 4 and 5 keys)."""
+    family = family_of(cfg)
     dtype_name = str(dtype).removeprefix("torch.")
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+    return {"architectures": [family.hf_architecture], "model_type": family.hf_model_type,
+            "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_hidden,
             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
             "num_key_value_heads": cfg.num_kv_heads, "hidden_act": "silu",
-            "head_dim": cfg.d_model // cfg.num_heads,
+            "head_dim": cfg.head_size,
             "max_position_embeddings": max_position_embeddings, "rms_norm_eps": cfg.norm_eps,
             "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
-            "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std, "use_cache": True,
-            "torch_dtype": dtype_name, "dtype": dtype_name}
+            "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings,
+            "initializer_range": cfg.init_std, "use_cache": True, "torch_dtype": dtype_name, "dtype": dtype_name,
+            **family.hf_config_extra}
 
 
 def save_hf(state_dict_iter_or_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
             cfg: ModelConfig, out_dir: str | os.PathLike, max_shard_bytes: float = 5e9,
             dtype: torch.dtype | None = None, *, max_position_embeddings: int = 2048,
             tokenizer_json: str | os.PathLike | None = None) -> list[str]:
-    """Write a raydist model (unsharded raydist names and layout) as a Hugging Face Llama checkpoint.
+    """Write a raydist model (unsharded raydist names and layout) as a Hugging Face checkpoint of its family.
 
     Tensors are consumed one at a time and written a shard (<= max_shard_bytes) at a time: one
     `model.safetensors`, or `model-0000i-of-0000N.safetensors` plus `model.safetensors.index.json`. Files
@@ -263,7 +286,7 @@ def save_hf(state_dict_iter_or_dict: Mapping[str, torch.Tensor] | Iterable[tuple
     out.mkdir(parents=True, exist_ok=True)
     items = state_dict_iter_or_dict
     items = items.items() if isinstance(items, Mapping) else items
-    expected = {ours.format(i=i) for ours, _ in _NAME_TABLE for i in range(cfg.num_layers)}
+    expected = expected_names(cfg)
     shards: list[tuple[Path, list[str]]] = []  # (temporary file, Hugging Face names in it)
     current: dict[str, torch.Tensor] = {}  # the shard being filled
     current_bytes, total, seen, tied_pair, file_dtype = 0, 0, set(), {}, dtype

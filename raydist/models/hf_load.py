@@ -67,7 +67,7 @@ def read_block(fh, hf_name: str, name: str, offsets, sizes, cfg: ModelConfig) ->
     starts, stops = list(offsets), [o + s for o, s in zip(offsets, sizes)]
     trim = None
     if hf._is_rotary(name) and starts:
-        e = cfg.d_model // cfg.num_heads
+        e = cfg.head_size
         row0, row1 = starts[0] // e * e, -(-stops[0] // e) * e
         trim = (starts[0] - row0, sizes[0])
         starts[0], stops[0] = row0, row1

@@ -85,8 +85,8 @@ def write_rows(out: torch.Tensor, name: str, shape: tuple[int, ...], start: int,
     stop = start + out.shape[0]
     if is_norm(name):
         return out.fill_(1.0)
-    if name.endswith(LORA_B):  # LoRA's B starts at zero: the adapted model starts as the base model
-        return out.zero_()
+    if name.endswith(LORA_B) or name.endswith(".bias"):  # LoRA's B (the adapted model starts as the base
+        return out.zero_()  # model) and biases (Qwen2's q/k/v, as transformers initialises them) start at zero
     if stop <= start:
         return out
     per = rows_per_block(shape)

@@ -36,7 +36,8 @@ ROW_PARALLEL = ("attention.wo", "feed_forward.w2")  # the projections tensor par
 
 
 class LoRALinear(nn.Linear):
-    """nn.Linear (no bias) plus a rank-r update; made from an existing Linear by `add_lora` (in place)."""
+    """nn.Linear (its bias too, where the family has one: Qwen2's q/k/v) plus a rank-r update; made from an
+    existing Linear by `add_lora` (in place)."""
 
     lora_a: nn.Parameter
     lora_b: nn.Parameter
@@ -44,7 +45,7 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = F.linear(F.linear(x, self.lora_a), self.lora_b)  # (..., r) -> (..., out)
-        return F.linear(x, self.weight) + self.lora_scale * update
+        return F.linear(x, self.weight, self.bias) + self.lora_scale * update
 
     def merged_weight(self) -> torch.Tensor:
         """W + (alpha/r) B A: the plain projection this one computes."""
@@ -151,17 +152,19 @@ def _styles():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     class LoRAColwise(ColwiseParallel):
-        """W and B split by output rows (Shard(0)); A replicated."""
+        """W, B and the bias split by output rows (Shard(0)); A replicated."""
 
         def _partition_linear_fn(self, name, module, device_mesh):
-            _distribute(module, device_mesh, {"weight": Shard(0), "lora_a": Replicate(), "lora_b": Shard(0)},
+            bias = {"bias": Shard(0)} if module.bias is not None else {}  # (Qwen2's q/k/v)
+            _distribute(module, device_mesh, {"weight": Shard(0), "lora_a": Replicate(), "lora_b": Shard(0), **bias},
                         self.src_data_rank)
 
     class LoRARowwise(RowwiseParallel):
         """W and A split by input columns (Shard(1)); B replicated."""
 
         def _partition_linear_fn(self, name, module, device_mesh):
-            _distribute(module, device_mesh, {"weight": Shard(1), "lora_a": Shard(1), "lora_b": Replicate()},
+            bias = {"bias": Replicate()} if module.bias is not None else {}
+            _distribute(module, device_mesh, {"weight": Shard(1), "lora_a": Shard(1), "lora_b": Replicate(), **bias},
                         self.src_data_rank)
 
     return LoRAColwise, LoRARowwise

@@ -221,7 +221,7 @@ def rank_layers(layout: Layout, pp_rank: int) -> int:
 
 def smallest_tp_rows(model: "ModelConfig", tp: int) -> int:
     """The smallest first dimension of a parameter after tensor parallelism (what FSDP then shards)."""
-    head_dim = model.d_model // model.num_heads
+    head_dim = model.head_size
     kv_heads = model.num_kv_heads // tp if model.num_kv_heads % tp == 0 else model.num_kv_heads  # replicated
     return min(model.d_model, model.num_heads * head_dim // tp, kv_heads * head_dim, model.ffn_hidden // tp,
                model.vocab_size // tp)

@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from raydist.models.gpt import cross_entropy
 from raydist.models.peft import lora_tensor_parallel_style
+from raydist.models.spec import family_of
 from raydist.parallel.mesh import Mesh
 from raydist.parallel.vocab_loss import vocab_parallel_cross_entropy
 
@@ -138,7 +139,7 @@ class VocabParallelEmbedding(ParallelStyle):
 def block_plan(cfg, tp: int, layout: Placement) -> dict[str, ParallelStyle]:
     """The plan for one TransformerBlock (keys are module names inside the block)."""
     to_replicate = dict(input_layouts=(layout,), desired_input_layouts=(Replicate(),))
-    head_dim = cfg.d_model // cfg.num_heads
+    head_dim = cfg.head_size
     kv = (ColwiseParallel() if cfg.num_kv_heads % tp == 0 else ReplicatedKVHeads(cfg.num_kv_heads, head_dim))
     return {
         "attention_norm": NormParallel(layout),
@@ -150,6 +151,11 @@ def block_plan(cfg, tp: int, layout: Placement) -> dict[str, ParallelStyle]:
         "attention.wk": kv,
         "attention.wv": kv,
         "attention.wo": RowwiseParallel(output_layouts=layout),
+        # Qwen3's per-head q/k norms see (B, T, heads, E) with this rank's heads: Shard(2), so each rank's
+        # weight gradient covers its heads (and, with replicated kv heads, its query heads' share of them)
+        # and the sum over tp is the whole gradient (torchtitan's Qwen3 plan does the same)
+        **({"attention.q_norm": NormParallel(Shard(2)), "attention.k_norm": NormParallel(Shard(2))}
+           if family_of(cfg).qk_norm else {}),
         "ffn_norm": NormParallel(layout),
         "feed_forward": PrepareModuleInput(**to_replicate),
         "feed_forward.w1": ColwiseParallel(),

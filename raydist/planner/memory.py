@@ -60,7 +60,7 @@ def block_tensors(w: Workload) -> list[Tensor2D]:
 
 
 def _block_tensors(m) -> list[Tensor2D]:
-    e = m.d_model // m.num_heads  # Workload.head_dim
+    e = m.head_size  # Workload.head_dim
     d, f = m.d_model, m.ffn_hidden
     return [Tensor2D(d, 1, None),  # attention_norm
             Tensor2D(m.num_heads * e, d, 0), Tensor2D(m.num_kv_heads * e, d, 0), Tensor2D(m.num_kv_heads * e, d, 0),

@@ -41,7 +41,7 @@ class Workload:
 
     @property
     def head_dim(self) -> int:
-        return self.model.d_model // self.model.num_heads
+        return self.model.head_size
 
     @property
     def tokens_per_step(self) -> int:

@@ -55,7 +55,7 @@ def test_training_step_sends_the_attention_bytes_of_every_layer_and_micro_batch(
     raw = tiny_config(tiny_data, parallel={"cp": 2, "cp_impl": impl}, train={"micro_batch": 4})  # 2 micro-batches
     cfg = Config.from_dict(raw)
     m = cfg.model
-    head_dim, local = m.d_model // m.num_heads, cfg.data.seq_len // 2
+    head_dim, local = m.head_size, cfg.data.seq_len // 2
     if impl == "ring":
         layer = ring_attention_bytes(4, m.num_kv_heads, local, head_dim, 2, 4)
     else:

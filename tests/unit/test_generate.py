@@ -16,7 +16,7 @@ import transformers
 from raydist.config import ModelConfig
 from raydist.inference.generate import generate_ids
 from raydist.models.gpt import KVCache, build_model
-from raydist.testing import TINY_MODEL, save_tiny_llama, tiny_config
+from raydist.testing import TINY_MODEL, save_tiny_hf, tiny_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -45,7 +45,7 @@ def train_bpe(vocab_size: int):
 def llama_with_tokenizer(tmp_path_factory):
     """A transformers Llama (tiny shape, grouped-query attention, order-one weights) and its tokenizer.json."""
     path = tmp_path_factory.mktemp("llama-gen")
-    save_tiny_llama(path, tied=False, seed=4)
+    save_tiny_hf(path, tied=False, seed=4)
     train_bpe(TINY_MODEL["vocab_size"]).save(str(path / "tokenizer.json"))
     return str(path)
 

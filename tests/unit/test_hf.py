@@ -91,8 +91,8 @@ def test_name_mapping_round_trips_every_parameter(tied):
     assert sorted(hf.raydist_to_hf_name(n) for n in ours) == sorted(theirs)
     assert [hf.hf_to_raydist_name(hf.raydist_to_hf_name(n)) for n in ours] == ours
     assert [hf.raydist_to_hf_name(hf.hf_to_raydist_name(n)) for n in theirs] == theirs
-    with pytest.raises(KeyError, match="q_proj.bias"):
-        hf.hf_to_raydist_name("model.layers.0.self_attn.q_proj.bias")
+    with pytest.raises(KeyError, match="gate_proj.bias"):
+        hf.hf_to_raydist_name("model.layers.0.mlp.gate_proj.bias")
 
 
 def test_rotary_permutation_is_per_head_and_inverse():
@@ -189,7 +189,7 @@ def test_load_errors_name_the_tensor(tmp_path):
     with pytest.raises(ConfigError, match=r"missing tensors \['norm.weight'\]"):
         hf.load_hf_into(model, tmp_path)
     _rewrite(tmp_path, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias", torch.zeros(64)))
-    with pytest.raises(ConfigError, match="unexpected tensors.*q_proj.bias"):
+    with pytest.raises(ConfigError, match=r"unexpected tensors \[.layers.0.attention.wq.bias.\]"):  # a Qwen2 tensor
         hf.load_hf_into(model, tmp_path)
     with pytest.raises(ConfigError, match="model.norm_eps=1e-06 disagrees with .* rms_norm_eps=1e-05"):
         hf.load_hf_into(build_model(small_cfg(norm_eps=1e-6), 32, seed=0), tmp_path)
@@ -270,15 +270,19 @@ def test_config_reads_transformers_4_and_5_forms(tmp_path):
     ModelConfig(**v5)  # every key is a ModelConfig field
     (tmp_path / "config.json").write_text(json.dumps(llama_json()))
     assert hf.model_config_from_hf(tmp_path)["rope_theta"] == 10000.0
-    assert hf.model_config_from_hf(llama_json(model_type="mistral", sliding_window=None))["d_model"] == 64
+    mistral = hf.model_config_from_hf(llama_json(model_type="mistral", sliding_window=None))
+    assert mistral["d_model"] == 64 and mistral["family"] == "mistral" and v5["family"] == "llama"
+    assert v5["head_dim"] == 0  # head_dim 16 = hidden_size / heads: the default
+    assert hf.model_config_from_hf(llama_json(head_dim=32))["head_dim"] == 32  # set apart (as Qwen3-0.6B)
 
 
 @pytest.mark.parametrize("over,match", [
-    ({"model_type": "qwen2"}, "model_type='qwen2' .*biases"),
-    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true"),
+    ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; raydist loads model_type 'llama', 'mistral', "
+                             "'qwen2', 'qwen3'"),
     ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
     ({"model_type": "mistral"}, "sliding_window=4096 \\(default\\)"),
-    ({"head_dim": 32}, "head_dim=32 != hidden_size/num_attention_heads=16"),
+    ({"hidden_size": 66}, "hidden_size=66 is not divisible by num_attention_heads=4 and head_dim is not set"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling has rope_type='llama3'"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling has rope_type='linear'"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope_parameters has rope_type='yarn'"),

@@ -12,7 +12,7 @@ import transformers
 
 from raydist.config import Config, ConfigError
 from raydist.parallel.runtime import spawn
-from raydist.testing import save_tiny_llama, tiny_config
+from raydist.testing import save_tiny_hf, tiny_config
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -21,8 +21,8 @@ def llama_dirs(tmp_path_factory):
     """Two transformers Llama directories of the tiny shape: tied, and untied saved in several shards."""
     tied = tmp_path_factory.mktemp("llama-tied")
     untied = tmp_path_factory.mktemp("llama-untied")
-    save_tiny_llama(tied, tied=True, seed=1)
-    model = save_tiny_llama(untied, tied=False, seed=2)
+    save_tiny_hf(tied, tied=True, seed=1)
+    model = save_tiny_hf(untied, tied=False, seed=2)
     model.save_pretrained(str(untied), max_shard_size="100KB")  # several files with an index
     assert (untied / "model.safetensors.index.json").is_file()
     return {"tied": str(tied), "untied": str(untied)}
@@ -137,7 +137,7 @@ def _with_own_tokenizer(path) -> None:
     last) is not the byte tokenizer tiny_data was made with, though both fit the model's vocabulary."""
     from tokenizers import Tokenizer, models
 
-    save_tiny_llama(path)
+    save_tiny_hf(path)
     vocab = {f"w{i}": i for i in range(319)} | {"</s>": 319}
     Tokenizer(models.WordLevel(vocab, unk_token="w0")).save(str(path / "tokenizer.json"))
 
@@ -153,7 +153,7 @@ def test_cli_init_from_errors_before_workers(tmp_path, llama_dirs, tiny_data, ca
     empty.mkdir()
     shutil.copy(os.path.join(llama_dirs["tied"], "config.json"), empty / "config.json")
     small = tmp_path / "small-vocab"
-    save_tiny_llama(small, vocab_size=128)
+    save_tiny_hf(small, vocab_size=128)
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 320, "n_embd": 64}))

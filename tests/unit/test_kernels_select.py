@@ -47,7 +47,7 @@ def test_triton_on_cpu_without_interpreter_is_a_config_error(monkeypatch, settin
 @needs_triton
 def test_triton_attention_with_unsupported_head_dim_is_a_config_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ConfigError, match="d_model/num_heads=48"):
+    with pytest.raises(ConfigError, match=r"d_model/num_heads\) is 48"):
         resolve_kernels(KernelsConfig(attention="triton"), "cpu", 48)
 
 

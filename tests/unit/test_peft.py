@@ -14,7 +14,7 @@ import transformers
 
 from raydist.config import Config, ConfigError
 from raydist.parallel.runtime import spawn
-from raydist.testing import assert_same_steps, run_layout, save_tiny_llama, tiny_config
+from raydist.testing import assert_same_steps, run_layout, save_tiny_hf, tiny_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -25,7 +25,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
-    save_tiny_llama(path, tied=True, seed=5)
+    save_tiny_hf(path, tied=True, seed=5)
     return str(path)
 
 

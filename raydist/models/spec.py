@@ -1,0 +1,64 @@
+"""Model families: what distinguishes one decoder family from another, in one registry.
+
+raydist's decoder (`raydist.models.gpt`) is the Llama architecture (Touvron et al. 2023): RMSNorm,
+SwiGLU MLP, grouped-query attention, RoPE. The open families most users fine-tune differ from it in a few
+switches, and everything that depends on the family reads them here: the model (which modules a block
+has), its initialisation, the tensor-parallel plan, LoRA, the parameter and FLOP counts, and the Hugging
+Face adapter (`model_type`, architecture, extra config keys).
+
+- Qwen2 / Qwen2.5 (Qwen team 2024, "Qwen2 Technical Report"): biases on the q, k and v projections.
+- Qwen3 (Qwen team 2025, "Qwen3 Technical Report"): no biases; an RMSNorm over each head's
+  coordinates of q and of k before RoPE ("QK-norm", as Dehghani et al. 2023 used at scale), and a head
+  dimension that need not be d_model / num_heads (Qwen3-0.6B: d_model 1024, 16 heads of 128).
+- Mistral (Jiang et al. 2023): Llama's blocks; raydist loads checkpoints without sliding-window attention.
+
+A new family of the same block structure is one `ModelFamily` line in `FAMILIES` (plus its Hugging Face
+config keys, if it has extra ones, in `hf_config_extra`); docs/architecture.md says how. This module imports
+nothing heavy: the config validates `model.family` against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str
+    hf_model_type: str  # config.json's model_type, read and written
+    hf_architecture: str  # config.json's architectures[0] on export
+    qkv_bias: bool = False  # q, k and v projections carry biases (not o)
+    qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
+    hf_config_extra: dict[str, Any] = field(default_factory=dict)  # keys export writes besides the shared ones
+
+    @property
+    def bias_names(self) -> tuple[str, ...]:
+        """The block's bias parameters (suffixes after `layers.{i}.`)."""
+        return tuple(f"attention.{w}.bias" for w in ("wq", "wk", "wv")) if self.qkv_bias else ()
+
+    @property
+    def head_norm_names(self) -> tuple[str, ...]:
+        return ("attention.q_norm.weight", "attention.k_norm.weight") if self.qk_norm else ()
+
+
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
+    ModelFamily("llama", "llama", "LlamaForCausalLM",
+                hf_config_extra={"attention_bias": False, "mlp_bias": False}),
+    ModelFamily("mistral", "mistral", "MistralForCausalLM", hf_config_extra={"sliding_window": None}),
+    ModelFamily("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True,
+                hf_config_extra={"use_sliding_window": False, "sliding_window": None}),
+    ModelFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True,
+                hf_config_extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None}),
+)}
+FAMILY_NAMES = tuple(FAMILIES)
+
+
+def family_of(model_cfg) -> ModelFamily:
+    """The family of a ModelConfig (validated by the config: a KeyError here is a programming error)."""
+    return FAMILIES[model_cfg.family]
+
+
+def family_for_hf(model_type: str | None) -> ModelFamily | None:
+    """The family whose Hugging Face model_type this is (None: no family raydist has)."""
+    return next((f for f in FAMILIES.values() if f.hf_model_type == model_type), None)
