@@ -158,14 +158,25 @@ def test_peft_config_errors():
         Config.from_dict({"peft": {"method": "freeze", "trainable_last_layers": 9}})
 
 
-def test_lora_export_merges_and_adapter_only_is_peft_format(tiny_data, llama_dir, tmp_path, capsys):
-    """A LoRA run exported merged loads in transformers with raydist's logits; the adapter-only export,
-    applied to the base model by PEFT's rule W + (lora_alpha / r) B A on the named modules, gives the same."""
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3")
+    save_tiny_hf(path, family="qwen3", tied=False, seed=6, head_dim=32)
+    return str(path)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_lora_export_merges_and_adapter_only_is_peft_format(tiny_data, llama_dir, qwen3_dir, tmp_path, capsys,
+                                                            family):
+    """A LoRA run (FSDP 2) exported merged loads in transformers, as the family's model, with raydist's
+    logits; the adapter-only export, applied to the base model by PEFT's rule W + (lora_alpha / r) B A on the
+    named modules, gives the same. Qwen3: heads of 32 on a 64-wide model; its q/k norms stay frozen with the base weights."""
     from safetensors.torch import load_file
 
     from raydist.cli import main
     from raydist.testing import logits_after_load, run_fit
 
+    llama_dir = qwen3_dir if family == "qwen3" else llama_dir
     run_dir, merged, adapter = str(tmp_path / "run"), str(tmp_path / "merged"), str(tmp_path / "adapter")
     raw = lora_config(tiny_data, llama_dir, {"dp_shard": 2}, lora_targets="all")
     raw["train"].update(steps=3)
@@ -182,7 +193,9 @@ def test_lora_export_merges_and_adapter_only_is_peft_format(tiny_data, llama_dir
     tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(4))
     ours = spawn(logits_after_load, 2, raw, run_dir, tokens, 3)[0]
     with torch.no_grad():
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()(input_ids=tokens).logits
+        exported = transformers.AutoModelForCausalLM.from_pretrained(merged).eval()
+        assert exported.config.model_type == family
+        theirs = exported(input_ids=tokens).logits
         base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
         untrained = base(input_ids=tokens).logits
     assert (ours - untrained).abs().max() > 1e-2  # the adapters changed the model

@@ -1,6 +1,6 @@
-"""The Llama 3 workloads (workloads/llama3_*.toml): the published shapes, a layout that validates on CPU for
-the workload's world size, a model that builds on the meta device without allocating weights, and a planner
-memory estimate that fits an 80 GB H100."""
+"""The Llama 3 and Qwen3 workloads (workloads/llama3_*.toml, qwen3_8b*.toml): the published shapes, a layout
+that validates on CPU for the workload's world size, a model that builds on the meta device without allocating
+weights, and a planner memory estimate that fits an 80 GB H100."""
 
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ PUBLISHED = {
     "llama3_70b": dict(num_layers=80, d_model=8192, num_heads=64, ffn_hidden=28672, params=70.6e9, world=64),
     "llama3_405b": dict(num_layers=126, d_model=16384, num_heads=128, ffn_hidden=53248, params=405.9e9, world=1024),
 }
+# Qwen3 8B as released (Qwen/Qwen3-8B config.json; "Qwen3 Technical Report", 2025: 8.2 B, 6.95 B non-embedding)
+QWEN3 = {name: dict(num_layers=36, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128, ffn_hidden=12288,
+                    vocab_size=151936, rope_theta=1e6, tie_embeddings=False, family="qwen3")
+         for name in ("qwen3_8b", "qwen3_8b_lora")}
+WORLDS = {**{name: want["world"] for name, want in PUBLISHED.items()}, "qwen3_8b": 8, "qwen3_8b_lora": 8}
 H100_BYTES = 80e9
 
 
@@ -43,18 +48,27 @@ def test_published_shape(name):
     assert abs(param_counts(m)["total"] - want["params"]) / want["params"] < 0.005
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(QWEN3))
+def test_qwen3_published_shape(name):
+    m = load(name).model
+    assert {k: getattr(m, k) for k in QWEN3[name]} == QWEN3[name]
+    counts = param_counts(m)
+    assert abs(counts["total"] - 8.19e9) / 8.19e9 < 0.005
+    assert abs(counts["total"] - counts["embedding"] - counts["head"] - 6.95e9) / 6.95e9 < 0.005
+
+
+@pytest.mark.parametrize("name", sorted(WORLDS))
 def test_layout_validates_for_its_world_size(name):
     cfg = load(name)
     world = cfg.ray.num_workers
-    assert world == PUBLISHED[name]["world"] and cfg.ray.use_gpu == "true"
+    assert world == WORLDS[name] and cfg.ray.use_gpu == "true"
     # raises ConfigError naming the problem when raydist.parallel.layout.validate refuses
     layout = plan_layout(cfg, world)
     assert layout.world_size == world  # every GPU has a place in the mesh, none idle
     assert layout.global_batch == cfg.train.global_batch
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(WORLDS))
 def test_planner_estimate_fits_an_h100(name):
     cfg = load(name)
     world = cfg.ray.num_workers
@@ -64,7 +78,7 @@ def test_planner_estimate_fits_an_h100(name):
     assert est.fits, f"{est.memory_gb:.1f} GB of {est.memory_limit_bytes / 1e9:.1f} GB usable"
 
 
-@pytest.mark.parametrize("name", sorted(PUBLISHED))
+@pytest.mark.parametrize("name", sorted(WORLDS))
 def test_model_builds_on_the_meta_device_without_weights(name):
     cfg = load(name)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
