@@ -18,7 +18,7 @@ from typing import Any
 
 from raydist.config_sections import CHOICES, SECTIONS
 from raydist.errors import ConfigError
-from raydist.models.spec import FAMILIES, family_for_hf
+from raydist.families.registry import FAMILIES, family_for_hf
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -186,7 +186,7 @@ def model_config_from_hf(hf_dir_or_config_dict: str | os.PathLike | Mapping) -> 
     family = family_for_hf(model_type := c.get("model_type"))
     if family is None:
         raise ConfigError(f"{src} model_type={model_type!r} is not supported; raydist loads model_type "
-                          f"{', '.join(repr(f.hf_model_type) for f in FAMILIES.values())} (raydist.models.spec)")
+                          f"{', '.join(repr(f.hf_model_type) for f in FAMILIES.values())} (raydist.families.registry)")
     if model_type == "mistral" and c.get("sliding_window", 4096) is not None:
         raise ConfigError(f"{src} sliding_window={c.get('sliding_window', '4096 (default)')}: raydist has no "
                           "sliding-window attention; only Mistral checkpoints with sliding_window null load")

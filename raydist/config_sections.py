@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raydist.models.spec import FAMILY_NAMES
+from raydist.families.registry import FAMILY_NAMES
 from raydist.schedule.registry import KINDS
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     family: str = "llama"
-    """The decoder family (raydist.models.spec): `llama`, `mistral` (Llama's blocks), `qwen2` (Qwen2 and
+    """The decoder family (raydist.families.registry): `llama`, `mistral` (Llama's blocks), `qwen2` (Qwen2 and
     Qwen2.5: biases on q, k, v) or `qwen3` (RMSNorm on each head of q and k, no biases). Read from
     config.json's model_type under `init_from = "hf:DIR"`."""
     num_layers: int = 4

@@ -282,7 +282,7 @@ def constructed(raw: dict, world_size: int) -> list[Constructed]:
 
 
 def save_tiny_hf(path, *, family: str = "llama", tied: bool = True, seed: int = 0, **shape) -> Any:
-    """A `transformers` model of `family` (raydist.models.spec) in TINY_MODEL's shape (overridden by `shape`,
+    """A `transformers` model of `family` (raydist.families.registry) in TINY_MODEL's shape (overridden by `shape`,
     in raydist's names; `head_dim` too) with weights of order one (every matrix ~ N(0, 1/D_in), vectors
     (norm gains, Qwen2's biases) ~ 1 + N(0, 0.2): logits that a wrong layout would visibly change), saved with
     save_pretrained at `path`; returns the model (fp32, eager)."""
@@ -290,7 +290,7 @@ def save_tiny_hf(path, *, family: str = "llama", tied: bool = True, seed: int = 
 
     import transformers
 
-    from raydist.models.spec import FAMILIES
+    from raydist.families.registry import FAMILIES
 
     m = {**TINY_MODEL, "rope_theta": 10000.0, "norm_eps": 1e-5, **shape}
     fields = dict(vocab_size=m["vocab_size"], hidden_size=m["d_model"], num_hidden_layers=m["num_layers"],

@@ -1,5 +1,5 @@
 """A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, tied or untied embeddings;
-the families of raydist.models.spec (Mistral, Qwen2/2.5, Qwen3) switch on q/k/v biases and per-head q/k norms.
+the families of raydist.families.registry (Mistral, Qwen2/2.5, Qwen3) switch on q/k/v biases and per-head q/k norms.
 
 Shapes use B batch, T sequence, D d_model, H query heads, K kv heads, E head dim, F ffn_hidden, V vocab.
 
@@ -26,7 +26,7 @@ from torch import nn
 
 from raydist.config import ModelConfig
 from raydist.metrics.kernels import count_call
-from raydist.models.spec import family_of
+from raydist.families.registry import family_of
 
 # attention_fn(q, k, v) -> out, with q (B, H, T, E), k/v (B, K, T, E) and out (B, H, T, E); causal.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -118,7 +118,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query attention; per the model family (raydist.models.spec) q/k/v projections with biases
+    """Grouped-query attention; per the model family (raydist.families.registry) q/k/v projections with biases
     (Qwen2) and an RMSNorm over each head of q and k before RoPE (Qwen3's `q_norm`, `k_norm`)."""
 
     def __init__(self, cfg: ModelConfig):

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Mistral, Qwen2/2.5, Qwen3: raydist.models.spec) <-> raydist's GPT:
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2/2.5, Qwen3: raydist.families.registry) <-> raydist's GPT:
 config, parameter names, RoPE layout, safetensors I/O.
 
 Both models are the Llama decoder (Touvron et al., 2023, "LLaMA: Open and Efficient Foundation Language
@@ -42,7 +42,7 @@ import torch
 from raydist.config_io import HF_CONFIG_KEYS, check_explicit_keys, model_config_from_hf
 from raydist.config_sections import ModelConfig
 from raydist.errors import ConfigError
-from raydist.models.spec import family_of
+from raydist.families.registry import family_of
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -60,7 +60,7 @@ _NAME_TABLE: list[tuple[str, str]] = [
     ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
     ("norm.weight", "model.norm.weight"),
     ("output.weight", "lm_head.weight"),
-    # the families' extra tensors (raydist.models.spec): Qwen2's q/k/v biases, Qwen3's per-head q/k norms
+    # the families' extra tensors (raydist.families.registry): Qwen2's q/k/v biases, Qwen3's per-head q/k norms
     ("layers.{i}.attention.wq.bias", "model.layers.{i}.self_attn.q_proj.bias"),
     ("layers.{i}.attention.wk.bias", "model.layers.{i}.self_attn.k_proj.bias"),
     ("layers.{i}.attention.wv.bias", "model.layers.{i}.self_attn.v_proj.bias"),

@@ -47,7 +47,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from raydist.models.gpt import cross_entropy
 from raydist.models.peft import lora_tensor_parallel_style
-from raydist.models.spec import family_of
+from raydist.families.registry import family_of
 from raydist.parallel.mesh import Mesh
 from raydist.parallel.vocab_loss import vocab_parallel_cross_entropy
 

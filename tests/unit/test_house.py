@@ -13,7 +13,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "raydist"
 # Rooms, bottom floor first: a room imports only rooms before it. The root's modules are rooms of their own.
-LAYERS = ("errors.py", "store", "schedule", "config_sections.py", "config_io.py", "config.py", "strict", "metrics",
+LAYERS = ("errors.py", "store", "schedule", "families", "config_sections.py", "config_io.py", "config.py", "strict", "metrics",
           "checkpoint", "models", "kernels", "parallel", "data", "planner", "elastic", "training", "inference",
           "driver", "report", "cli.py", "testing.py", "__main__.py")
 ROOT_LIMIT = 8

@@ -1,4 +1,4 @@
-"""The model families (raydist.models.spec) against `transformers`: Mistral, Qwen2/2.5 (q/k/v biases) and
+"""The model families (raydist.families.registry) against `transformers`: Mistral, Qwen2/2.5 (q/k/v biases) and
 Qwen3 (per-head q/k RMSNorm, a head dim apart from d_model / heads) load from a `save_pretrained` directory
 with the logits `transformers` computes, export to a directory `transformers` loads with the original
 model_type and the same logits, and greedy generation gives the same tokens."""
@@ -16,7 +16,7 @@ from raydist.config import ModelConfig
 from raydist.inference.generate import generate_ids
 from raydist.models import hf
 from raydist.models.gpt import build_model
-from raydist.models.spec import FAMILIES
+from raydist.families.registry import FAMILIES
 
 from test_hf import SHAPE, hf_logits, randomize, raydist_logits, save_pretrained
 
