@@ -158,7 +158,8 @@ def _activations_on_rank(raw: dict) -> dict:
     whole and are excluded), by saved-tensor hooks and by live op outputs."""
     from raydist.parallel.mesh import MeshSpec
     from raydist.metrics.memory import LiveActivations, SavedActivations
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
 
     cfg = Config.from_dict(raw)
     model = build_model(cfg.model, cfg.data.seq_len, seed=0)

@@ -47,7 +47,8 @@ def baseline(cfg_raw: dict, steps: int) -> list[float]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from raydist.data.prepare import read_manifest
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
 
     cfg = Config.from_dict(cfg_raw)
     rank, world = dist.get_rank(), dist.get_world_size()

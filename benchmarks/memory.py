@@ -60,7 +60,8 @@ def measure_activations(cfg: Config, policy: str, batch: int, kernels: tuple[str
     (attention, matmul) installs that kernel choice first (e.g. ("triton", "triton"))."""
     from raydist.config import KernelsConfig
     from raydist.kernels import apply_kernels
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
     from raydist.parallel.checkpointing import apply_activation_checkpointing
 
     model = build_model(cfg.model, cfg.data.seq_len, seed=0, device=device)

@@ -68,7 +68,8 @@ def measure_mfu(cfg: ModelConfig, seq_len: int, batch: int, *, steps: int = 10, 
     from raydist.kernels import apply_kernels
     from raydist.metrics.flops import peak_flops
     from raydist.metrics.kernels import kernel_calls, kernels_ran
-    from raydist.models.gpt import GPT, cross_entropy, flops_per_token, param_counts
+    from raydist.models.gpt import GPT, flops_per_token, param_counts
+    from raydist.models.loss import cross_entropy
     from raydist.parallel.checkpointing import apply_activation_checkpointing
 
     device = torch.device(device)

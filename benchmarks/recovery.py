@@ -206,7 +206,8 @@ def _step_s(params: int, world: int) -> float:
     once (each rank's own copy, no gradient all-reduce: a lower bound of a data-parallel step): what an
     asynchronous save's stall is compared with."""
     from raydist.config import ModelConfig
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
 
     layers, width = 8, 512  # 8 x (attention 0.79M + SwiGLU 3 x 512 x ffn) + embedding 0.16M
     ffn = max(64, int((params / layers - 0.79e6) / (3 * width)) // 64 * 64)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from raydist.errors import ConfigError, DataError
-from raydist.models.gpt import IGNORE, cross_entropy
+from raydist.models.loss import IGNORE, cross_entropy
 
 # IGNORE (-100, from the model module): the target id of a token that does not count
 NOT_TARGET = 1 << 32  # in-memory flag on a token whose role as a target does not count
@@ -96,7 +96,7 @@ def as_targets(flagged: torch.Tensor) -> torch.Tensor:
 
 def masked_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """sum of the counted targets' cross-entropy / all targets (fp32): logits (B, T, V), targets (B, T).
-    (`gpt.cross_entropy` itself, and what every parallel plan's `loss_fn` computes.)"""
+    (`loss.cross_entropy` itself, and what every parallel plan's `loss_fn` computes.)"""
     return cross_entropy(logits, targets)
 
 

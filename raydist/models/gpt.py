@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from raydist.config import ModelConfig
-from raydist.metrics.kernels import count_call
 from raydist.families.registry import family_of
+from raydist.metrics.kernels import count_call
 
 # attention_fn(q, k, v) -> out, with q (B, H, T, E), k/v (B, K, T, E) and out (B, H, T, E); causal.
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -262,19 +262,6 @@ def build_model(cfg: ModelConfig, max_seq_len: int, seed: int, device: torch.dev
     with torch.device("meta"):
         model = GPT(cfg, max_seq_len)
     return materialize(model, torch.device(device), cfg, seed)
-
-
-IGNORE = -100  # target id of a token that does not count (prompt tokens of prompt/response data)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token loss in fp32, logits (B, T, V), targets (B, T): the sum over counted targets / all B T
-    targets, an IGNORE target counting as zero (the plain mean when every target counts). Dividing by all
-    targets, not the counted ones, keeps every micro-batch's weight its share of the rows; the runners
-    rescale by the step's targets / counted targets (raydist.data.sft)."""
-    total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1), ignore_index=IGNORE,
-                            reduction="sum")
-    return total / targets.numel()
 
 
 # ---- parameter and FLOP counts (for MFU and the memory model) ----------------------------------------

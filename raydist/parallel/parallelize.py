@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from raydist.models.gpt import cross_entropy
+from raydist.models.loss import cross_entropy
 from raydist.models.init import is_meta
 from raydist.parallel.checkpointing import apply_activation_checkpointing
 from raydist.parallel.data_parallel import NoDataParallel, make_data_parallel

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                                                parallelize_module)
 
-from raydist.models.gpt import cross_entropy
+from raydist.models.loss import cross_entropy
 from raydist.models.peft import lora_tensor_parallel_style
 from raydist.families.registry import family_of
 from raydist.parallel.mesh import Mesh

@@ -12,8 +12,8 @@ an all-gather would move. The gradient needs no communication:
 
     d loss / d z_nv = (softmax_nv - [v == y_n]) / N      on the rank that holds column v
 
-A target equal to `gpt.IGNORE` (a prompt token of prompt/response data) adds zero to the sum and to the
-gradient, and N stays the number of all targets: the same quantity as `gpt.cross_entropy`, so the runners'
+A target equal to `loss.IGNORE` (a prompt token of prompt/response data) adds zero to the sum and to the
+gradient, and N stays the number of all targets: the same quantity as `loss.cross_entropy`, so the runners'
 masked-loss scaling (raydist.data.sft) applies unchanged under tensor parallelism.
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from raydist.models.gpt import IGNORE, cross_entropy
+from raydist.models.loss import IGNORE, cross_entropy
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -58,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Next-token loss (fp32) of logits (B, T, V) sharded Shard(-1) over a 1-D tp mesh, targets (B, T): sum over
     counted (not IGNORE) targets / all targets, the same number on every tp rank. Plain (unsharded) logits fall
-    back to `gpt.cross_entropy`."""
+    back to `loss.cross_entropy`."""
     if not isinstance(logits, DTensor):
         return cross_entropy(logits, targets)
     mesh = logits.device_mesh

@@ -62,7 +62,8 @@ def _fwd_bwd_timer(model_cfg: dict, seq_len: int, policy: str):
     """A function that runs one forward + backward of the workload's model on `micro_batch` samples and
     returns its seconds."""
     from raydist.config import ModelConfig
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
     from raydist.parallel.checkpointing import apply_activation_checkpointing
 
     cfg = ModelConfig(**model_cfg)

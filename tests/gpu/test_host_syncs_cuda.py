@@ -60,7 +60,8 @@ def test_unlogged_trainer_steps_do_not_sync_on_cuda(tiny_data):
 
 def _unlogged_pipeline_steps(microbatches: int) -> dict:
     from raydist.config import ModelConfig
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
     from raydist.parallel.runtime import pick_device
     from raydist.parallel.pipeline_executor import PipelineExecutor, stage_timings
     from raydist.schedule.registry import make_schedule

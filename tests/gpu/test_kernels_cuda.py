@@ -154,7 +154,8 @@ def test_model_trains_on_cuda_with_triton_like_torch(device):
     from raydist.config import KernelsConfig, ModelConfig
     from raydist.kernels import apply_kernels
     from raydist.metrics.kernels import kernel_calls, kernels_ran
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
 
     shape, seq_len, batch, triton = MODELS[device]
     cfg = ModelConfig(**shape)
@@ -195,7 +196,8 @@ def test_bf16_autocast_training_step_runs(device):
     from raydist.config import KernelsConfig, ModelConfig
     from raydist.kernels import apply_kernels
     from raydist.metrics.kernels import kernel_calls, kernels_ran
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
 
     shape, seq_len, batch, _ = MODELS[device]
     cfg = ModelConfig(**{**shape, "num_heads": 2, "num_kv_heads": 1})

@@ -131,7 +131,8 @@ def test_fsdp_bf16_mixed_precision_on_cuda(device):
 
 def _pipeline_one_stage(microbatches: int) -> dict:
     from raydist.config import ModelConfig
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
     from raydist.parallel.runtime import pick_device
     from raydist.parallel.pipeline_executor import PipelineExecutor
     from raydist.schedule.registry import make_schedule

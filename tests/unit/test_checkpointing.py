@@ -4,7 +4,8 @@ import torch
 
 from raydist.config import ModelConfig
 from raydist.metrics.memory import LiveActivations, SavedActivations
-from raydist.models.gpt import build_model, cross_entropy
+from raydist.models.gpt import build_model
+from raydist.models.loss import cross_entropy
 from raydist.parallel.checkpointing import apply_activation_checkpointing, segment_size
 
 CFG = ModelConfig(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=96)

@@ -16,7 +16,8 @@ import torch
 from raydist.config import KernelsConfig, ModelConfig
 from raydist.kernels import apply_kernels, runtime
 from raydist.metrics.memory import LiveActivations
-from raydist.models.gpt import build_model, cross_entropy
+from raydist.models.gpt import build_model
+from raydist.models.loss import cross_entropy
 from raydist.parallel.checkpointing import apply_activation_checkpointing, keeps
 
 pytestmark = pytest.mark.skipif(runtime.triton_import_error() is not None,

@@ -13,7 +13,8 @@ from torch import nn
 from raydist.config import ConfigError, KernelsConfig, ModelConfig
 from raydist.kernels import apply_kernels, kernel_calls, resolve_kernels, runtime
 from raydist.kernels.select import TorchLinear, TritonFeedForward, TritonLinear
-from raydist.models.gpt import build_model, cross_entropy, eager_attention, sdpa_attention
+from raydist.models.gpt import build_model, eager_attention, sdpa_attention
+from raydist.models.loss import cross_entropy
 
 needs_triton = pytest.mark.skipif(runtime.triton_import_error() is not None,
                                   reason=f"triton not importable: {runtime.triton_import_error()}")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from raydist.config import ModelConfig
-from raydist.models.gpt import (GPT, build_model, cross_entropy, eager_attention, flops_per_token, param_counts,
-                                sdpa_attention)
+from raydist.models.gpt import GPT, build_model, eager_attention, flops_per_token, param_counts, sdpa_attention
+from raydist.models.loss import cross_entropy
 
 
 def small(**kw) -> ModelConfig:

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from raydist.config import ConfigError, ModelConfig
-from raydist.models.gpt import build_model, cross_entropy
+from raydist.models.gpt import build_model
+from raydist.models.loss import cross_entropy
 from raydist.parallel.data_parallel import (apply_ddp, ddp_grad_sync, fsdp_grad_sync, fsdp_param_groups,
                                             fsdp_split_grad_sync)
 from raydist.parallel.pipeline import TiedEmbeddingSync, clip_grad_norm_pipeline, split_model

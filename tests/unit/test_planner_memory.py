@@ -94,7 +94,8 @@ def _saved_bytes(policy: str, model_cfg: ModelConfig, batch: int, seq_len: int) 
     """Bytes of distinct storages autograd keeps for backward (parameters and buffers excluded), including
     the outputs a selective-checkpoint region caches."""
     import raydist.parallel.checkpointing as ckpt
-    from raydist.models.gpt import build_model, cross_entropy
+    from raydist.models.gpt import build_model
+    from raydist.models.loss import cross_entropy
 
     caches = []
     original = ckpt._selective_context

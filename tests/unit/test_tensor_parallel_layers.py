@@ -149,7 +149,7 @@ def _cross_entropy_case(mesh, ignored: bool = False):
     a third of the targets are IGNORE (prompt tokens), which add nothing while N stays all B T targets."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from raydist.models.gpt import IGNORE
+    from raydist.models.loss import IGNORE
     from raydist.parallel.vocab_loss import vocab_parallel_cross_entropy
 
     rank = torch.distributed.get_rank()
@@ -184,7 +184,7 @@ def _model_config(tied: bool, sequence_parallel: bool):
 def _compare_models(plain, sharded_parts, loss_fn) -> None:
     """plain GPT vs the TP `sharded_parts` run one after another (one part: a whole model; two: pipeline
     stages): logits, loss and every parameter's full gradient by name."""
-    from raydist.models.gpt import cross_entropy
+    from raydist.models.loss import cross_entropy
 
     gen = torch.Generator().manual_seed(2)
     tokens, targets = torch.randint(0, V, (B, T), generator=gen), torch.randint(0, V, (B, T), generator=gen)
