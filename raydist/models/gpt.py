@@ -253,6 +253,32 @@ class GPT(nn.Module):
         for layer in self.layers.values():
             layer.attention.attention_fn = fn
 
+    def tensor_parallel_roles(self) -> tuple[dict[str, str], dict[str, str]]:
+        """How tensor parallelism splits each module, by role: ({module in a block: role} (`block_roles`),
+        {module of the root this model or pipeline stage holds: role}). raydist.parallel.tensor gives each
+        role its style and knows no module name."""
+        root = {name: role for name, role in (("tok_embeddings", "vocab_embedding"), ("norm", "norm"),
+                                              ("output", "vocab_head")) if getattr(self, name) is not None}
+        return block_roles(self.cfg), root
+
+    def tie_head(self) -> None:
+        """Share the embedding's weight with the head again (after a parallel plan replaced one of them)."""
+        self.output.register_parameter("weight", self.tok_embeddings.weight)
+
+
+def block_roles(cfg: ModelConfig) -> dict[str, str]:
+    """{module inside a TransformerBlock: its tensor-parallel role}. Roles (raydist.parallel.tensor):
+    column / row: a Linear split by its outputs / its inputs (Megatron's column- and row-parallel);
+    kv: column, or replicated with each rank keeping its query heads' kv head when tp exceeds the kv heads;
+    norm: a norm on the residual stream; head_norm: a norm over each head of q or k (Qwen3);
+    attention_input (x, cos, sin) / mlp_input (x): a module whose input the projections under it share
+    (gathered once, its gradient reduced once). The root's roles: vocab_embedding, norm, vocab_head."""
+    head_norms = {"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"} if family_of(cfg).qk_norm else {}
+    return {"attention_norm": "norm", "attention": "attention_input", "attention.wq": "column",
+            "attention.wk": "kv", "attention.wv": "kv", "attention.wo": "row", **head_norms,
+            "ffn_norm": "norm", "feed_forward": "mlp_input", "feed_forward.w1": "column",
+            "feed_forward.w3": "column", "feed_forward.w2": "row"}
+
 
 def build_model(cfg: ModelConfig, max_seq_len: int, seed: int, device: torch.device | str = "cpu") -> GPT:
     """The whole model on one device: built on the meta device, given storage, initialised by

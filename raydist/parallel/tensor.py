@@ -47,7 +47,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from raydist.models.loss import cross_entropy
 from raydist.models.peft import lora_tensor_parallel_style
-from raydist.families.registry import family_of
 from raydist.parallel.mesh import Mesh
 from raydist.parallel.vocab_loss import vocab_parallel_cross_entropy
 
@@ -136,45 +135,42 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
-def block_plan(cfg, tp: int, layout: Placement) -> dict[str, ParallelStyle]:
-    """The plan for one TransformerBlock (keys are module names inside the block)."""
-    to_replicate = dict(input_layouts=(layout,), desired_input_layouts=(Replicate(),))
-    head_dim = cfg.head_size
-    kv = (ColwiseParallel() if cfg.num_kv_heads % tp == 0 else ReplicatedKVHeads(cfg.num_kv_heads, head_dim))
-    return {
-        "attention_norm": NormParallel(layout),
-        # attention(x, cos, sin): x becomes one Replicate DTensor shared by wq/wk/wv, so their input
-        # gradients add up as Partial sums and are reduced once, at this boundary
-        "attention": PrepareModuleInput(input_layouts=(layout, None, None),
-                                        desired_input_layouts=(Replicate(), None, None)),
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": kv,
-        "attention.wv": kv,
-        "attention.wo": RowwiseParallel(output_layouts=layout),
-        # Qwen3's per-head q/k norms see (B, T, heads, E) with this rank's heads: Shard(2), so each rank's
-        # weight gradient covers its heads (and, with replicated kv heads, its query heads' share of them)
-        # and the sum over tp is the whole gradient (torchtitan's Qwen3 plan does the same)
-        **({"attention.q_norm": NormParallel(Shard(2)), "attention.k_norm": NormParallel(Shard(2))}
-           if family_of(cfg).qk_norm else {}),
-        "ffn_norm": NormParallel(layout),
-        "feed_forward": PrepareModuleInput(**to_replicate),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=layout),
-    }
+def _block_style(role: str, cfg, tp: int, layout: Placement) -> ParallelStyle:
+    """The style of a block module of `role` (raydist.models.gpt.block_roles says which module has which)."""
+    if role == "column":
+        return ColwiseParallel()
+    if role == "row":  # partial sums reduced into the residual stream's layout
+        return RowwiseParallel(output_layouts=layout)
+    if role == "kv":
+        return ColwiseParallel() if cfg.num_kv_heads % tp == 0 else ReplicatedKVHeads(cfg.num_kv_heads, cfg.head_size)
+    if role == "norm":
+        return NormParallel(layout)
+    if role == "head_norm":
+        # (B, T, heads, E) with this rank's heads: Shard(2), so each rank's weight gradient covers its heads
+        # (with replicated kv heads, its query heads' share of them) and the sum over tp is the whole
+        # gradient (torchtitan's Qwen3 plan does the same)
+        return NormParallel(Shard(2))
+    if role in ("attention_input", "mlp_input"):
+        # the input becomes one Replicate DTensor shared by the projections under it, so their input
+        # gradients add up as Partial sums and are reduced once, at this boundary; attention(x, cos, sin)
+        # passes its RoPE tables through
+        rest = (None, None) if role == "attention_input" else ()
+        return PrepareModuleInput(input_layouts=(layout, *rest), desired_input_layouts=(Replicate(), *rest))
+    raise ValueError(f"no tensor-parallel style for a block module of role {role!r}")
 
 
-def root_plan(model: nn.Module, layout: Placement) -> dict[str, ParallelStyle]:
-    """Embedding, final norm and head (each absent on some pipeline stages)."""
-    plan: dict[str, ParallelStyle] = {}
-    if model.tok_embeddings is not None:
-        plan["tok_embeddings"] = VocabParallelEmbedding(layout)
-    if model.norm is not None:
-        plan["norm"] = NormParallel(layout)
-    if model.output is not None:
-        # logits (B, T, V) stay Shard(-1): a DTensor, so the loss finds the mesh and its vocabulary slice
-        plan["output"] = ColwiseParallel(input_layouts=layout, output_layouts=Shard(-1), use_local_output=False)
-    return plan
+def block_plan(roles: dict[str, str], cfg, tp: int, layout: Placement) -> dict[str, ParallelStyle]:
+    """The plan for one block: {module name inside the block: style} from the model's {name: role}."""
+    return {name: _block_style(role, cfg, tp, layout) for name, role in roles.items()}
+
+
+def root_plan(roles: dict[str, str], layout: Placement) -> dict[str, ParallelStyle]:
+    """The root's plan (embedding, final norm and head, each absent on some pipeline stages) from its roles."""
+    styles = {"vocab_embedding": lambda: VocabParallelEmbedding(layout), "norm": lambda: NormParallel(layout),
+              # logits (B, T, V) stay Shard(-1): a DTensor, so the loss finds the mesh and its vocabulary slice
+              "vocab_head": lambda: ColwiseParallel(input_layouts=layout, output_layouts=Shard(-1),
+                                                    use_local_output=False)}
+    return {name: styles[role]() for name, role in roles.items()}
 
 
 def _fill_positions(tp: int, first_stage: bool):
@@ -234,16 +230,17 @@ def apply_tensor_parallel(model: nn.Module, mesh: Mesh, sequence_parallel: bool 
     tp_mesh = mesh["tp"]
     tp = tp_mesh.size()
     layout: Placement = Shard(1) if sequence_parallel else Replicate()
+    blocks, roots = model.tensor_parallel_roles()
     for block in model.layers.values():
         plan = {key: lora_tensor_parallel_style(block.get_submodule(key), style)  # LoRA: A/B follow W's split
-                for key, style in block_plan(model.cfg, tp, layout).items()}
+                for key, style in block_plan(blocks, model.cfg, tp, layout).items()}
         parallelize_module(block, tp_mesh, plan)
     tied = model.tied
-    parallelize_module(model, tp_mesh, root_plan(model, layout))
+    parallelize_module(model, tp_mesh, root_plan(roots, layout))
     if tied:  # both Shard(0) over the vocabulary: share the embedding's matrix again
-        model.output.register_parameter("weight", model.tok_embeddings.weight)
+        model.tie_head()
     if sequence_parallel:
-        model.register_forward_pre_hook(_fill_positions(tp, model.tok_embeddings is not None), with_kwargs=True)
+        model.register_forward_pre_hook(_fill_positions(tp, "vocab_embedding" in roots.values()), with_kwargs=True)
     register_gradient_layout(model)
-    return vocab_parallel_cross_entropy if model.output is not None else cross_entropy
+    return vocab_parallel_cross_entropy if "vocab_head" in roots.values() else cross_entropy
 

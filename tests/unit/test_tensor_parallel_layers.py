@@ -79,7 +79,7 @@ def _cases(layout_name: str):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from raydist.config import ModelConfig
-    from raydist.models.gpt import Attention, FeedForward, RMSNorm, TransformerBlock, rope_tables
+    from raydist.models.gpt import Attention, FeedForward, RMSNorm, TransformerBlock, block_roles, rope_tables
     from raydist.parallel.tensor import NormParallel, block_plan, root_plan
 
     layout = Shard(1) if layout_name == "sequence" else Replicate()
@@ -100,7 +100,7 @@ def _cases(layout_name: str):
         def shard(module, mesh):
             from torch.distributed.tensor.parallel import parallelize_module
 
-            own, children = _prefixed(block_plan(cfg(kv), TP, layout), prefix)
+            own, children = _prefixed(block_plan(block_roles(cfg(kv)), cfg(kv), TP, layout), prefix)
             if own is not None:
                 parallelize_module(module, mesh, own)
             parallelize_module(module, mesh, children)
@@ -116,7 +116,7 @@ def _cases(layout_name: str):
     def whole_block(module, mesh):
         from torch.distributed.tensor.parallel import parallelize_module
 
-        parallelize_module(module, mesh, block_plan(cfg(2), TP, layout))
+        parallelize_module(module, mesh, block_plan(block_roles(cfg(2)), cfg(2), TP, layout))
 
     class Root(nn.Module):  # the plan's embedding style on its own
         def __init__(self):
@@ -135,7 +135,7 @@ def _cases(layout_name: str):
         ("attention_gqa", init(Attention(cfg(2))), sub("attention"), x, layout, layout, (cos, sin)),
         ("attention_kv_replicated", init(Attention(cfg(1))), sub("attention", kv=1), x, layout, layout, (cos, sin)),
         ("block", init(TransformerBlock(cfg(2))), whole_block, x, layout, layout, (cos, sin)),
-        ("embedding", init(Root()), lambda m, mesh: style(root_plan(m, layout))(m, mesh), tokens, Replicate(),
+        ("embedding", init(Root()), lambda m, mesh: style(root_plan({"tok_embeddings": "vocab_embedding"}, layout))(m, mesh), tokens, Replicate(),
          layout, ()),
     ]
     if layout_name == "replicate":  # the column split does not depend on the residual layout
