@@ -18,14 +18,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 @pytest.fixture(scope="module")
 def llama_dirs(tmp_path_factory):
-    """Two transformers Llama directories of the tiny shape: tied, and untied saved in several shards."""
+    """transformers directories of the tiny shape: Llama tied, and untied saved in several shards; Qwen3
+    untied with heads of 32 on the 64-wide model (its q_norm/k_norm vectors of 32 split under FSDP 2 into
+    halves the rotary permutation mixes: read widened to the whole head); Qwen2 tied (q/k/v biases)."""
     tied = tmp_path_factory.mktemp("llama-tied")
     untied = tmp_path_factory.mktemp("llama-untied")
     save_tiny_hf(tied, tied=True, seed=1)
     model = save_tiny_hf(untied, tied=False, seed=2)
     model.save_pretrained(str(untied), max_shard_size="100KB")  # several files with an index
     assert (untied / "model.safetensors.index.json").is_file()
-    return {"tied": str(tied), "untied": str(untied)}
+    qwen3, qwen2 = tmp_path_factory.mktemp("qwen3"), tmp_path_factory.mktemp("qwen2")
+    save_tiny_hf(qwen3, family="qwen3", tied=False, seed=8, head_dim=32)
+    save_tiny_hf(qwen2, family="qwen2", tied=True, seed=9)
+    return {"tied": str(tied), "untied": str(untied), "qwen3": str(qwen3), "qwen2": str(qwen2)}
 
 
 def _full_parameters(raw: dict) -> dict[str, torch.Tensor]:
@@ -41,7 +46,7 @@ def _full_parameters(raw: dict) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("parallel, world", [({}, 1), ({"dp_shard": 2}, 2), ({"tp": 2}, 2), ({"pp": 2}, 2)],
                          ids=["single", "fsdp2", "tp2", "pp2"])
-@pytest.mark.parametrize("kind", ["tied", "untied"])
+@pytest.mark.parametrize("kind", ["tied", "untied", "qwen3"])
 def test_init_from_loads_every_layout_exactly(tiny_data, llama_dirs, parallel, world, kind):
     from raydist.models.hf import iter_hf_tensors
 
@@ -50,7 +55,7 @@ def test_init_from_loads_every_layout_exactly(tiny_data, llama_dirs, parallel, w
     for rank_params in spawn(_full_parameters, world, raw):
         assert rank_params
         for name, tensor in rank_params.items():
-            source = "tok_embeddings.weight" if kind == "tied" and name == "output.weight" else name
+            source = "tok_embeddings.weight" if kind in ("tied", "qwen2") and name == "output.weight" else name
             assert torch.equal(tensor, expected[source]), name
 
 
@@ -84,7 +89,7 @@ def run_cli(capsys, *argv) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("kind", ["tied", "untied"])
+@pytest.mark.parametrize("kind", ["tied", "untied", "qwen3", "qwen2"])
 def test_eval_of_hf_dir_equals_transformers_loss(tiny_data, llama_dirs, capsys, kind):
     rows = _split_rows(tiny_data)
     got = run_cli(capsys, "eval", f"hf:{llama_dirs[kind]}", "--data", tiny_data)
@@ -203,12 +208,14 @@ def _trained_run(tiny_data, hf_dir: str, run_dir: str, parallel: dict, steps: in
     return raw
 
 
-@pytest.mark.parametrize("parallel", [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}], ids=["fsdp2", "tp2", "pp2"])
-def test_export_after_training_loads_in_transformers(tiny_data, llama_dirs, tmp_path, capsys, parallel):
+@pytest.mark.parametrize("kind, parallel", [("tied", {"dp_shard": 2}), ("tied", {"tp": 2}), ("tied", {"pp": 2}),
+                                            ("qwen3", {"dp_shard": 2}), ("qwen2", {"tp": 2})],
+                         ids=["fsdp2", "tp2", "pp2", "qwen3-fsdp2", "qwen2-tp2"])
+def test_export_after_training_loads_in_transformers(tiny_data, llama_dirs, tmp_path, capsys, kind, parallel):
     from raydist.testing import logits_after_load
 
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "hf-out")
-    raw = _trained_run(tiny_data, llama_dirs["tied"], run_dir, parallel)
+    raw = _trained_run(tiny_data, llama_dirs[kind], run_dir, parallel)
     written = run_cli(capsys, "export", run_dir, "--hf", out, "--max-shard-size-mb", "0.1")
     assert written["step"] == 3 and "model.safetensors.index.json" in written["files"]
 
@@ -218,8 +225,9 @@ def test_export_after_training_loads_in_transformers(tiny_data, llama_dirs, tmp_
     model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
     with torch.no_grad():
         theirs = model(input_ids=TOKENS, use_cache=False).logits
-        original = transformers.AutoModelForCausalLM.from_pretrained(llama_dirs["tied"]).eval()(
+        original = transformers.AutoModelForCausalLM.from_pretrained(llama_dirs[kind]).eval()(
             input_ids=TOKENS, use_cache=False).logits
+    assert model.config.model_type == {"tied": "llama"}.get(kind, kind)  # exported as the family it came from
     assert (theirs - original).abs().max() > 1e-2  # training moved the weights
     diff = (theirs - ours).abs().max().item()
     print(f"export {parallel}: max abs logit diff {diff:.2e} (max abs logit {ours.abs().max():.1f})")
