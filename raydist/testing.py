@@ -266,8 +266,8 @@ def _construct(raw: dict) -> Constructed:
         meta = [name for m in modules for name, t in [*m.named_parameters(), *m.named_buffers()] if t.is_meta]
         cos, sin = rope_tables(cfg.model.head_size, cfg.data.seq_len, cfg.model.rope_theta)
         rope = all(torch.equal(m.rope_cos.cpu(), cos) and torch.equal(m.rope_sin.cpu(), sin) for m in modules)
-        tied = all(m.output.weight is m.tok_embeddings.weight for m in modules
-                   if cfg.model.tie_embeddings and m.output is not None and m.tok_embeddings is not None)
+        tied = all(m.head.weight is m.embedding.weight for m in modules
+                   if cfg.model.tie_embeddings and m.head is not None and m.embedding is not None)
         return Constructed(trainer.full_parameters(), local_bytes, meta, rope, tied)
     finally:
         trainer.close()

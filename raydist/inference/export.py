@@ -26,11 +26,6 @@ def merged_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
-HF_PROJ = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-           "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-           "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj"}
-
-
 def save_peft_adapter(model: GPT, cfg: Config, out_dir: str) -> list[str]:
     """PEFT's LoRA adapter format: adapter_config.json + adapter_model.safetensors with
     `base_model.model.<HF module>.lora_A.weight` (r x in) and `.lora_B.weight` (out x r); B's rows of q/k
@@ -54,7 +49,9 @@ def save_peft_adapter(model: GPT, cfg: Config, out_dir: str) -> list[str]:
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.peft.lora_rank,
               "lora_alpha": cfg.peft.lora_alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-              "target_modules": sorted(HF_PROJ[t].split(".")[1] for t in TARGETS[cfg.peft.lora_targets]),
+              # each adapted projection's Hugging Face module name (q_proj, gate_proj, ...), from the name table
+              "target_modules": sorted(hf.raydist_to_hf_name(f"layers.0.{t}.weight").split(".")[-2]
+                                       for t in TARGETS[cfg.peft.lora_targets]),
               "base_model_name_or_path": "", "inference_mode": True, "modules_to_save": None}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return ["adapter_model.safetensors", "adapter_config.json"]
@@ -76,7 +73,7 @@ def cmd_export(args) -> int:
 
 
 def register_cli(sub) -> None:
-    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face Llama directory")
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face directory of its model family")
     p.add_argument("run_dir", help="the run directory (<checkpoint.storage>/<train.run_name>)")
     p.add_argument("--hf", required=True, metavar="OUT_DIR", help="the output directory")
     p.add_argument("--step", type=int, help="this checkpoint instead of the newest")

@@ -13,7 +13,7 @@ Triton matmul at 0.82-0.88x cuBLAS on the MLP GEMMs, and an 8B-shaped stack of 4
 
 The Triton matmul is installed by changing the class of each plain `nn.Linear` to `TritonLinear` and of each
 `FeedForward` to `TritonFeedForward` (same instance, same parameters, same names: checkpoints and
-tensor-parallel plans that key on `feed_forward.w1` etc. are unaffected, and isinstance(m, nn.Linear)
+tensor-parallel plans that key on module names are unaffected, and isinstance(m, nn.Linear)
 still holds). Where a parallel plan has turned a weight or input into a DTensor, those modules fall back to
 the torch path (counted as `matmul.torch_fallback` / `swiglu.torch_fallback` in `runtime.kernel_calls()`),
 since the kernel works on local tensors only. On the torch path plain `nn.Linear`s become `TorchLinear`
@@ -59,14 +59,14 @@ class TritonLinear(nn.Linear):
 
 
 class TritonFeedForward(FeedForward):
-    """SwiGLU with silu(w1 x) * (w3 x) in one Triton kernel (both products share each x tile), then w2."""
+    """SwiGLU with silu(gate x) * (up x) in one Triton kernel (both products share each x tile), then down."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w1, w3 = self.w1, self.w3
-        if w1.bias is not None or w3.bias is not None or _is_dtensor(x, w1.weight, w3.weight):
+        gate, up, down = self.projections()
+        if gate.bias is not None or up.bias is not None or _is_dtensor(x, gate.weight, up.weight):
             runtime.count_call("swiglu.torch_fallback")  # (its three linears count as matmul calls)
             return super().forward(x)
-        return self.w2(swiglu(x, w1.weight, w3.weight))  # (B, T, F) -> (B, T, D)
+        return down(swiglu(x, gate.weight, up.weight))  # (B, T, F) -> (B, T, D)
 
 
 def resolve_kernels(cfg, device: torch.device | str, head_dim: int) -> dict[str, str]:
@@ -102,7 +102,7 @@ def install_triton_matmul(model: nn.Module) -> int:
             module.__class__ = TritonLinear
             changed += 1
         elif type(module) is FeedForward and not any(hasattr(m, "lora_a") for m in module.children()):
-            # (the fused SwiGLU reads w1/w3's weights directly: it would skip LoRA adapters on them)
+            # (the fused SwiGLU reads the gate and up weights directly: it would skip LoRA adapters on them)
             module.__class__ = TritonFeedForward
             changed += 1
     return changed

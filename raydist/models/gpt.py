@@ -163,6 +163,10 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, F) -> (B, T, D)
 
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        """(gate, up, down): what a fused SwiGLU kernel (raydist.kernels.select) computes with."""
+        return self.w1, self.w3, self.w2
+
 
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig):
@@ -261,9 +265,65 @@ class GPT(nn.Module):
                                               ("output", "vocab_head")) if getattr(self, name) is not None}
         return block_roles(self.cfg), root
 
+    # ---- the root's parts as the parallel plans see them: by role, not by name -----------------------
+
+    ROOT_PARTS = {"embedding": "tok_embeddings", "final_norm": "norm", "head": "output"}  # role -> attribute
+
+    @property
+    def embedding(self) -> nn.Module | None:
+        """The input embedding (None on pipeline stages after the first)."""
+        return self.tok_embeddings
+
+    @property
+    def head(self) -> nn.Module | None:
+        """The output head (None on pipeline stages before the last)."""
+        return self.output
+
     def tie_head(self) -> None:
         """Share the embedding's weight with the head again (after a parallel plan replaced one of them)."""
         self.output.register_parameter("weight", self.tok_embeddings.weight)
+
+    def tied_aliases(self) -> dict[str, str]:
+        """{head weight: embedding weight}: the name the unsplit tied model knows a pipeline's head copy by."""
+        return {"output.weight": "tok_embeddings.weight"}
+
+    def stage(self, layer_keys: list[str], first: bool, last: bool) -> "GPT":
+        """A shallow copy of this model keeping only the blocks `layer_keys`, the embedding when `first`, the
+        final norm and head when `last` (a pipeline stage). The module's own containers (submodules,
+        parameters, buffers, hooks) are copied so that later wrapping of one stage (FSDP hooks, class swap)
+        does not leak into another; parameters are shared with this model."""
+        chunk = self.__class__.__new__(self.__class__)
+        chunk.__dict__ = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in self.__dict__.items()}
+        chunk.layers = nn.ModuleDict({k: self.layers[k] for k in layer_keys})
+        if not first:
+            chunk.tok_embeddings = None
+        if not last:
+            chunk.norm = None
+            chunk.output = None
+        return chunk
+
+    def give_head(self, weight: nn.Parameter, copy: bool) -> None:
+        """A head on a stage that holds none of its own (a tied model's last stage): `weight` itself (the
+        same rank holds the embedding), or a copy of it that the pipeline keeps equal."""
+        self.output = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        if not copy:
+            self.output.weight = weight
+            return
+        with torch.no_grad():
+            self.output.weight.copy_(weight)
+        self.output.weight.requires_grad_(weight.requires_grad)  # frozen by peft: the copy too
+
+    def view_of(self, chunks: list["GPT"]) -> "GPT":
+        """One module over a rank's stages with the unsharded model's names: what the optimizer,
+        checkpoints and gradient checks see. Its parameters are the stages' own (a head copy included)."""
+        view = self.__class__.__new__(self.__class__)
+        nn.Module.__init__(view)
+        view.cfg, view.max_seq_len, view.run_layers = self.cfg, self.max_seq_len, None
+        view.layers = nn.ModuleDict({k: m for c in chunks for k, m in c.layers.items()})
+        for attribute in self.ROOT_PARTS.values():
+            setattr(view, attribute, next((getattr(c, attribute) for c in chunks if getattr(c, attribute) is not None),
+                                          None))
+        return view
 
 
 def block_roles(cfg: ModelConfig) -> dict[str, str]:

@@ -31,12 +31,12 @@ def apply_fsdp(model, mesh: DeviceMesh, compute_dtype: torch.dtype, *, reshard_a
                forward_prefetch: bool = True) -> None:
     mp = mixed_precision_policy(compute_dtype)
     blocks = list(model.layers.values())
-    embedding = model.tok_embeddings if model.tok_embeddings is not None and not model.tied else None
+    embedding = model.embedding if model.embedding is not None and not model.tied else None
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    head = model.output if model.output is not None and not model.tied else None
+    head = model.head if model.head is not None and not model.tied else None
     if head is not None:  # used last in forward and first in backward: kept gathered in between
         fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     # The root's parameters are used last in forward and first in backward: keeping them gathered after

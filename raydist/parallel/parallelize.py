@@ -123,7 +123,7 @@ def _parallelize_pipeline(model: nn.Module, mesh: Mesh, layout: Layout, data_par
     for chunk in chunks:
         module, chunk_loss = _parallelize_module(chunk, mesh, layout, data_parallel, device, materialize)
         wrapped.append(module)
-        if chunk.output is not None:
+        if chunk.head is not None:
             loss_fn = chunk_loss
     return ParallelModel(stage_view(model, chunks), wrapped, data_parallel, loss_fn, chunks=chunks,
                          aliases=tied_aliases(chunks))

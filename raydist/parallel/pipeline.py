@@ -57,19 +57,8 @@ def _cut(keys: list[str], sizes: Sequence[int]) -> list[list[str]]:
 
 
 def _chunk_of(model: nn.Module, layer_keys: list[str], first: bool, last: bool) -> nn.Module:
-    """A shallow copy of `model` keeping only `layer_keys` (and the embedding / head when first / last).
-
-    The module's own containers (submodules, parameters, buffers, hooks) are copied so that later wrapping
-    of one chunk (FSDP hooks, class swap) does not leak into another; parameters are shared with `model`.
-    """
-    chunk = model.__class__.__new__(model.__class__)
-    chunk.__dict__ = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in model.__dict__.items()}
-    chunk.layers = nn.ModuleDict({k: model.layers[k] for k in layer_keys})
-    if not first:
-        chunk.tok_embeddings = None
-    if not last:
-        chunk.norm = None
-        chunk.output = None
+    """The model's stage holding `layer_keys` (`GPT.stage`), not yet holding half of a split tie."""
+    chunk = model.stage(layer_keys, first, last)
     chunk.tied_role = None  # "embedding" / "output_copy": this chunk holds one half of a split tie
     return chunk
 
@@ -104,16 +93,9 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
         if first and split_tie:
             chunk.tied_role = "embedding"
         if last and tied and not first:
-            if pp_size == 1:  # embedding and head on this same rank: keep one shared matrix
-                chunk.output = nn.Linear(model.cfg.d_model, model.cfg.vocab_size, bias=False)
-                chunk.output.weight = model.tok_embeddings.weight
-            else:
-                weight = model.tok_embeddings.weight
-                chunk.output = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
-                                         device=weight.device, dtype=weight.dtype)
-                with torch.no_grad():
-                    chunk.output.weight.copy_(weight)
-                chunk.output.weight.requires_grad_(weight.requires_grad)  # frozen by peft: the copy too
+            # pp 1 (virtual stages on one rank): one shared matrix; else a copy TiedEmbeddingSync keeps equal
+            chunk.give_head(model.embedding.weight, copy=pp_size > 1)
+            if pp_size > 1:
                 chunk.tied_role = "output_copy"
         chunks.append(chunk)
     return chunks
@@ -122,7 +104,7 @@ def split_model(model: nn.Module, pp_rank: int, pp_size: int, virtual_stages: in
 def tied_weights(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
     """This rank's halves of a tied embedding split across ranks (first stage: the embedding; last
     stage: its output copy); empty when nothing is tied across ranks or the tied matrix is frozen (peft)."""
-    roles = {"embedding": lambda c: c.tok_embeddings.weight, "output_copy": lambda c: c.output.weight}
+    roles = {"embedding": lambda c: c.embedding.weight, "output_copy": lambda c: c.head.weight}
     halves = [roles[c.tied_role](c) for c in chunks if getattr(c, "tied_role", None) in roles]
     return [p for p in halves if p.requires_grad]
 
@@ -177,27 +159,20 @@ def clip_grad_norm_pipeline(chunks: Sequence[nn.Module], max_norm: float,
     """Clip this rank's chunks by the whole model's gradient norm across the pipeline (`clip.py`), the tied
     output copy counted once (on the first stage, as the embedding)."""
     params = [p for chunk in chunks for p in chunk.parameters()]
-    copies = [c.output.weight for c in chunks if getattr(c, "tied_role", None) == "output_copy"]
+    copies = [c.head.weight for c in chunks if getattr(c, "tied_role", None) == "output_copy"]
     return clip_grad_norm(params, max_norm, uncounted=copies, pp_group=pp_group)
 
 
 def stage_view(model: nn.Module, chunks: Sequence[nn.Module]) -> nn.Module:
-    """One module over this rank's chunks with the unsharded model's names (`layers.<k>`,
-    `tok_embeddings`, `norm`, `output`): what the optimizer, checkpoints and gradient checks see.
-    Its parameters are the chunks' own (including a last stage's tied output copy)."""
-    view = model.__class__.__new__(model.__class__)
-    nn.Module.__init__(view)
-    view.cfg, view.max_seq_len, view.run_layers = model.cfg, model.max_seq_len, None
-    view.layers = nn.ModuleDict({k: m for c in chunks for k, m in c.layers.items()})
-    view.tok_embeddings = next((c.tok_embeddings for c in chunks if c.tok_embeddings is not None), None)
-    view.norm = next((c.norm for c in chunks if c.norm is not None), None)
-    view.output = next((c.output for c in chunks if c.output is not None), None)
-    return view
+    """One module over this rank's chunks with the unsharded model's names (`GPT.view_of`): what the
+    optimizer, checkpoints and gradient checks see. Its parameters are the chunks' own (including a last
+    stage's tied output copy)."""
+    return model.view_of(list(chunks))
 
 
 def tied_aliases(chunks: Sequence[nn.Module]) -> dict[str, str]:
-    """{"output.weight": "tok_embeddings.weight"} on a rank holding the tied output copy: the name the
-    unsplit model (where the two are one parameter) knows it by, for optimizer state and gradients."""
+    """{head weight: embedding weight} (`GPT.tied_aliases`) on a rank holding the tied output copy: the name
+    the unsplit model (where the two are one parameter) knows it by, for optimizer state and gradients."""
     if any(getattr(c, "tied_role", None) == "output_copy" for c in chunks):
-        return {"output.weight": "tok_embeddings.weight"}
+        return chunks[0].tied_aliases()
     return {}

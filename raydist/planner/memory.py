@@ -42,6 +42,9 @@ import functools
 import math
 from dataclasses import dataclass
 
+import torch
+
+from raydist.models.gpt import TransformerBlock, block_roles
 from raydist.planner.placement import Layout, Workload, every_k_segment, holders, holds_stage, rank_layer_counts
 from raydist.schedule.registry import SCHEDULE_KINDS
 
@@ -55,18 +58,25 @@ class Tensor2D:
     tp_dim: int | None  # 0: column-parallel (rows split), 1: row-parallel (cols split), None: replicated
 
 
-def block_tensors(w: Workload) -> list[Tensor2D]:
+def block_tensors(w: Workload) -> tuple[Tensor2D, ...]:
     return _block_tensors(w.model)
 
 
-def _block_tensors(m) -> list[Tensor2D]:
-    e = m.head_size  # Workload.head_dim
-    d, f = m.d_model, m.ffn_hidden
-    return [Tensor2D(d, 1, None),  # attention_norm
-            Tensor2D(m.num_heads * e, d, 0), Tensor2D(m.num_kv_heads * e, d, 0), Tensor2D(m.num_kv_heads * e, d, 0),
-            Tensor2D(d, m.num_heads * e, 1),  # wo
-            Tensor2D(d, 1, None),  # ffn_norm
-            Tensor2D(f, d, 0), Tensor2D(f, d, 0), Tensor2D(d, f, 1)]  # w1, w3, w2
+@functools.lru_cache(maxsize=64)
+def _block_tensors(m) -> tuple[Tensor2D, ...]:
+    """One block's parameters as the model builds them (on the meta device: no storage, any size), each with
+    the dim tensor parallelism splits, from its module's role (raydist.models.gpt.block_roles): column and
+    kv projections by rows (their biases too), row projections by columns, norms (head norms too) and
+    row-parallel biases replicated. The family's extra tensors (Qwen2's biases, Qwen3's head norms) count."""
+    with torch.device("meta"):
+        block = TransformerBlock(m)
+    roles = block_roles(m)
+    out = []
+    for name, p in block.named_parameters():
+        module, kind = name.rsplit(".", 1)
+        split = {"column": 0, "kv": 0, "row": 1 if kind == "weight" else None}.get(roles.get(module))
+        out.append(Tensor2D(p.shape[0], math.prod(p.shape[1:]), split))
+    return tuple(out)
 
 
 def root_tensors(w: Workload, lay: Layout, rank: int) -> list[Tensor2D]:
@@ -115,7 +125,7 @@ def local_elements(t: Tensor2D, tp: int, fsdp_size: int, fsdp_index: int | None 
 def stage_units(w: Workload, lay: Layout, stage: int) -> list[list[Tensor2D]]:
     """FSDP units of a stage: one per block, then the root (embedding / norm / head)."""
     layers = rank_layer_counts(w, lay)[stage]
-    return [block_tensors(w) for _ in range(layers)] + [root_tensors(w, lay, stage)]
+    return [list(block_tensors(w)) for _ in range(layers)] + [root_tensors(w, lay, stage)]
 
 
 def unit_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,

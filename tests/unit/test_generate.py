@@ -50,6 +50,15 @@ def llama_with_tokenizer(tmp_path_factory):
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def qwen3_with_tokenizer(tmp_path_factory):
+    """A transformers Qwen3 (heads of 32 on the 64-wide model, per-head q/k norms) and its tokenizer.json."""
+    path = tmp_path_factory.mktemp("qwen3-gen")
+    save_tiny_hf(path, family="qwen3", tied=True, seed=6, head_dim=32)
+    train_bpe(TINY_MODEL["vocab_size"]).save(str(path / "tokenizer.json"))
+    return str(path)
+
+
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
     from raydist.cli import main
 
@@ -113,18 +122,20 @@ def test_generation_stops_at_eos(llama_with_tokenizer):
 # ---- against transformers ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("max_new_tokens", [1, 24])
-def test_greedy_cli_equals_transformers_generate(llama_with_tokenizer, capsys, max_new_tokens):
+@pytest.mark.parametrize("model_dir, max_new_tokens", [("llama_with_tokenizer", 1), ("llama_with_tokenizer", 24),
+                                                        ("qwen3_with_tokenizer", 24)])
+def test_greedy_cli_equals_transformers_generate(request, capsys, model_dir, max_new_tokens):
     from tokenizers import Tokenizer
 
-    code, out, err = run_cli(capsys, "generate", f"hf:{llama_with_tokenizer}", "--prompt", PROMPT,
+    path = request.getfixturevalue(model_dir)
+    code, out, err = run_cli(capsys, "generate", f"hf:{path}", "--prompt", PROMPT,
                              "--max-new-tokens", str(max_new_tokens), "--json")
     assert code == 0, err
     got = json.loads(out.strip().splitlines()[-1])
-    tok = Tokenizer.from_file(os.path.join(llama_with_tokenizer, "tokenizer.json"))
+    tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
     assert got["prompt_ids"] == tok.encode(PROMPT).ids
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(llama_with_tokenizer, attn_implementation="eager",
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
                                                               dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model.generate(torch.tensor([got["prompt_ids"]]), do_sample=False, max_new_tokens=max_new_tokens,
@@ -132,7 +143,7 @@ def test_greedy_cli_equals_transformers_generate(llama_with_tokenizer, capsys, m
     print(f"raydist {got['completion_ids']}\ntransformers {theirs}\ntext {got['completion']!r}")
     assert got["completion_ids"] == theirs and len(theirs) == max_new_tokens
     assert got["completion"] == tok.decode(theirs)
-    code, out, _ = run_cli(capsys, "generate", f"hf:{llama_with_tokenizer}", "--prompt", PROMPT,
+    code, out, _ = run_cli(capsys, "generate", f"hf:{path}", "--prompt", PROMPT,
                            "--max-new-tokens", str(max_new_tokens))
     assert code == 0 and out == got["completion"] + "\n"  # without --json: the completion text
 

@@ -40,10 +40,12 @@ def reference(tiny_data, family_dirs, family: str):
     ("qwen3", {"tp": 4}, 4),
     ("qwen3", {"pp": 2}, 2),
     ("qwen3", {"cp": 2, "cp_impl": "ring"}, 2),
+    ("qwen3", {"cp": 2, "cp_impl": "ulysses"}, 2),
+    ("qwen3", {"pp": 2, "tp": 2, "sequence_parallel": True}, 4),
     ("qwen2", {"tp": 2, "sequence_parallel": True}, 2),
     ("qwen2", {"dp_shard": 2}, 2),
-], ids=["qwen3-fsdp2", "qwen3-tp2-sp", "qwen3-tp4-replicated-kv", "qwen3-pp2", "qwen3-cp2-ring", "qwen2-tp2-sp",
-        "qwen2-fsdp2"])
+], ids=["qwen3-fsdp2", "qwen3-tp2-sp", "qwen3-tp4-replicated-kv", "qwen3-pp2", "qwen3-cp2-ring", "qwen3-cp2-ulysses",
+        "qwen3-pp2xtp2-sp", "qwen2-tp2-sp", "qwen2-fsdp2"])
 def test_family_layout_equals_single_process(tiny_data, family_dirs, family, parallel, world):
     ref = reference(tiny_data, family_dirs, family)
     extra = {n for n in ref.grads if n.endswith(".bias") or "_norm.weight" in n and ".attention." in n}
