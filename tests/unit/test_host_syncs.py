@@ -108,6 +108,7 @@ def test_pipeline_syncs_only_at_logged_steps(two_ranks):
         _check(per_step, [SETTLE, STAGE_TIMES], timeline_at)
 
 
+@pytest.mark.slow  # each case reads `two_ranks`, one spawn that runs every layout (~12 s)
 @pytest.mark.parametrize("layout", ["fsdp2", "cp2-ring", "tp2"])
 def test_sharded_layouts_sync_only_at_logged_steps(two_ranks, layout):
     results, _ = two_ranks

@@ -229,6 +229,7 @@ def _check(results, layout) -> None:
     assert seen == set(ref["grads"]), f"parameters held by no rank: {set(ref['grads']) - seen}"
 
 
+@pytest.mark.slow  # each case reads `results`, whose one spawn per world size trains every layout (~36 s)
 @pytest.mark.parametrize("layout", PP2 + PP4, ids=lambda l: f"{l[0]}-pp{l[1]}-v{l[2]}-m{l[3]}-{l[4]}"
                          + ("" if l[6] else "-untied"))
 def test_pipeline_equals_single_process(results, layout):

@@ -59,6 +59,7 @@ def measured(tiny_data):
     return spawn(_measure_all, 4, raws), raws
 
 
+@pytest.mark.slow  # each case reads `measured`, one spawn per world size over every layout (~8 s)
 @pytest.mark.parametrize("name", [*LAYOUTS, "fsdp4_uneven"])
 def test_state_bytes_estimate_within_10_percent(measured, name):
     per_rank, raws = measured
@@ -74,6 +75,7 @@ def test_state_bytes_estimate_within_10_percent(measured, name):
             assert error <= 0.10, (name, rank, key, want[key], got[key])
 
 
+@pytest.mark.slow  # reads `measured` (one spawn over every layout)
 def test_sharding_cuts_the_estimate_as_measured(measured):
     """The worst rank's estimate (padded chunks) bounds every measured rank, and FSDP4 holds ~1/4 of DDP."""
     per_rank, raws = measured
