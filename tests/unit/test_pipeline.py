@@ -236,6 +236,7 @@ def test_pipeline_equals_single_process(results, layout):
     _check(results, layout)
 
 
+@pytest.mark.slow  # reads `results` (every layout trained in one spawn per world size)
 @pytest.mark.parametrize("layout", [l for l in PP4 if l[4] != "none"], ids=lambda l: f"{l[0]}-{l[4]}")
 def test_data_parallel_reduces_once_per_chunk_per_step(results, layout):
     """DDP: exactly one bucket all-reduce per chunk per step (the tiny chunks fit one bucket), counted by a
