@@ -32,15 +32,6 @@ class ModelFamily:
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
     hf_config_extra: dict[str, Any] = field(default_factory=dict)  # keys export writes besides the shared ones
 
-    @property
-    def bias_names(self) -> tuple[str, ...]:
-        """The block's bias parameters (suffixes after `layers.{i}.`)."""
-        return tuple(f"attention.{w}.bias" for w in ("wq", "wk", "wv")) if self.qkv_bias else ()
-
-    @property
-    def head_norm_names(self) -> tuple[str, ...]:
-        return ("attention.q_norm.weight", "attention.k_norm.weight") if self.qk_norm else ()
-
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("llama", "llama", "LlamaForCausalLM",

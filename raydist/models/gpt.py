@@ -261,13 +261,13 @@ class GPT(nn.Module):
         """How tensor parallelism splits each module, by role: ({module in a block: role} (`block_roles`),
         {module of the root this model or pipeline stage holds: role}). raydist.parallel.tensor gives each
         role its style and knows no module name."""
-        root = {name: role for name, role in (("tok_embeddings", "vocab_embedding"), ("norm", "norm"),
-                                              ("output", "vocab_head")) if getattr(self, name) is not None}
+        root = {name: role for name, role in self.ROOT_ROLES.items() if getattr(self, name) is not None}
         return block_roles(self.cfg), root
 
     # ---- the root's parts as the parallel plans see them: by role, not by name -----------------------
 
-    ROOT_PARTS = {"embedding": "tok_embeddings", "final_norm": "norm", "head": "output"}  # role -> attribute
+    # the root's modules (each absent on some pipeline stages) and their tensor-parallel roles
+    ROOT_ROLES = {"tok_embeddings": "vocab_embedding", "norm": "norm", "output": "vocab_head"}
 
     @property
     def embedding(self) -> nn.Module | None:
@@ -320,7 +320,7 @@ class GPT(nn.Module):
         nn.Module.__init__(view)
         view.cfg, view.max_seq_len, view.run_layers = self.cfg, self.max_seq_len, None
         view.layers = nn.ModuleDict({k: m for c in chunks for k, m in c.layers.items()})
-        for attribute in self.ROOT_PARTS.values():
+        for attribute in self.ROOT_ROLES:
             setattr(view, attribute, next((getattr(c, attribute) for c in chunks if getattr(c, attribute) is not None),
                                           None))
         return view

@@ -43,6 +43,7 @@ from raydist.config_io import HF_CONFIG_KEYS, check_explicit_keys, model_config_
 from raydist.config_sections import ModelConfig
 from raydist.errors import ConfigError
 from raydist.families.registry import family_of
+from raydist.models.gpt import GPT
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -241,14 +242,12 @@ def _replace_into(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def expected_names(cfg: ModelConfig) -> set[str]:
-    """raydist names of every tensor a Hugging Face checkpoint of `cfg`'s family and depth holds (a tied
-    head's `output.weight` included: callers drop it)."""
-    family = family_of(cfg)
-    block = {"attention_norm.weight", "ffn_norm.weight", *(f"attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")),
-             *(f"feed_forward.{w}.weight" for w in ("w1", "w2", "w3")), *family.bias_names, *family.head_norm_names}
-    return {"tok_embeddings.weight", "norm.weight", "output.weight",
-            *(f"layers.{i}.{suffix}" for i in range(cfg.num_layers) for suffix in block)}
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """raydist name -> unsharded shape of every parameter of a `cfg` model (both halves of a tied pair), from
+    the model built on the meta device (no storage): the tensors a checkpoint of its family and depth holds."""
+    with torch.device("meta"):
+        model = GPT(cfg, max_seq_len=2)
+    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int, dtype: torch.dtype) -> dict[str, Any]:
@@ -286,7 +285,7 @@ def save_hf(state_dict_iter_or_dict: Mapping[str, torch.Tensor] | Iterable[tuple
     out.mkdir(parents=True, exist_ok=True)
     items = state_dict_iter_or_dict
     items = items.items() if isinstance(items, Mapping) else items
-    expected = expected_names(cfg)
+    expected = set(expected_shapes(cfg))
     shards: list[tuple[Path, list[str]]] = []  # (temporary file, Hugging Face names in it)
     current: dict[str, torch.Tensor] = {}  # the shard being filled
     current_bytes, total, seen, tied_pair, file_dtype = 0, 0, set(), {}, dtype

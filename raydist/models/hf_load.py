@@ -27,15 +27,6 @@ from raydist.models import hf
 from raydist.models.init import local_region
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """raydist name -> unsharded shape of every parameter of the model (both halves of a tied pair)."""
-    from raydist.models.gpt import GPT
-
-    with torch.device("meta"):
-        model = GPT(cfg, max_seq_len=2)
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
-
-
 def check_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig) -> None:
     """ConfigError unless `hf_dir` holds every tensor of a `cfg` model with its shape (headers only)."""
     from safetensors import safe_open
@@ -43,7 +34,7 @@ def check_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig) -> None:
     hf.check_explicit_keys({k: getattr(cfg, k) for k in hf.HF_CONFIG_KEYS}, hf.model_config_from_hf(hf_dir),
                            source=f"hf:{hf_dir}")
     sources = hf._raydist_sources(hf_dir, cfg)
-    shapes = expected_shapes(cfg)
+    shapes = hf.expected_shapes(cfg)
     missing, unexpected = sorted(set(shapes) - set(sources)), sorted(set(sources) - set(shapes))
     if missing or unexpected:
         raise ConfigError(f"hf:{hf_dir}: " + "; ".join(
