@@ -16,6 +16,12 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (a view: in-place updates land in the DTensor), a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _layout(t: torch.Tensor):
@@ -46,6 +52,11 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, *, unc
         dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=pp_group)
     total = squared.sqrt()
     if max_norm > 0:
-        for group in clipped.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
+        # torch's clip_grads_with_norm_ arithmetic, on each gradient's local shard: a scale is the same on
+        # every layout (Partial sums included), and DTensor's dispatch and first-use sharding propagation
+        # for every gradient shape are skipped (see raydist.training.optim.ShardLocalAdamW)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [local_shard(p.grad) for group in clipped.values() for p in group]
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
     return total

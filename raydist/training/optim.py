@@ -8,8 +8,11 @@ import resource
 from typing import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
 
 from raydist.config import Config
+from raydist.parallel.clip import local_shard
 
 
 def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
@@ -32,6 +35,38 @@ def lr_lambda(cfg: Config) -> Callable[[int], float]:
     return factor
 
 
+class ShardLocalAdamW(torch.optim.AdamW):
+    """torch's AdamW (its state, state_dict and arithmetic), stepped on each parameter's local shard.
+
+    AdamW is elementwise, so on a DTensor parameter whose gradient and moments share its placements
+    (`torch.optim.AdamW` creates the moments with `zeros_like(param)`; raydist lays every gradient out as its
+    parameter before the step) the update of the whole tensor is the update of every shard. Stepping the
+    shards skips DTensor's dispatch on each of the ~10 ops per parameter per step, and the sharding
+    propagation each op pays on first use per tensor shape and layout (about 0.1 s of CPU each on a 3-D
+    mesh, measured with torch 2.13: 3.5 s of a 6-step TP x HSDP test rank's 11.4 s). A gradient in another
+    layout than its parameter (a Partial sum) is redistributed first, as DTensor's own ops would."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("ShardLocalAdamW.step takes no closure")
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if isinstance(grad, DTensor) and grad.placements != param.placements:
+                    param.grad = grad.redistribute(placements=param.placements)
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+            has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+            beta1, beta2 = group["betas"]
+            adam([local_shard(t) for t in params], [local_shard(t) for t in grads],
+                 [local_shard(t) for t in exp_avgs], [local_shard(t) for t in exp_avg_sqs],
+                 [local_shard(t) for t in max_exp_avg_sqs], steps, amsgrad=group["amsgrad"],
+                 has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
+                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                 foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
+                 fused=group["fused"], decoupled_weight_decay=group.get("decoupled_weight_decay", True))
+
+
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for param in model.parameters():
@@ -40,12 +75,13 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
     # An empty group (LoRA trains only matrices) is left out: DCP's flattened optimizer state cannot load one
     groups = [g for g in ({"params": decay, "weight_decay": cfg.train.weight_decay},
                           {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+    betas = (cfg.train.beta1, cfg.train.beta2)
     # One fused kernel per parameter group on CUDA (torch.optim.AdamW's `fused`, which takes DTensor
-    # parameters too); the multi-tensor `foreach` path elsewhere (CPU results stay what the tests compare).
+    # parameters too). Elsewhere the multi-tensor path over local shards (CPU has no fused AdamW).
     params = [p for group in groups for p in group["params"]]
-    fused = bool(params) and all(p.device.type == "cuda" for p in params)
-    kind = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(cfg.train.beta1, cfg.train.beta2), eps=1e-8, **kind)
+    if params and all(p.device.type == "cuda" for p in params):
+        return torch.optim.AdamW(groups, lr=cfg.train.lr, betas=betas, eps=1e-8, fused=True)
+    return ShardLocalAdamW(groups, lr=cfg.train.lr, betas=betas, eps=1e-8, foreach=True)
 
 
 def full_gradients(model: torch.nn.Module, aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
