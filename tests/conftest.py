@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from durations import (pytest_collection_modifyitems, pytest_runtest_logreport,  # noqa: F401  (hooks: seconds by
-                       pytest_terminal_summary)  # file; the inner loop's `slow` marks)
-from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  (hooks: CI's skips)
+from durations import mark_slow, pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks: seconds
+from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  by file; CI's skips)
+from workers import check_ray_files, make_scheduler, yield_to_ray
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 # Every multi-process test runs under NCCL's rules (raydist.strict): the ranks raydist.parallel.runtime.spawn starts and
@@ -17,6 +17,25 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 # A test of plain gloo's own behaviour asks for the `plain_gloo` fixture; RAYDIST_STRICT_COLLECTIVES=0 runs
 # the whole suite on plain gloo.
 os.environ.setdefault("RAYDIST_STRICT_COLLECTIVES", "1")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    mark_slow(items)  # the inner loop's `slow` marks, from tests/durations.json
+    check_ray_files(items)  # Ray tests are scheduled by file (tests/workers.py)
+
+
+def pytest_runtest_setup(item) -> None:
+    yield_to_ray(item)  # under xdist, the other tests' processes run at low CPU priority (tests/workers.py)
+
+
+try:
+    import xdist  # noqa: F401  (the hook below exists only with xdist installed)
+except ImportError:
+    pass
+else:
+    def pytest_xdist_make_scheduler(config, log):
+        """`--dist loadfile`: the Ray files as one scope, first (tests/workers.py)."""
+        return make_scheduler(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 @pytest.fixture

@@ -34,7 +34,11 @@ def recorded_seconds(path: str = RECORDED) -> dict[str, float]:
         return {}
 
 
-def pytest_collection_modifyitems(config, items) -> None:
+def pytest_collection_modifyitems(config, items) -> None:  # as a plugin of its own (tests/unit/test_inner_loop.py)
+    mark_slow(items)
+
+
+def mark_slow(items) -> None:
     seconds = recorded_seconds()
     for item in items:
         if seconds.get(item.nodeid, 0.0) >= INNER_LIMIT_S and not item.get_closest_marker("slow"):
@@ -42,7 +46,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 
 def pytest_runtest_logreport(report) -> None:
-    _TESTS[report.nodeid] += report.duration
+    _TESTS[report.nodeid] += report.duration  # on xdist's controller: every worker's reports
 
 
 def _by_file() -> dict[str, float]:
@@ -53,7 +57,7 @@ def _by_file() -> dict[str, float]:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if not _TESTS:
+    if not _TESTS or os.environ.get("PYTEST_XDIST_WORKER"):  # xdist's controller sums every worker's reports
         return
     files = _by_file()
     total = sum(files.values())

@@ -21,7 +21,7 @@ from raydist.driver.ray_cluster import CONTROLLER_ENV
 from ray_runs import Background, ray_4cpu, records, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 from raydist.testing import run_fit
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]  # 90 s alone; 180 s beside the unit tests
 
 STEPS = 40
 TIMEOUT_S = 10  # elastic.collective_timeout_s

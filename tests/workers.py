@@ -1,0 +1,77 @@
+"""How the suite shares the machine between pytest-xdist's workers (README's test command: `-n 2 --dist
+loadfile`).
+
+The Ray tests spend about half their time waiting (a cluster, actors and replacement workers starting, a
+hang timer running out), and the rest of the suite keeps both cores busy, so the two run side by side:
+- every test file marked `ray` joins one scope, run in order by one worker and handed out first (it is
+  the longest): one local Ray cluster at a time (two at once confuse each other: Ray Train's
+  placement-group cleaner asks the default dashboard address, see tests/faults/test_foreign_dashboard.py);
+- every other file is its own scope, as `--dist loadfile` makes it, so a module-scoped fixture (one spawn
+  for several layouts, a shared reference run) runs once, on one worker;
+- a worker lowers its CPU priority (nice 19, inherited by the ranks it spawns) at its first test not
+  marked `ray`: the Ray tests keep their own pace, their waits bounded by timeouts, and the rest of the
+  suite fills the idle CPU. Measured on the 2-core machine without it: the Ray tests ran 2.3x slower beside
+  the others (test_live_recovery.py 363 s alone, 851 s beside them) and became the run's critical path.
+
+xdist's `loadgroup` would read an `xdist_group` mark instead, but xdist 3.8 puts the group into
+`item._nodeid`, which pytest 9.2 no longer reads. xdist's scheduler sees node ids only, so a Ray file is one
+whose source carries `pytest.mark.ray`; `check_ray_files` holds every collected test to that (a test
+marked `ray` in any other file, or unmarked in such a file, fails the collection).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+
+RAY_SCOPE = "ray"
+ROOT = Path(__file__).resolve().parent.parent  # node ids are relative to the repository root
+
+
+@functools.lru_cache(maxsize=None)
+def is_ray_file(path: str) -> bool:
+    """Whether the test file at `path` (a node id's file part) marks its tests `ray`."""
+    return "pytest.mark.ray" in (ROOT / path).read_text()
+
+
+def scope_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return RAY_SCOPE if is_ray_file(path) else path
+
+
+def check_ray_files(items: list[pytest.Item]) -> None:
+    wrong = [item.nodeid for item in items
+             if bool(item.get_closest_marker("ray")) != is_ray_file(item.nodeid.split("::", 1)[0])]
+    if wrong:
+        raise pytest.UsageError(f"{wrong[0]} (and {len(wrong) - 1} more): mark every test of a file `ray` "
+                                "(pytestmark) or none of them; tests/workers.py schedules Ray tests by file")
+
+
+LOW_PRIORITY = 19
+
+
+def yield_to_ray(item: pytest.Item) -> None:
+    """Under xdist, before a worker's first test not marked `ray`: nice the worker (and what it spawns)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and not item.get_closest_marker("ray"):
+        current = os.nice(0)
+        if current < LOW_PRIORITY:
+            os.nice(LOW_PRIORITY - current)
+
+
+def make_scheduler(config, log):
+    """`loadfile`, with every Ray file in one scope that the first worker takes first."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            if RAY_SCOPE in self.workqueue:
+                self.workqueue.move_to_end(RAY_SCOPE, last=False)
+            super()._assign_work_unit(node)
+
+    return RayApart(config, log)
