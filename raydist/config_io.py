@@ -187,12 +187,10 @@ def model_config_from_hf(hf_dir_or_config_dict: str | os.PathLike | Mapping) -> 
     if family is None:
         raise ConfigError(f"{src} model_type={model_type!r} is not supported; raydist loads model_type "
                           f"{', '.join(repr(f.hf_model_type) for f in FAMILIES.values())} (raydist.families.registry)")
-    if model_type == "mistral" and c.get("sliding_window", 4096) is not None:
-        raise ConfigError(f"{src} sliding_window={c.get('sliding_window', '4096 (default)')}: raydist has no "
-                          "sliding-window attention; only Mistral checkpoints with sliding_window null load")
-    if model_type.startswith("qwen") and c.get("use_sliding_window"):
-        raise ConfigError(f"{src} use_sliding_window=true: raydist has no sliding-window attention; only "
-                          "checkpoints with use_sliding_window false load")
+    if (window := family.sliding_window_on(c)) is not None:
+        key, off = family.sliding_window_key[0], "false" if family.sliding_window_key[1] is False else "null"
+        raise ConfigError(f"{src} {window}: raydist has no sliding-window attention; only {model_type} "
+                          f"checkpoints with {key} {off} load")
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
         if not isinstance(c.get(key), int):
             raise ConfigError(f"{src} {key}={c.get(key)!r} must be an integer; add it to config.json")

@@ -19,6 +19,7 @@ nothing heavy: the config validates `model.family` against it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,16 +32,30 @@ class ModelFamily:
     qkv_bias: bool = False  # q, k and v projections carry biases (not o)
     qk_norm: bool = False  # RMSNorm over each head of q and k before RoPE
     hf_config_extra: dict[str, Any] = field(default_factory=dict)  # keys export writes besides the shared ones
+    # config.json's key that turns sliding-window attention on, and its value when absent (transformers'
+    # default): raydist has none, so a checkpoint loads only with that key null or false
+    sliding_window_key: tuple[str, Any] | None = None
+
+    def sliding_window_on(self, hf_config: dict) -> str | None:
+        """`key=value` when `hf_config` (config.json) turns sliding-window attention on, else None."""
+        if self.sliding_window_key is None:
+            return None
+        key, default = self.sliding_window_key
+        value = hf_config.get(key, default)
+        return None if value in (None, False) else f"{key}={json.dumps(value)}" + (" (default)" if key not in hf_config else "")
 
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("llama", "llama", "LlamaForCausalLM",
                 hf_config_extra={"attention_bias": False, "mlp_bias": False}),
-    ModelFamily("mistral", "mistral", "MistralForCausalLM", hf_config_extra={"sliding_window": None}),
+    ModelFamily("mistral", "mistral", "MistralForCausalLM", hf_config_extra={"sliding_window": None},
+                sliding_window_key=("sliding_window", 4096)),
     ModelFamily("qwen2", "qwen2", "Qwen2ForCausalLM", qkv_bias=True,
-                hf_config_extra={"use_sliding_window": False, "sliding_window": None}),
+                hf_config_extra={"use_sliding_window": False, "sliding_window": None},
+                sliding_window_key=("use_sliding_window", False)),
     ModelFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True,
-                hf_config_extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None}),
+                hf_config_extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
+                sliding_window_key=("use_sliding_window", False)),
 )}
 FAMILY_NAMES = tuple(FAMILIES)
 

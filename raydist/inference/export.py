@@ -13,7 +13,7 @@ from raydist.config import Config, ConfigError
 from raydist.inference.load import load_model
 from raydist.models import hf
 from raydist.models.gpt import GPT
-from raydist.models.peft import TARGETS, LoRALinear, is_adapter
+from raydist.models.peft import LoRALinear, is_adapter, lora_targets
 
 
 def merged_state_dict(model: GPT) -> dict[str, torch.Tensor]:
@@ -51,7 +51,7 @@ def save_peft_adapter(model: GPT, cfg: Config, out_dir: str) -> list[str]:
               "lora_alpha": cfg.peft.lora_alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
               # each adapted projection's Hugging Face module name (q_proj, gate_proj, ...), from the name table
               "target_modules": sorted(hf.raydist_to_hf_name(f"layers.0.{t}.weight").split(".")[-2]
-                                       for t in TARGETS[cfg.peft.lora_targets]),
+                                       for t in lora_targets(model.cfg, cfg.peft.lora_targets)),
               "base_model_name_or_path": "", "inference_mode": True, "modules_to_save": None}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return ["adapter_model.safetensors", "adapter_config.json"]

@@ -26,13 +26,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from raydist.config import ModelConfig
 from raydist.errors import ConfigError
+from raydist.models.gpt import block_roles
 from raydist.models.init import LORA_A, LORA_B, full_value
 
-TARGETS = {"attention": ("attention.wq", "attention.wk", "attention.wv", "attention.wo"),
-           "mlp": ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")}
-TARGETS["all"] = TARGETS["attention"] + TARGETS["mlp"]
-ROW_PARALLEL = ("attention.wo", "feed_forward.w2")  # the projections tensor parallelism splits by input
+PROJECTIONS = ("column", "kv", "row")  # the tensor-parallel roles of a block's Linear layers
+GROUPS = {"attention_input": "attention", "mlp_input": "mlp"}  # a parent's role: its projections' group
+
+
+def lora_targets(cfg: ModelConfig, which: str) -> tuple[str, ...]:
+    """The block's modules LoRA adapts under peft.lora_targets = `which` ("attention", "mlp" or "all"),
+    read from the family's tensor-parallel roles (`block_roles`), not from module names: every Linear
+    (role column, kv or row) under the attention (role attention_input) or the MLP (role mlp_input)."""
+    roles = block_roles(cfg)
+    group = {name: GROUPS[role] for name, role in roles.items() if role in GROUPS}
+    return tuple(name for name, role in roles.items()
+                 if role in PROJECTIONS and which in ("all", group.get(name.rpartition(".")[0])))
 
 
 class LoRALinear(nn.Linear):
@@ -80,7 +90,7 @@ def apply_peft(model: nn.Module, peft, seed: int) -> None:
         for p in model.parameters():
             p.requires_grad_(False)
         for key, block in model.layers.items():
-            for target in TARGETS[peft.lora_targets]:
+            for target in lora_targets(model.cfg, peft.lora_targets):
                 add_lora(block.get_submodule(target), peft.lora_rank, peft.lora_alpha, seed,
                          f"layers.{key}.{target}")
         return

@@ -277,11 +277,13 @@ def test_config_reads_transformers_4_and_5_forms(tmp_path):
 
 
 @pytest.mark.parametrize("over,match", [
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=true: .* only qwen2 checkpoints "
+                                                          "with use_sliding_window false load"),
+    ({"model_type": "qwen3", "use_sliding_window": True}, "use_sliding_window=true"),
     ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; raydist loads model_type 'llama', 'mistral', "
                              "'qwen2', 'qwen3'"),
     ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
-    ({"model_type": "mistral"}, "sliding_window=4096 \\(default\\)"),
+    ({"model_type": "mistral"}, "sliding_window=4096 \\(default\\): .* with sliding_window null load"),
     ({"hidden_size": 66}, "hidden_size=66 is not divisible by num_attention_heads=4 and head_dim is not set"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling has rope_type='llama3'"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling has rope_type='linear'"),

@@ -149,6 +149,18 @@ def test_frozen_weights_have_no_optimizer_state_and_stay_sharded(tiny_data, llam
     assert "tok_embeddings.weight" not in freeze["optimized"]
 
 
+def test_lora_targets_come_from_the_familys_tensor_parallel_roles():
+    from raydist.config import ModelConfig
+    from raydist.models.peft import lora_targets
+
+    attention = ("attention.wq", "attention.wk", "attention.wv", "attention.wo")
+    mlp = ("feed_forward.w1", "feed_forward.w3", "feed_forward.w2")
+    for family in ("llama", "qwen2", "qwen3"):  # Qwen3's q_norm / k_norm sit under the attention: not Linear
+        cfg = ModelConfig(family=family)
+        assert lora_targets(cfg, "attention") == attention and lora_targets(cfg, "mlp") == mlp
+        assert lora_targets(cfg, "all") == attention + mlp
+
+
 def test_peft_config_errors():
     with pytest.raises(ConfigError, match="peft.method='prefix' is not one of none, lora, freeze"):
         Config.from_dict({"peft": {"method": "prefix"}})
