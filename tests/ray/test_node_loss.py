@@ -34,6 +34,11 @@ def test_node_loss_shrinks_and_node_join_grows_the_run(tiny_data, tmp_path):
         cluster.remove_node(nodes[1])  # two workers lost with their node
         wait_for(lambda: any(r["world_size"] == 2 for r in records(run_dir)), 300, "training on 2 workers",
                  job, run_dir)
+        # a checkpoint written at 2 workers before capacity returns (a loaded machine may otherwise grow the
+        # run again from the last 4-worker checkpoint: no resize event, as the sizes on each side match)
+        first_two = min(r["step"] for r in records(run_dir) if r["world_size"] == 2)
+        wait_for(lambda: any(r["world_size"] == 2 and r["step"] >= first_two + 12 for r in records(run_dir)), 300,
+                 "a checkpoint at 2 workers", job, run_dir)
         cluster.add_node(num_cpus=2)  # capacity returns: the run grows at the next resize check
         wait_for(lambda: any(r["world_size"] == 4 and r["attempt"] >= 3 for r in records(run_dir)), 300,
                  "training on 4 workers again", job, run_dir)

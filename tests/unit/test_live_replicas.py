@@ -72,6 +72,7 @@ def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expe
     steps = []
     while trainer.step < STEPS:
         if flag is not None and replica == 0 and trainer.step == ALONE_STEPS:
+            open(flag + ".alone", "w").close()  # replica 0 stepped alone: replica 1 may start
             while not os.path.exists(flag):  # replica 0 stepped alone so far; replica 1 comes now
                 time.sleep(0.1)
             time.sleep(1.0)
@@ -106,8 +107,10 @@ def _run(raw: dict, late: bool, tmp, drop: str | None = None) -> list[dict]:
         for (r, _), p in procs.items():
             if r == 0 or not late:
                 p.start()
-        if late:  # replica 1 starts once replica 0 has stepped alone
-            time.sleep(5.0)
+        if late:  # replica 1 starts once replica 0 has stepped alone (a fixed wait was too short on a loaded machine)
+            deadline = time.monotonic() + 300
+            while not os.path.exists(flag + ".alone") and time.monotonic() < deadline:
+                time.sleep(0.1)
             for (r, _), p in procs.items():
                 if r == 1:
                     p.start()
