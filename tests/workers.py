@@ -44,7 +44,7 @@ def scope_of(nodeid: str) -> str:
 
 def check_ray_files(items: list[pytest.Item]) -> None:
     wrong = [item.nodeid for item in items
-             if bool(item.get_closest_marker("ray")) != is_ray_file(item.nodeid.split("::", 1)[0])]
+             if bool(item.get_closest_marker("ray")) != (scope_of(item.nodeid) == RAY_SCOPE)]
     if wrong:
         raise pytest.UsageError(f"{wrong[0]} (and {len(wrong) - 1} more): mark every test of a file `ray` "
                                 "(pytestmark) or none of them; tests/workers.py schedules Ray tests by file")

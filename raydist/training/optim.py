@@ -8,11 +8,11 @@ import resource
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from raydist.config import Config
 from raydist.parallel.clip import local_shard
+from raydist.parallel.tensor import gradient_in_parameter_layout
 
 
 def compute_dtype_for(cfg: Config, device: torch.device) -> torch.dtype:
@@ -52,9 +52,7 @@ class ShardLocalAdamW(torch.optim.AdamW):
             raise ValueError("ShardLocalAdamW.step takes no closure")
         for group in self.param_groups:
             for param in group["params"]:
-                grad = param.grad
-                if isinstance(grad, DTensor) and grad.placements != param.placements:
-                    param.grad = grad.redistribute(placements=param.placements)
+                gradient_in_parameter_layout(param)  # a no-op where TP's hook or FSDP2 already did it
             params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
             has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
             beta1, beta2 = group["betas"]
