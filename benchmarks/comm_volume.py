@@ -114,12 +114,12 @@ def tensor_parallel_section(cfg: Config) -> None:
 
 def data_parallel_section() -> Config:
     """DDP and FSDP bytes per step against the published figures; returns the config it used."""
-    from raydist.driver.launcher import ensure_data
+    from raydist.driver.launcher import with_prepared_data
     from raydist.models.gpt import param_counts
 
     cfg = Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0",
                                                   f"train.micro_batch={16 // WORLD}"])
-    cfg = ensure_data(cfg)
+    cfg = with_prepared_data(cfg)
     param_bytes = 4 * param_counts(cfg.model)["total"]
     p = WORLD
     print(f"parameter bytes (fp32): {param_bytes / 2**20:.3f} MiB, p = {p}\n")
@@ -180,7 +180,7 @@ def _activations_on_rank(raw: dict) -> dict:
 
 
 def context_parallel_section(seq_len: int) -> None:
-    from raydist.driver.launcher import ensure_data
+    from raydist.driver.launcher import with_prepared_data
 
     cfg = Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0", "train.micro_batch=8"])
     m, batch = cfg.model, cfg.train.micro_batch
@@ -204,7 +204,7 @@ def context_parallel_section(seq_len: int) -> None:
 
     print(f"\none training step, cp=2 (FSDP over the 2 cp ranks), {cfg.model.num_layers} layers, "
           f"{cfg.train.global_batch // batch} micro-batches of {batch} x {cfg.data.seq_len}: MiB sent per rank")
-    cfg = ensure_data(cfg)
+    cfg = with_prepared_data(cfg)
     layers_micro = cfg.model.num_layers * (cfg.train.global_batch // batch)
     for impl in ("ring", "ulysses"):
         raw = cfg.to_dict()

@@ -131,10 +131,10 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
-    from raydist.driver.launcher import ensure_data, launch
+    from raydist.driver.launcher import with_prepared_data, launch
     from raydist.metrics.logger import read_metrics
 
-    cfg = ensure_data(Config.load("workloads/gpt_tiny.toml", ["train.eval_every=0", *args.set]), log=print)
+    cfg = with_prepared_data(Config.load("workloads/gpt_tiny.toml", ["train.eval_every=0", *args.set]), log=print)
     path, seed, g = cfg.data.path, cfg.train.seed, cfg.train.global_batch
     out: dict = {"global_batch": g, "seq_len": cfg.data.seq_len,
                  "row_group_rows": read_manifest(path).get("row_group_rows", 1)}

@@ -121,11 +121,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
 
-    from raydist.driver.launcher import ensure_data
+    from raydist.driver.launcher import with_prepared_data
     from raydist.models.gpt import flops_per_token
 
     # the default run's micro-batch (derived: 8 at dp 2), set explicitly for the hand-written baseline
-    cfg = ensure_data(Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0",
+    cfg = with_prepared_data(Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0",
                                                               "train.micro_batch=8"]))
     raw = cfg.to_dict()
     base_t, ours_t, ray_t, step0_t, peaks = [], [], [], [], []

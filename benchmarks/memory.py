@@ -141,9 +141,9 @@ def main() -> None:
     parser.add_argument("--skip-state", action="store_true", help="only the activation tables (no processes)")
     args = parser.parse_args()
     if not args.skip_state:
-        from raydist.driver.launcher import ensure_data
+        from raydist.driver.launcher import with_prepared_data
 
-        state_table(ensure_data(Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0"])))
+        state_table(with_prepared_data(Config.load("workloads/gpt_tiny.toml", ["data.reader=arrow", "train.eval_every=0"])))
     act_cfg = Config.load("workloads/gpt_tiny.toml", [f"model.num_layers={args.layers}"])
     print(f"\nactivations held for backward at the end of forward, torch path (sdpa, nn.Linear), {args.layers} "
           f"blocks, batch 8 x seq {act_cfg.data.seq_len}:")

@@ -109,12 +109,12 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
-    from raydist.driver.launcher import ensure_data
+    from raydist.driver.launcher import with_prepared_data
     from raydist.planner.enumerate import implemented_features
 
     from raydist.planner.policy import plan_layout
 
-    cfg = ensure_data(Config.load(args.config))  # prepares the default corpus on first use
+    cfg = with_prepared_data(Config.load(args.config))  # prepares the default corpus on first use
     data_override = f"data.path={cfg.data.path}"
     if not args.skip_calibrate:
         print(format_calibration(calibrate(args.world, config=cfg)), flush=True)

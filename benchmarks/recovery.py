@@ -297,10 +297,10 @@ def main() -> None:
                         help="also measure the recovery with raydist's previous Ray Train settings, side by side")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
-    from raydist.driver.launcher import ensure_data
+    from raydist.driver.launcher import with_prepared_data
 
     cfg = Config.load("workloads/gpt_tiny.toml")
-    cfg = ensure_data(cfg)
+    cfg = with_prepared_data(cfg)
     r = before = None
     live: dict[int, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -23,9 +23,9 @@ from raydist.config_sections import (CHOICES, SECTIONS, CheckpointConfig, DataCo
 from raydist.errors import ConfigError
 from raydist.schedule.batch import divisors
 
-__all__ = ["CHOICES", "DEFAULT_WORKLOAD", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+__all__ = ["CHOICES", "RUN_FACTS", "DEFAULT_WORKLOAD", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
            "ElasticConfig", "KernelsConfig", "ModelConfig", "MonitorConfig", "ParallelConfig", "PeftConfig",
-           "RayConfig", "TrackingConfig", "TrainConfig", "dump_toml", "field_docs", "hf_dir_of",
+           "RayConfig", "RunFacts", "TrackingConfig", "TrainConfig", "dump_toml", "field_docs", "hf_dir_of",
            "parse_override", "read_toml", "reference_markdown"]
 
 DEFAULT_WORKLOAD = "gpt_tiny.toml"
@@ -224,6 +224,30 @@ class Config:
     def head_dim(self) -> int:
         return self.model.head_size
 
+
+
+RUN_FACTS = "run.json"  # RUN_DIR/run.json: the run's RunFacts
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the driver resolved for one run, kept apart from the user's `Config`, which stays as the user gave
+    it (workers receive it and RUN_DIR/config.toml records it unchanged): the run's name (train.run_name, or a
+    new one), the storage it lives under (checkpoint.storage made absolute), the run directory (storage/name),
+    and the prepared data (data.path, or the default corpus's cache directory). The driver writes them to
+    RUN_DIR/run.json and sends them to every worker beside the config."""
+
+    run_name: str
+    storage: str
+    run_dir: str
+    data_path: str
+
+    def to_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "RunFacts":
+        return cls(**{f.name: str(raw[f.name]) for f in dataclasses.fields(cls)})
 
 # ---- helpers ---------------------------------------------------------------------------------------
 

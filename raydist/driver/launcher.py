@@ -10,6 +10,7 @@ logs and the config.toml it writes are redacted (raydist.store.redact); the I/O 
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import time
@@ -19,7 +20,7 @@ from typing import Any, Callable
 from raydist import strict
 from raydist.checkpoint.compat import check_run_dir
 from raydist.checkpoint.lease import RunLease
-from raydist.config import Config, ConfigError
+from raydist.config import RUN_FACTS, Config, ConfigError, RunFacts
 from raydist.data.prepare import default_data_path, prepare, read_manifest
 from raydist.data.sft import check_masked_layout
 from raydist.data.stream import Split
@@ -33,26 +34,25 @@ from raydist.metrics.tracking import MlflowTracker, Tracker, end_all, start_all
 from raydist.metrics.wandb_tracker import WandbTracker
 from raydist.models.peft import check_pipeline_stages
 from raydist.parallel.layout import Layout
-from raydist.planner.policy import plan_layout
+from raydist.planner.policy import plan_layout, replica_layout
 from raydist.store.atomic import probe_writable
 from raydist.store.redact import redact
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchPlan:
-    cfg: Config  # resolved for this run: data path filled in, storage absolute, run name chosen
-    run_name: str
-    run_dir: str
+    cfg: Config  # the user's, as given: what workers receive and config.toml records
+    facts: RunFacts  # what the driver resolved: run name, storage, run directory, data path
     num_workers: int | tuple[int, int]
-    layout: Layout  # at the smallest worker count that has one (`planned_for`)
-    planned_for: int = 0  # the worker count `layout` was planned for
+    layout: Layout  # at the smallest worker count that has one (`planned_for`); a live replica's own
+    planned_for: int = 0  # the worker count `layout` was planned for (a replica's workers under live recovery)
 
     def layout_for_workers(self) -> dict | None:
         """The layout as data for a worker group of `planned_for` workers, which then plans nothing (another
         size plans its own). The policy's layout is a function of the config and the worker count alone; not
-        sent for `parallel.auto` (the planner prices the device it runs on, which the driver's need not be)
-        nor for live recovery (a replica plans its own world)."""
-        if self.cfg.parallel.auto or self.cfg.elastic.live_recovery or not self.planned_for:
+        sent for `parallel.auto` (the planner prices the device it runs on, which the driver's need not be).
+        Under live recovery it is every replica's layout (planner.policy.replica_layout)."""
+        if self.cfg.parallel.auto or not self.planned_for:
             return None
         return {"world_size": self.planned_for, "layout": self.layout.to_dict()}
 
@@ -65,21 +65,23 @@ def new_run_name() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
 
 
-def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
-    """Prepares the default corpus on first use; checks the manifest and every shard's footer. Returns the
-    config with data.path filled in (a new object: the user's config is not rewritten)."""
-    if not cfg.data.path:
-        cfg = replace(cfg, data=replace(cfg.data, path=default_data_path(cfg.data)))
-        if read_manifest(cfg.data.path, missing_ok=True) is None:
-            log(f"preparing {cfg.data.corpus} corpus at {cfg.data.path} (first use)")
-            prepare(cfg.data, cfg.data.path, log=log)
-    manifest = read_manifest(cfg.data.path)
+def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> str:
+    """The run's prepared data (data.path, or the default corpus, prepared on first use), its manifest and
+    every shard's footer checked against the config. Returns its path (a run fact: the config keeps what the
+    user wrote)."""
+    path = cfg.data.path
+    if not path:
+        path = default_data_path(cfg.data)
+        if read_manifest(path, missing_ok=True) is None:
+            log(f"preparing {cfg.data.corpus} corpus at {path} (first use)")
+            prepare(cfg.data, path, log=log)
+    manifest = read_manifest(path)
     if manifest["seq_len"] != cfg.data.seq_len:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} but {cfg.data.path} was prepared with seq_len="
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} but {path} was prepared with seq_len="
                           f"{manifest['seq_len']}; set data.seq_len={manifest['seq_len']} or prepare again")
     vocab = manifest["tokenizer"]["vocab_size"]
     if vocab > cfg.model.vocab_size and cfg.model.init_from:
-        raise ConfigError(f"{cfg.data.path} was tokenized with a vocabulary of {vocab} but {cfg.model.init_from} "
+        raise ConfigError(f"{path} was tokenized with a vocabulary of {vocab} but {cfg.model.init_from} "
                           f"has vocab_size={cfg.model.vocab_size}; prepare the data with the model's tokenizer "
                           f"(data.tokenizer = \"{cfg.model.init_from[3:]}/tokenizer.json\")")
     if vocab > cfg.model.vocab_size:
@@ -89,12 +91,18 @@ def ensure_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
         from raydist.config import hf_dir_of
         from raydist.data.tokenizer import check_data_tokenizer
 
-        check_data_tokenizer(hf_dir_of(cfg.model.init_from), manifest["tokenizer"], cfg.data.path)
+        check_data_tokenizer(hf_dir_of(cfg.model.init_from), manifest["tokenizer"], path)
     if manifest.get("loss_mask"):
         check_masked_layout(cfg.elastic.live_recovery)
     for split in ("train", "val") if cfg.train.eval_every else ("train",):
-        Split.open(cfg.data.path, split, manifest).check_files(cfg.model.vocab_size)
-    return cfg
+        Split.open(path, split, manifest).check_files(cfg.model.vocab_size)
+    return path
+
+
+def with_prepared_data(cfg: Config, log: Callable[[str], None] = print) -> Config:
+    """`cfg` with data.path set to its prepared data (`ensure_data`): for in-process runs of one config
+    (raydist.testing's harness in benchmarks and tests), which have no run facts."""
+    return replace(cfg, data=replace(cfg.data, path=ensure_data(cfg, log)))
 
 
 def check_live_recovery(cfg: Config) -> None:
@@ -105,9 +113,8 @@ def check_live_recovery(cfg: Config) -> None:
     except ImportError:
         raise ConfigError("elastic.live_recovery=true needs torchft, which is not installed; "
                           "pip install 'raydist[live]' (or set elastic.live_recovery=false)") from None
-    from raydist.elastic.live import replica_config, workers_per_replica
+    from raydist.elastic.live import workers_per_replica
 
-    replica_config(cfg)  # (under a pipeline its replicas run the whole run's micro-batches: that layout must exist)
     if workers_per_replica(cfg) > 1:
         from raydist.elastic.replica_groups import check_ray_version  # (importing it checks too)
 
@@ -115,8 +122,9 @@ def check_live_recovery(cfg: Config) -> None:
 
 
 def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
-    """All driver-side checks; returns where the run goes and how many workers it asks for."""
-    cfg = ensure_data(cfg, log)
+    """All driver-side checks; returns where the run goes, how many workers it asks for and their layout.
+    `cfg` is not rewritten: what the driver resolves goes into the plan's RunFacts."""
+    data_path = ensure_data(cfg, log)
     if cfg.elastic.live_recovery:
         check_live_recovery(cfg)
     if cfg.model.init_from:  # names and shapes from the safetensors headers, before any worker starts
@@ -124,30 +132,44 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
         from raydist.models.hf_load import check_checkpoint
 
         check_checkpoint(hf_dir_of(cfg.model.init_from), cfg.model)
+    num_workers: int | tuple[int, int] = cfg.ray.num_workers
     if cfg.elastic_enabled:
-        num_workers: int | tuple[int, int] = (cfg.elastic.min_workers, cfg.elastic.max_workers)
-        sizes = range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1)
-    else:
-        num_workers = cfg.ray.num_workers
-        sizes = [cfg.ray.num_workers]
+        num_workers = (cfg.elastic.min_workers, cfg.elastic.max_workers)
+    layout, planned_for = first_layout(cfg)
+    check_pipeline_stages(cfg.peft.method, cfg.peft.trainable_last_layers, layout)
+    storage = resolve_storage(cfg.checkpoint.storage)
+    run_name = cfg.train.run_name or new_run_name()
+    facts = RunFacts(run_name=run_name, storage=storage, run_dir=join(storage, run_name), data_path=data_path)
+    check_storage(storage)  # before anything reads it: an unreachable store is one error line
+    check_run_dir(facts.run_dir, cfg, read_manifest(data_path))  # a resumed run's checkpoints must fit
+    return LaunchPlan(cfg, facts, num_workers, layout, planned_for)
+
+
+def first_layout(cfg: Config) -> tuple[Layout, int]:
+    """(layout, worker count) for the smallest worker count that has a layout: the configured count of a
+    fixed-size run, the first of an elastic range that fits, a replica's workers under live recovery."""
+    if cfg.elastic.live_recovery:
+        from raydist.elastic.live import workers_per_replica
+
+        return replica_layout(cfg), workers_per_replica(cfg)
+    sizes = range(cfg.elastic.min_workers, cfg.elastic.max_workers + 1) if cfg.elastic_enabled \
+        else [cfg.ray.num_workers]
     errors = []
-    for size in sizes:  # at least the smallest size must give a valid layout
+    for size in sizes:
         try:
-            layout, planned_for = plan_layout(cfg, size), size
-            break
+            return plan_layout(cfg, size), size
         except ConfigError as exc:
             errors.append(exc)
-    else:
-        raise errors[0]
-    check_pipeline_stages(cfg.peft.method, cfg.peft.trainable_last_layers, layout)
-    run_name = cfg.train.run_name or new_run_name()
-    cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, storage=resolve_storage(cfg.checkpoint.storage)),
-                  train=replace(cfg.train, run_name=run_name))
-    run_dir = join(cfg.checkpoint.storage, run_name)
-    check_storage(cfg.checkpoint.storage)  # before anything reads it: an unreachable store is one error line
-    check_run_dir(run_dir, cfg, read_manifest(cfg.data.path))  # a resumed run's checkpoints must fit
-    return LaunchPlan(cfg, run_name, run_dir, num_workers, layout, planned_for)
+    raise errors[0]
 
+
+def worker_payload(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False,
+                   driver_node: str | None = None) -> dict[str, Any]:
+    """What every worker receives (raydist.training.ray_session.ray_worker_entry), as data: the user's config
+    as given, the run facts, the layout for the worker count it was planned for, and the driver's clock."""
+    return {"config": lp.cfg.to_dict(), "facts": lp.facts.to_dict(), "layout": lp.layout_for_workers(),
+            "use_gpu": use_gpu, "start_time": start_time, "record_samples": record_samples,
+            "driver_node": driver_node}
 
 
 def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False):
@@ -158,14 +180,12 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
     from raydist.elastic.fresh_view import Trainer
     from raydist.training.ray_session import ray_worker_entry
 
-    cfg = lp.cfg
+    cfg, facts = lp.cfg, lp.facts
     scaling = ScalingConfig(num_workers=lp.num_workers, use_gpu=use_gpu,
                             resources_per_worker=worker_resources(cfg, use_gpu), placement_strategy="PACK")
     if cfg.elastic_enabled:
         scaling.elastic_resize_monitor_interval_s = cfg.elastic.resize_check_interval_s
-    payload = {"config": cfg.to_dict(), "run_dir": lp.run_dir, "use_gpu": use_gpu, "start_time": start_time,
-               "record_samples": record_samples, "driver_node": ray.get_runtime_context().get_node_id(),
-               "layout": lp.layout_for_workers()}
+    payload = worker_payload(lp, use_gpu, start_time, record_samples, ray.get_runtime_context().get_node_id())
     backend = dict(backend="nccl" if use_gpu else "gloo", timeout_s=int(cfg.elastic.collective_timeout_s))
     if cfg.elastic.live_recovery:
         # Ray Train runs torchft's Lighthouse and makes every replica's dp_shard x cp x tp x pp workers a replica
@@ -193,7 +213,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
         train_loop_config=payload,
         torch_config=torch_config,
         scaling_config=scaling,
-        run_config=RunConfig(name=lp.run_name, storage_path=cfg.checkpoint.storage,
+        run_config=RunConfig(name=facts.run_name, storage_path=facts.storage,
                              failure_config=FailureConfig(max_failures=cfg.elastic.max_failures),
                              worker_runtime_env=warm.worker_runtime_env() if warm.enabled(cfg) else {}),
     )
@@ -219,7 +239,7 @@ def _warn_local_paths(cfg: Config, lp: LaunchPlan, log: Callable[[str], None]) -
 
     if len([n for n in ray.nodes() if n.get("Alive")]) <= 1 and not os.environ.get("RAY_JOB_ID"):
         return
-    for key, value in (("checkpoint.storage", cfg.checkpoint.storage), ("data.path", cfg.data.path)):
+    for key, value in (("checkpoint.storage", lp.facts.storage), ("data.path", lp.facts.data_path)):
         if "://" not in value:
             log(f"warning: {key}={value} is a local path; on a multi-node cluster (and under `ray job submit`, "
                 f"whose working directory is temporary) use shared storage such as s3://bucket/prefix")
@@ -281,15 +301,14 @@ def launch(cfg: Config, address: str | None = None, log: Callable[[str], None] |
     if done is not None:
         return done
     lp = plan(cfg, log)
-    cfg = lp.cfg
-    with RunLease(lp.run_dir, lp.run_name, log=log):
+    with RunLease(lp.facts.run_dir, lp.facts.run_name, log=log):
         try:
             return _launch(cfg, lp, address, start_time, log, console or Console(verbose=True), record_samples)
         except KeyboardInterrupt:
-            record_end(lp.run_dir, start_time, "interrupted", "interrupted (Ctrl-C or SIGINT)")
+            record_end(lp.facts.run_dir, start_time, "interrupted", "interrupted (Ctrl-C or SIGINT)")
             raise
         except BaseException as exc:
-            record_end(lp.run_dir, start_time, "failed", failures.describe(exc))
+            record_end(lp.facts.run_dir, start_time, "failed", failures.describe(exc))
             raise
 
 
@@ -327,12 +346,13 @@ def _summary(run_dir: str) -> dict[str, Any]:
 
 def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
             log: Callable[[str], None], console: Console, record_samples: bool = False) -> dict[str, Any]:
-    write_text(join(lp.run_dir, "config.toml"), redact(cfg.to_toml()))
+    write_text(join(lp.facts.run_dir, "config.toml"), redact(cfg.to_toml()))  # the user's config, as given
+    write_text(join(lp.facts.run_dir, RUN_FACTS), redact(json.dumps(lp.facts.to_dict(), indent=1)))
     # before Ray: a tracker that cannot start is one `error:` line
-    trackers = start_all(configured_trackers(cfg, lp.run_dir, lp.run_name, log), log)
+    trackers = start_all(configured_trackers(cfg, lp.facts.run_dir, lp.facts.run_name, log), log)
     status = "FAILED"
     try:
-        with console.quiet(lp.run_dir, lp.run_name) as logs:
+        with console.quiet(lp.facts.run_dir, lp.facts.run_name) as logs:
             ray_log = RayLogFile(os.path.join(logs, "workers.log")) if logs else None
             try:
                 _run_on_ray(cfg, lp, address, start_time, log, console, ray_log, trackers, record_samples)
@@ -344,9 +364,9 @@ def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
         status = "KILLED"
         raise
     finally:
-        end_all(trackers, status, _summary(lp.run_dir), log)
-    summary = read_json(join(lp.run_dir, "summary.json")) or {}
-    log(result_line(summary, lp.run_dir, time.time() - start_time))
+        end_all(trackers, status, _summary(lp.facts.run_dir), log)
+    summary = read_json(join(lp.facts.run_dir, "summary.json")) or {}
+    log(result_line(summary, lp.facts.run_dir, time.time() - start_time))
     return summary
 
 
@@ -373,17 +393,17 @@ def _run_on_ray(cfg: Config, lp: LaunchPlan, address: str | None, start_time: fl
         where = "an embedded local Ray" if embedded else f"the Ray cluster at {gcs}"
         backend = "GPU/nccl" if use_gpu else "CPU/gloo under NCCL's rules (strict collectives)" if strict.enabled() \
             else "CPU/gloo"
-        log(f"run {lp.run_name}: {lp.num_workers} worker(s), {backend} on {where}; "
-            f"run directory {lp.run_dir}")
+        log(f"run {lp.facts.run_name}: {lp.num_workers} worker(s), {backend} on {where}; "
+            f"run directory {lp.facts.run_dir}")
         if console.logs_dir:
             log(f"Ray's own output goes to {console.logs_dir}/ (driver.log, workers.log); --verbose shows it here")
         trainer = build_trainer(lp, use_gpu, start_time, record_samples)
         try:
-            tracking = Follower(lp.run_dir, trackers, name="raydist-tracking")
-            with Progress(lp.run_dir, cfg.train.steps, console=console), tracking:
+            tracking = Follower(lp.facts.run_dir, trackers, name="raydist-tracking")
+            with Progress(lp.facts.run_dir, cfg.train.steps, console=console), tracking:
                 trainer.fit()
         finally:
-            fatal = failures.recorded(lp.run_dir, start_time)
+            fatal = failures.recorded(lp.facts.run_dir, start_time)
             if fatal is not None:  # a deterministic failure: its message, not Ray Train's retry story
                 raise failures.DeterministicFailure(f"{fatal['error']} (rank {fatal['rank']}; not retried: a "
                                                     "restart would fail the same way)")

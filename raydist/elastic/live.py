@@ -112,27 +112,6 @@ def workers_per_replica(cfg: Config) -> int:
     return p.dp_shard * p.cp * p.tp * p.pp
 
 
-def replica_config(cfg: Config) -> Config:
-    """The config one replica trains with in its own world of `workers_per_replica` workers: the same run with
-    dp_replicate 1. Without a pipeline a live step picks each step's micro-batch from the rows it got, up to
-    the layout's (`largest_divisor` of its rows), and the whole run's layout need not exist (3 replicas may share a
-    global batch of 8). A pipeline runs whole micro-batches of the whole run's size: the replica's layout,
-    which holds the whole global batch, gets `train.micro_batch` = the whole run's and
-    `parallel.num_microbatches` = the whole run's M x dp_replicate, so that a step gives each rank the whole
-    run's micro-batches when every replica is in the quorum and more of the same size when fewer are
-    (Trainer._live_step); the whole run's layout must then be valid (a ConfigError otherwise)."""
-    from raydist.planner.policy import plan_layout
-
-    p = cfg.parallel
-    one = dataclasses.replace(p, dp_replicate=1)
-    if p.pp == 1:
-        return dataclasses.replace(cfg, parallel=one)
-    whole = plan_layout(cfg, p.dp_replicate * workers_per_replica(cfg))
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(one, num_microbatches=whole.num_microbatches *
-                                                                 p.dp_replicate),
-                               train=dataclasses.replace(cfg.train, micro_batch=whole.micro_batch))
-
-
 def replica_index(replica_id: str) -> int:
     """`raydist_replica_3:<uuid>` (torchft appends a uuid per Manager) -> 3."""
     return int(replica_id.split(":")[0].rsplit("_", 1)[-1])

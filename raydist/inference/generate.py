@@ -4,7 +4,8 @@ MODEL is a run directory (its newest committed checkpoint, or `--step N`) or `hf
 `raydist eval` loads it (raydist.inference.load.load_model). The text is tokenized with
 - `--tokenizer SPEC` when given (`byte`, a tokenizers JSON file, or `hf:DIR`);
 - for `hf:DIR`, DIR/tokenizer.json (the prompt gets the file's special tokens, e.g. Llama's begin-of-text);
-- for a run, the tokenizer its prepared data was made with (the manifest at data.path), else data.tokenizer.
+- for a run, the tokenizer its prepared data was made with (the manifest at run.json's data path), else
+  data.tokenizer.
 
 Decoding is autoregressive with a KV cache (raydist.models.gpt.KVCache): the prompt goes through the model
 once, then each new token alone, attending over the cached keys and values; RoPE angles continue at the
@@ -84,12 +85,14 @@ def resolve_tokenizer(model_spec: str, override: str | None):
         eos = _hf_eos_ids(hf_dir) or (tokenizer.eos_id,)
         return tokenizer, eos, True
     from raydist.data.prepare import read_manifest
-    from raydist.inference.load import read_run_config
+    from raydist.inference.load import read_run_config, read_run_facts
 
     cfg = read_run_config(model_spec)  # ConfigError: not a run directory
+    facts = read_run_facts(model_spec)
+    data_path = facts.data_path if facts is not None else cfg.data.path
     spec = override
     if spec is None:
-        manifest = read_manifest(cfg.data.path, missing_ok=True) if cfg.data.path else None
+        manifest = read_manifest(data_path, missing_ok=True) if data_path else None
         spec = manifest["tokenizer"]["name"] if manifest else cfg.data.tokenizer
     tokenizer = get_tokenizer(spec)
     return tokenizer, (tokenizer.eos_id,), False

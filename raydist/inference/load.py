@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from raydist.checkpoint import storage
-from raydist.config import Config, ConfigError, ModelConfig, hf_dir_of
+from raydist.config import RUN_FACTS, Config, ConfigError, ModelConfig, RunFacts, hf_dir_of
 from raydist.models import hf
 from raydist.models.gpt import GPT, build_model
 from raydist.models.peft import apply_peft
@@ -29,7 +29,7 @@ class LoadedModel:
 
 
 def read_run_config(run_dir: str) -> Config:
-    """The resolved config a run was launched with (RUN_DIR/config.toml); init_from is dropped (the
+    """The config a run was launched with, as its user gave it (RUN_DIR/config.toml); init_from is dropped (the
     checkpoint holds every weight, the pretrained directory need not exist any more)."""
     import tomllib
 
@@ -40,6 +40,17 @@ def read_run_config(run_dir: str) -> Config:
         raise ConfigError(f"{run_dir} has no config.toml: not a raydist run directory (MODEL is a run "
                           "directory or hf:DIR)") from None
     return Config.from_dict(tomllib.loads(text), ["model.init_from="])
+
+
+def read_run_facts(run_dir: str) -> RunFacts | None:
+    """What the driver resolved for the run (RUN_DIR/run.json: its data path, storage and name), or None for
+    a run directory written before run.json existed (its config.toml then held them)."""
+    import json
+
+    try:
+        return RunFacts.from_dict(json.loads(storage.read_text(storage.join(run_dir, RUN_FACTS))))
+    except FileNotFoundError:
+        return None
 
 
 def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[int, str, dict]:

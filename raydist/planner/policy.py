@@ -28,20 +28,20 @@ from raydist.config import Config
 from raydist.errors import ConfigError
 from raydist.parallel.layout import Layout, stage_partition, validate
 from raydist.parallel.mesh import MeshSpec
-from raydist.schedule.batch import AUTO_MICRO_BATCH_LIMIT, plan_batch
+from raydist.schedule.batch import AUTO_MICRO_BATCH_LIMIT, BatchPlan, plan_batch
 from raydist.schedule.registry import chunks_per_rank
 
 
 def resolve_layout(cfg: Config, spec: MeshSpec, *, micro_batch_limit: int | None = None,
-                   reason: str = "") -> Layout:
+                   batch: BatchPlan | None = None, reason: str = "") -> Layout:
     """The Layout of `cfg` on the resolved degrees `spec`, or a ConfigError naming the value and the fix.
 
     The micro-batch is the batch plan's (raydist.schedule.batch.plan_batch): with a pipeline and
     parallel.num_microbatches set, per-rank batch / M; else train.micro_batch, which must divide the per-rank
     batch; unset (0) or under `micro_batch_limit` (elastic runs), the largest fitting divisor up to the limit."""
     p, t = cfg.parallel, cfg.train
-    batch = plan_batch(t.global_batch, spec.dp, micro_batch=t.micro_batch, limit=micro_batch_limit, pp=spec.pp,
-                       schedule=p.pp_schedule, num_microbatches=p.num_microbatches)
+    batch = batch or plan_batch(t.global_batch, spec.dp, micro_batch=t.micro_batch, limit=micro_batch_limit,
+                                pp=spec.pp, schedule=p.pp_schedule, num_microbatches=p.num_microbatches)
     stages = spec.pp * chunks_per_rank(p.pp_schedule, p.virtual_stages)
     layout = Layout(
         pp=spec.pp, dp_replicate=spec.dp_replicate, dp_shard=spec.dp_shard, cp=spec.cp, tp=spec.tp,
@@ -95,6 +95,27 @@ def plan_layout(cfg: Config, world_size: int) -> Layout:
               f"{layout.micro_batch} x {layout.num_microbatches} micro-batches x dp {layout.dp} = global batch "
               f"{t.global_batch}")
     return layout.replace(reason=reason)
+
+
+def replica_layout(cfg: Config) -> Layout:
+    """The layout one live-recovery replica trains in its own world of dp_shard x cp x tp x pp workers
+    (raydist.elastic.live): the configured layout with dp_replicate 1, the whole global batch on the replica.
+
+    Without a pipeline a live step picks each step's micro-batch from the rows it got, up to this layout's
+    (the batch plan's `largest_divisor` of them), and the whole run's layout need not exist (3 replicas may
+    share a global batch of 8). A pipeline runs whole micro-batches of the whole run's size: the replica runs
+    the whole run's micro-batch, M x dp_replicate of them, so that a step gives each rank the whole run's
+    micro-batches when every replica is in the quorum and more of the same size when fewer are; the whole
+    run's layout must then be valid (a ConfigError otherwise). Planned once, on the driver; the user's
+    config is not rewritten."""
+    p = cfg.parallel
+    spec = MeshSpec(p.pp, 1, p.dp_shard, p.cp, p.tp)
+    reason = f"live recovery: one of {p.dp_replicate} replicas, {spec.describe()} over {spec.world_size} worker(s)"
+    if p.pp == 1:
+        return resolve_layout(cfg, spec, reason=reason)
+    whole = plan_layout(cfg, p.dp_replicate * spec.world_size)
+    return resolve_layout(cfg, spec, batch=BatchPlan(cfg.train.global_batch, spec.dp, whole.micro_batch),
+                          reason=reason)
 
 
 def _planned(cfg: Config, world_size: int) -> Layout:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from raydist import strict
-from raydist.config import Config
+from raydist.config import Config, RunFacts
 from raydist.elastic import failures, warm
 from raydist.elastic import inflight
 from raydist.elastic.control import ControlChannel, Watchdog
@@ -254,12 +254,11 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     from raydist.training.loop import fit
     from raydist.training.trainer import Trainer, TrainerOptions
 
-    from raydist.elastic.live import TorchftReplicas, replica_config
+    from raydist.elastic.live import TorchftReplicas
 
-    cfg = Config.from_dict(payload["config"])
-    live = cfg.elastic.live_recovery
-    if live:  # this worker is in one replica: the replica's world trains the dp_replicate=1 layout
-        cfg = replica_config(cfg)
+    cfg = Config.from_dict(payload["config"])  # the user's, as given
+    facts = RunFacts.from_dict(payload["facts"])  # what the driver resolved: run directory, data path
+    live = cfg.elastic.live_recovery  # (then this worker is in one replica, whose layout the driver sent)
     # (live recovery: Ray's train context numbers a replacement replica's workers for groups of one)
     local_rank = live_identity(cfg).local_rank if live else ray.train.get_context().get_local_rank()
     threads = max(1, int(cfg.ray.cpus_per_worker))
@@ -268,11 +267,11 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     device = torch.device("cuda", local_rank) if payload["use_gpu"] else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    fatal = failures.recorded(payload["run_dir"], payload["start_time"])
+    fatal = failures.recorded(facts.run_dir, payload["start_time"])
     if fatal is not None:  # an earlier attempt failed in a way no restart fixes: end here, the driver says why
         print(f"worker {dist.get_rank()}: not training: {fatal['error']}", flush=True)
         return
-    session = RaySession(cfg, payload["run_dir"], payload["start_time"])
+    session = RaySession(cfg, facts.run_dir, payload["start_time"])
     session.given_layout = payload.get("layout")  # the driver's, for the world size it planned it for
     session.timings = {"process_started": process_start_time(), "entered": entered, "preloaded": warm.preloaded_at}
     session.driver_node = payload.get("driver_node")
@@ -284,13 +283,14 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
             session.follow()
             return
         trainer = Trainer(cfg, device, started, TrainerOptions(start_time=payload["start_time"], defer_init=True,
-                                                               record_samples=payload.get("record_samples", False)))
+                                                               record_samples=payload.get("record_samples", False),
+                                                               data_path=facts.data_path))
         if live:  # after the trainer is built: the quorum waits for a replica only once it can step
             me = session.identity
             trainer.replicas = TorchftReplicas(me.replica, device, cfg.elastic.collective_timeout_s, trainer.state_parts,
                                                replicas=me.replicas, rank=me.rank, workers=me.size)
         try:
-            fit(trainer, payload["run_dir"], session)
+            fit(trainer, facts.run_dir, session)
         finally:
             if trainer.replicas is not None:
                 trainer.replicas.shutdown()

@@ -130,6 +130,7 @@ class TrainerOptions:
     # Leave the weights uninitialised until `init_weights()` or a checkpoint load (`fit` resumes first and
     # initialises only when there was nothing to resume); the step methods refuse to run before either.
     defer_init: bool = False
+    data_path: str = ""  # the prepared data (the driver's RunFacts.data_path); "" reads the config's data.path
 
 
 class Trainer:
@@ -142,6 +143,7 @@ class Trainer:
         self.layout = layout or plan_layout(cfg, dist.get_world_size())
         self.device = device
         self.options = options or TrainerOptions()
+        self.data_path = self.options.data_path or cfg.data.path
         self.world_size = self.layout.world_size  # active ranks
         if cfg.train.deterministic:
             # cuBLAS needs a fixed workspace to be deterministic (torch.use_deterministic_algorithms docs)
@@ -182,7 +184,7 @@ class Trainer:
                                              materialize=materialize_module)
         if not self.options.defer_init:
             self.init_weights()
-        masked = bool(read_manifest(cfg.data.path).get("loss_mask"))  # prompt/response: response tokens count
+        masked = bool(read_manifest(self.data_path).get("loss_mask"))  # prompt/response: response tokens count
         if masked:
             check_masked_layout(cfg.elastic.live_recovery)
         # what each batch peer uses of its dp rank's rows: middle pipeline stages nothing, cp ranks their tokens
@@ -202,13 +204,13 @@ class Trainer:
 
     # ---- data --------------------------------------------------------------------------------------
     def _open_data(self) -> None:
-        manifest = read_manifest(self.cfg.data.path)
+        manifest = read_manifest(self.data_path)
         if manifest["seq_len"] != self.cfg.data.seq_len:
-            raise ConfigError(f"data.seq_len={self.cfg.data.seq_len} but {self.cfg.data.path} was prepared "
+            raise ConfigError(f"data.seq_len={self.cfg.data.seq_len} but {self.data_path} was prepared "
                               f"with seq_len={manifest['seq_len']}; set data.seq_len={manifest['seq_len']}")
         self.manifest = manifest
-        self.train_split = Split.open(self.cfg.data.path, "train", manifest)
-        self.val_split = Split.open(self.cfg.data.path, "val", manifest) if self.cfg.train.eval_every else None
+        self.train_split = Split.open(self.data_path, "train", manifest)
+        self.val_split = Split.open(self.data_path, "val", manifest) if self.cfg.train.eval_every else None
         self.train_order = SampleOrder(self.train_split.shard_rows, self.cfg.train.seed,  # block: a row group
                                        block=int(manifest.get("row_group_rows", 1)))  # (older datasets: a row)
         self._stream: SampleStream | None = None

@@ -27,7 +27,9 @@ class _SpawnTrainer:
     def fit(self):
         if self.fail is not None:
             raise self.fail
-        run_fit(self.lp.cfg.to_dict(), self.lp.cfg.ray.num_workers, self.lp.run_dir, imports=("faults_fs",))
+        raw = self.lp.cfg.to_dict()  # (the harness takes one config: the data path the driver resolved in it)
+        raw["data"]["path"] = self.lp.facts.data_path
+        run_fit(raw, self.lp.cfg.ray.num_workers, self.lp.facts.run_dir, imports=("faults_fs",))
 
 
 @pytest.fixture

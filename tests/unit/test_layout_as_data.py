@@ -63,3 +63,13 @@ def test_the_driver_sends_no_layout_where_the_worker_must_plan(tiny_data, tmp_pa
     assert elastic.layout_for_workers()["world_size"] == 1  # planned for the smallest group that has a layout
     auto = _driver(raw, tmp_path, "parallel.auto=true")  # the planner prices the device it runs on
     assert auto.layout_for_workers() is None
+
+
+def test_under_live_recovery_the_driver_sends_every_replica_its_layout(tiny_data, tmp_path):
+    raw = {**tiny_config(tiny_data), "ray": {"num_workers": 4}}
+    lp = _driver(raw, tmp_path, "parallel.dp_replicate=2", "parallel.dp_shard=2", "elastic.live_recovery=true")
+    given = lp.layout_for_workers()
+    layout = Layout.from_dict(given["layout"])
+    assert given["world_size"] == 2 and layout == lp.layout  # a replica's workers: they plan nothing
+    assert (layout.dp_replicate, layout.dp_shard, layout.global_batch) == (1, 2, lp.cfg.train.global_batch)
+    assert lp.cfg.parallel.dp_replicate == 2  # the config stays the user's

@@ -37,15 +37,15 @@ def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expe
             drop: str | None, out) -> None:
     import torch.distributed as dist
 
-    from raydist.elastic.live import TorchftReplicas, replica_config
-    from raydist.planner.policy import plan_layout
+    from raydist.elastic.live import TorchftReplicas
+    from raydist.planner.policy import replica_layout
     from raydist.training.trainer import Trainer, TrainerOptions
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHFT_LIGHTHOUSE=lighthouse)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS)
-    cfg = replica_config(Config.from_dict(raw))
-    trainer = Trainer(cfg, torch.device("cpu"), plan_layout(cfg, WORKERS),
+    cfg = Config.from_dict(raw)
+    trainer = Trainer(cfg, torch.device("cpu"), replica_layout(cfg),
                       TrainerOptions(record_samples=True, capture_grads=True))
     replicas = TorchftReplicas(replica, torch.device("cpu"), 60.0, trainer.state_parts, replicas=expected,
                                rank=rank, workers=WORKERS)
@@ -209,25 +209,26 @@ def _config(**parallel) -> Config:
 
 
 def test_a_replica_may_hold_fsdp_tp_cp_and_pp():
-    from raydist.elastic.live import replica_config, workers_per_replica
+    from raydist.elastic.live import workers_per_replica
+    from raydist.planner.policy import replica_layout
 
     cfg = _config(dp_shard=2, tp=2, cp=2, pp=2)
     assert workers_per_replica(cfg) == 16
-    one = replica_config(cfg)
-    assert (one.parallel.dp_replicate, one.parallel.dp_shard, one.parallel.tp, one.parallel.cp) == (1, 2, 2, 2)
+    one = replica_layout(cfg)
+    assert one.degrees() == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2}
+    assert one.world_size == 16 and cfg.parallel.dp_replicate == 2  # (the config stays as given)
 
 
 def test_a_pipeline_replica_runs_the_whole_runs_micro_batches():
-    from raydist.elastic.live import replica_config
-    from raydist.planner.policy import plan_layout
+    from raydist.planner.policy import replica_layout
 
     # the whole run: dp 2, 4 rows per rank in 2 micro-batches of 2; one replica holds all 8 rows: 4 of 2
-    layout = plan_layout(replica_config(_config(pp=2, num_microbatches=2)), 2)
+    layout = replica_layout(_config(pp=2, num_microbatches=2))
     assert (layout.dp, layout.micro_batch, layout.num_microbatches) == (1, 2, 4)
     # without a pipeline the whole run's layout need not exist: 3 replicas share a global batch of 8
-    assert replica_config(_config(dp_replicate=3)).parallel.dp_replicate == 1
+    assert replica_layout(_config(dp_replicate=3)).dp_replicate == 1
     with pytest.raises(ConfigError, match=r"train.global_batch=8 must be divisible by dp \(3\)"):
-        replica_config(_config(dp_replicate=3, pp=2))
+        replica_layout(_config(dp_replicate=3, pp=2))
 
 
 @pytest.mark.parametrize("parallel, message", [

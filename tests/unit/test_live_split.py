@@ -79,14 +79,13 @@ def _replica(replica: int, raw: dict, tmp: str, out) -> None:
     import torch.distributed as dist
 
     from raydist.config import Config
-    from raydist.elastic.live import replica_config
-    from raydist.planner.policy import plan_layout
+    from raydist.planner.policy import replica_layout
     from raydist.training.trainer import Trainer, TrainerOptions
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/world-{replica}", rank=0, world_size=1)
-    cfg = replica_config(Config.from_dict(raw))
-    trainer = Trainer(cfg, torch.device("cpu"), plan_layout(cfg, 1), TrainerOptions(record_samples=True))
+    cfg = Config.from_dict(raw)
+    trainer = Trainer(cfg, torch.device("cpu"), replica_layout(cfg), TrainerOptions(record_samples=True))
     trainer.replicas = ScriptedReplicas(replica, tmp)
     losses, spans = [], []
     try:
