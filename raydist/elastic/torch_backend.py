@@ -6,7 +6,7 @@ waited longer than the group's timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING, which R
 tear down). raydist's monitor (raydist.elastic.hang, raydist.elastic.inflight) detects an op pending longer than
 `elastic.collective_timeout_s` itself, names the rank that never arrived and ends the worker; the group's
 timeout (`timeout_s`, the default group's, which Ray Train passes to `init_process_group`) is therefore
-`hang.group_timeout_s`: detection, plus the diagnosis budget, plus a margin. It stays as the backstop.
+`hang.trigger.group_timeout_s`: detection, plus the diagnosis budget, plus a margin. It stays as the backstop.
 
 The recorder is sized from the environment when ProcessGroupNCCL first records (FlightRecorder.hpp:
 `TORCH_FR_BUFFER_SIZE`, else `TORCH_NCCL_TRACE_BUFFER_SIZE`), so the variables are set in every worker in
@@ -29,7 +29,7 @@ from ray.train.torch.config import _TorchBackend
 
 from raydist import strict
 from raydist.config import Config
-from raydist.elastic.hang import group_timeout_s
+from raydist.elastic.hang.trigger import group_timeout_s
 
 NCCL_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 

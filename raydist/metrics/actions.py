@@ -1,6 +1,7 @@
 """What this process is doing now: its current action (a string, or a tuple formatted when published),
 since when, and at which step. The training step, the pipeline executor and the Ray session mark their
-actions here; the hang watchdog (raydist.elastic.hang) publishes the record and reads the peers'."""
+actions here; the hang monitor's heartbeat (raydist.elastic.hang.heartbeat) publishes the record and reads
+the peers'."""
 
 from __future__ import annotations
 

@@ -229,7 +229,8 @@ class PipelineExecutor:
         self.clock.start_step()
         transfers.post(0, None)  # the receives due before any compute
         for i, action in enumerate(plan.actions):
-            # what this rank is doing, for hang diagnosis (raydist.elastic.hang; a tuple, formatted only if published)
+            # what this rank is doing, for hang diagnosis (raydist.elastic.hang.heartbeat; a tuple, formatted only
+            # if published)
             ACTIONS.what, ACTIONS.since = plan.receiving[i], time.time()
             received = transfers.receive(i) if of_action[i].recv is not None else None
             ACTIONS.what = plan.doing[i]

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from raydist.strict import group, runtime, splits
+from raydist.strict import group, registration, runtime, splits
 from raydist.strict.mode import BACKEND, ENV, StrictCollectiveError, device_backend, enabled
 
 __all__ = ["BACKEND", "ENV", "StrictCollectiveError", "active", "bind", "device_backend", "enabled", "install"]
@@ -52,7 +52,7 @@ def active() -> bool:
 def install() -> str:
     """Register the strict backend and its torch.distributed hooks in this process (idempotent); returns
     the backend name to create the default process group with."""
-    group.register()
+    registration.register()
     splits.install()
     return BACKEND
 

@@ -173,7 +173,7 @@ def _unit(state: dict, group: str, uid: int) -> dict:
 def mismatch(states: dict[int, dict], me: int) -> tuple[str, list[str]] | None:
     """Two members of a group whose pending collectives of the same sequence number differ (kind or size),
     one of them rank `me`: (the message, the groups of `me` it breaks), or None. Collectives are otherwise
-    compared by their fingerprints every few operations (raydist.strict.group); this names a mismatch that
+    compared by their fingerprints every few operations (raydist.strict.fingerprints); this names a mismatch that
     hangs before that."""
     mine = states.get(me, {}).get("groups", {})
     for name, group in mine.items():

@@ -96,7 +96,7 @@ class StrictRuntime:
         if self.rendezvous is not None:
             times.append(self.rendezvous[3])
         for group in self._groups():
-            pending = list(group.pending)
+            pending = list(group.stream.pending)
             if pending and pending[0].started is not None:
                 times.append(pending[0].started)
         return min(times) if times else None
@@ -152,7 +152,7 @@ class StrictRuntime:
             else:
                 group = self.groups.get(node[2])
                 if group is not None:
-                    group.fail(error)
+                    group.stream.fail(error)
 
     def _fail_groups(self, message: str, names: list[str]) -> None:
         print(f"rank {self.rank}: {message}", flush=True)
@@ -160,7 +160,7 @@ class StrictRuntime:
         for name in names:
             group = self.groups.get(name)
             if group is not None:
-                group.fail(error)
+                group.stream.fail(error)
 
     def watchdog_abort(self, group, unit, exc: BaseException) -> None:
         lines = [f"rank {self.rank}: strict collectives watchdog: {unit.describe()} on {group.describe()} did not "
@@ -177,7 +177,7 @@ class StrictRuntime:
         collective's sequence number on its group (for a point-to-point unit: the unit's number on the group)."""
         out = []
         for group in self._groups():
-            for unit in list(group.pending):
+            for unit in list(group.stream.pending):
                 coll = [op for op in unit.ops if op.kind == "coll"]
                 out.append({"group": group.group_name, "ranks": list(group.global_ranks),
                             "seq": coll[0].n if coll else unit.id, "op": unit.describe(),
@@ -187,7 +187,7 @@ class StrictRuntime:
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Per group: collectives issued and completed (what a diagnosis compares across ranks)."""
-        return {g.group_name: {"issued": g.state()["issued_coll"], "completed": g.completed["coll"]}
+        return {g.group_name: {"issued": g.state()["issued_coll"], "completed": g.stream.completed["coll"]}
                 for g in self._groups()}
 
     def stop(self) -> None:

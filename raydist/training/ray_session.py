@@ -12,12 +12,12 @@ raydist adds here:
 - where collectives never raise in Python (NCCL, the strict-collectives mode), the hang monitor watches this
   rank's in-flight collectives (raydist.elastic.inflight) and, when one has waited longer than
   `elastic.collective_timeout_s`, diagnoses and ends the worker, before the group's own (later) timeout
-  aborts it without a word (`hang.group_timeout_s`, given to the groups by the launcher and the Trainer);
+  aborts it without a word (`hang.trigger.group_timeout_s`, given to the groups by the launcher and the Trainer);
 - `launch` and `worker_error` lines in events.jsonl (restart timing, the first error each worker saw);
 - hang diagnosis (`raydist.elastic.hang`): every rank publishes what it is doing; when a collective times out or
   the watchdog fires, the rank names the ranks that never arrived, writes every live rank's stack to
   RUN_DIR/logs/hang-<time>-rank<r>/ and a `hang` event, then fails so that Ray Train restarts the run. The
-  diagnosis is bounded (hang.DIAGNOSE_BUDGET_S) whatever the rendezvous store does: its server lives in
+  diagnosis is bounded (hang.trigger.DIAGNOSE_BUDGET_S) whatever the rendezvous store does: its server lives in
   rank 0's process, which may be the stopped one.
 
 With `elastic.live_recovery` each replica is a Ray Train replica group of dp_shard x cp x tp x pp workers
@@ -46,7 +46,9 @@ from raydist.config import Config, RunFacts
 from raydist.elastic import failures, warm
 from raydist.elastic import inflight
 from raydist.elastic.control import ControlChannel, Watchdog
-from raydist.elastic.hang import HangMonitor, is_hang, track_collectives, watched
+from raydist.elastic.hang.diagnosis import HangMonitor
+from raydist.elastic.hang.heartbeat import track_collectives
+from raydist.elastic.hang.trigger import is_hang, watched
 from raydist.elastic.session import Idle, Session, bind_when_all_train, layout_through_store
 from raydist.metrics.actions import ACTIONS
 from raydist.metrics.goodput import EventLog, Goodput
@@ -232,7 +234,7 @@ class RaySession(Session):
 
 
 def watch_collectives() -> bool:
-    """Whether the monitor watches this worker's in-flight collectives (hang.watched): on NCCL, and under the
+    """Whether the monitor watches this worker's in-flight collectives (hang.trigger.watched): on NCCL, and under the
     strict-collectives mode, whose flight record it then reads (registered here, before the first beat; only
     where the groups are strict ones: on a GPU run the mode is off and NCCL's recorder is read)."""
     backend = str(dist.get_backend())

@@ -31,7 +31,7 @@ from raydist.data.prepare import read_manifest
 from raydist.data.readers import make_reader
 from raydist.data.sft import check_masked_layout
 from raydist.data.stream import SampleStream, Split
-from raydist.elastic.hang import group_timeout_s
+from raydist.elastic.hang.trigger import group_timeout_s
 from raydist.elastic.live import Replicas, SingleReplica
 from raydist.kernels import apply_kernels
 from raydist.metrics.actions import ACTIONS, doing
@@ -153,7 +153,7 @@ class Trainer:
         # CPU bookkeeping in the training thread, and the checkpoint writer's thread on a group of its own.
         # Every group, the mesh's included, times out after elastic.collective_timeout_s; the mesh's later where
         # raydist's hang monitor watches and ends a stuck collective itself first (Ray workers on NCCL or under
-        # the strict mode: hang.group_timeout_s).
+        # the strict mode: raydist.elastic.hang.trigger.group_timeout_s).
         timeout_s = cfg.elastic.collective_timeout_s
         device_backend = group_backend(DEVICE, device.type)
         set_default_timeout(group_timeout_s(timeout_s, device_backend, cfg.monitor.heartbeat_interval_s))
@@ -317,7 +317,7 @@ class Trainer:
         self._require_weights()
         g, dp = self.layout.global_batch, self.layout.dp
         start = time.perf_counter()
-        ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.elastic.hang)
+        ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.elastic.hang.heartbeat)
         data_wait = 0.0
         while True:
             share = self.replicas.share(self.position, g, self.mesh.dp_rank, dp, self.runner.rows_multiple,

@@ -15,7 +15,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from raydist.elastic.hang import HangMonitor, is_hang
+from raydist.elastic.hang.diagnosis import HangMonitor
+from raydist.elastic.hang.trigger import is_hang
 from raydist.elastic.stacks import py_spy
 from raydist.metrics.actions import ACTIONS, Actions, doing
 from raydist.parallel.runtime import free_port

@@ -19,10 +19,11 @@ import torch.distributed as dist
 
 from raydist import strict
 
-from raydist.elastic import hang
 from raydist.elastic.bounded_store import BoundedStore, StoreUnreachable
 from raydist.elastic.control import ControlChannel
-from raydist.elastic.hang import HangMonitor
+from raydist.elastic.hang import trigger
+from raydist.elastic.hang.diagnosis import HangMonitor
+from raydist.elastic.inflight import poll_s, register_flight_source, unregister_flight_source
 from raydist.parallel.runtime import free_port
 
 BOUND_S = 60  # the issue's bound from a stop to the hang event: a diagnosis must end well within it
@@ -191,7 +192,7 @@ def test_the_whole_diagnosis_has_a_deadline_even_if_a_step_inside_hangs(blocking
     events = []
     m = monitor(1, 2, BoundedStore(blocking, timeout_s=0.2), tmp_path, on_hang=events.append, budget_s=1.0)
     never = threading.Event()
-    monkeypatch.setattr(hang, "_write", lambda *a, **k: never.wait())
+    monkeypatch.setattr("raydist.elastic.hang.diagnosis.write_file", lambda *a, **k: never.wait())
     m.on_hang = lambda d: (events.append(d), never.wait()) if "incomplete" not in d else events.append(d)
     assert bounded(m.diagnose, "watchdog: no progress") is None
     assert "did not finish" in events[-1]["incomplete"]
@@ -231,10 +232,10 @@ STOPPED = """
 import datetime, sys, time
 import torch.distributed as dist
 from raydist import strict
-from raydist.elastic import hang
-hang.STALE_MIN_S = 1.0
+from raydist.elastic.hang import diagnosis, heartbeat
+heartbeat.STALE_MIN_S = 1.0
 store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=datetime.timedelta(seconds=5))
-hang.HangMonitor(1, 2, sys.argv[2], interval_s=0.2, store=store, stacks=False).start()
+diagnosis.HangMonitor(1, 2, sys.argv[2], interval_s=0.2, store=store, stacks=False).start()
 print("ready", flush=True)
 time.sleep(60)
 """
@@ -332,7 +333,7 @@ def test_the_monitor_fires_once_for_an_op_pending_longer_than_the_collective_tim
     ops = [{"group": "0", "ranks": [0, 1], "seq": 5, "op": "all_reduce", "state": "started", "since": now - 3},
            {"group": "2", "ranks": [0, 1], "seq": 9, "op": "batch[isend->1, irecv<-1]", "state": "queued",
             "since": now - 30, "p2p": True, "peers": [1]}]
-    hang.inflight.register_flight_source("fake", lambda: ops)
+    register_flight_source("fake", lambda: ops)
     fired = []
     done = threading.Event()
     try:
@@ -343,18 +344,18 @@ def test_the_monitor_fires_once_for_an_op_pending_longer_than_the_collective_tim
         published = m.record()["inflight"]
         assert published["0"]["head"]["seq"] == 5 and published["2"]["head"]["op"] == "batch[isend->1, irecv<-1]"
         assert published["2"]["issued"] == 9
-        assert hang.group_timeout_s(10.0, "nccl") == 10.0  # no monitor watches yet: NCCL's own timeout
+        assert trigger.group_timeout_s(10.0, "nccl") == 10.0  # no monitor watches yet: NCCL's own timeout
         m.start()
-        assert hang.group_timeout_s(10.0, "nccl") > 10.0 + hang.DIAGNOSE_BUDGET_S  # groups made from now on
+        assert trigger.group_timeout_s(10.0, "nccl") > 10.0 + trigger.DIAGNOSE_BUDGET_S  # groups made from now on
         assert done.wait(BOUND_S)
         time.sleep(0.3)  # more beats: still once
         m.stop()
-        assert hang.group_timeout_s(10.0, "nccl") == 10.0
+        assert trigger.group_timeout_s(10.0, "nccl") == 10.0
         assert [op["seq"] for op in fired] == [9]
         beat = json.loads(m.store.store.data["raydist/hang/rank/0"])
         assert beat["inflight"]["2"]["head"]["seq"] == 9
     finally:
-        hang.inflight.unregister_flight_source("fake")
+        unregister_flight_source("fake")
 
 
 def test_without_a_flight_source_nothing_is_published_or_fired(tmp_path):
@@ -365,12 +366,12 @@ def test_without_a_flight_source_nothing_is_published_or_fired(tmp_path):
 
 def test_group_timeouts_come_after_detection_and_the_diagnosis():
     for timeout_s in (10.0, 20.0, 300.0, 1800.0):
-        detected_by = timeout_s + hang.inflight.poll_s(timeout_s, 2.0) + 2.0
+        detected_by = timeout_s + poll_s(timeout_s, 2.0) + 2.0
         for backend in ("nccl", "cpu:gloo,cuda:nccl", strict.BACKEND):  # they abort the process: watched
-            later = hang.group_timeout_s(timeout_s, backend, 2.0, monitored=True)
-            assert later >= detected_by + hang.DIAGNOSE_BUDGET_S + 5
-            assert hang.group_timeout_s(timeout_s, backend, 2.0, monitored=False) == timeout_s  # no monitor
-        assert hang.group_timeout_s(timeout_s, "gloo", 2.0, monitored=True) == timeout_s  # gloo raises
+            later = trigger.group_timeout_s(timeout_s, backend, 2.0, monitored=True)
+            assert later >= detected_by + trigger.DIAGNOSE_BUDGET_S + 5
+            assert trigger.group_timeout_s(timeout_s, backend, 2.0, monitored=False) == timeout_s  # no monitor
+        assert trigger.group_timeout_s(timeout_s, "gloo", 2.0, monitored=True) == timeout_s  # gloo raises
 
 
 def test_ray_trains_process_group_gets_the_later_timeout_and_the_recorder_env_on_nccl(monkeypatch):
@@ -381,12 +382,13 @@ def test_ray_trains_process_group_gets_the_later_timeout_and_the_recorder_env_on
     cfg = Config.load(None, ["elastic.collective_timeout_s=20", "monitor.heartbeat_interval_s=2"])
     gpu = torch_config(cfg, use_gpu=True)
     assert gpu.backend == "nccl"
-    assert gpu.timeout_s >= hang.group_timeout_s(20, "nccl", 2.0, monitored=True) > 20 + hang.DIAGNOSE_BUDGET_S
+    assert gpu.timeout_s >= trigger.group_timeout_s(20, "nccl", 2.0, monitored=True) > 20 + trigger.DIAGNOSE_BUDGET_S
     assert int(gpu.worker_env["TORCH_NCCL_TRACE_BUFFER_SIZE"]) > 0
     cpu = torch_config(cfg, use_gpu=False)
     assert (cpu.backend, cpu.timeout_s, cpu.worker_env) == ("gloo", 20, {})
     monkeypatch.setenv(strict.ENV, "1")  # the launcher makes it the strict backend, which aborts like NCCL
-    assert torch_config(cfg, use_gpu=False).timeout_s >= hang.group_timeout_s(20, strict.BACKEND, 2.0, monitored=True)
+    assert (torch_config(cfg, use_gpu=False).timeout_s
+            >= trigger.group_timeout_s(20, strict.BACKEND, 2.0, monitored=True))
 
 
 def test_an_idle_worker_does_not_hang_on_a_stopped_rank_0(blocking):

@@ -14,7 +14,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from raydist import strict
 from raydist.parallel.runtime import spawn
-from raydist.strict import StrictCollectiveError, deadlock
+from raydist.strict import deadlock
 
 
 @pytest.fixture
@@ -139,7 +139,7 @@ def test_a_collective_of_different_sizes_fails(strict_mode):
 
 
 def _silent_mismatch_later() -> str:
-    from raydist.strict.group import CHECK_EACH_UNTIL, CHECK_EVERY
+    from raydist.strict.fingerprints import CHECK_EACH_UNTIL, CHECK_EVERY
 
     t = torch.ones(4)
     for _ in range(CHECK_EACH_UNTIL + 3):
@@ -152,7 +152,7 @@ def _silent_mismatch_later() -> str:
 
 
 def test_a_mismatch_that_completes_is_named_at_the_next_check(strict_mode):
-    from raydist.strict.group import CHECK_EACH_UNTIL
+    from raydist.strict.fingerprints import CHECK_EACH_UNTIL
 
     _, error = _expect(_silent_mismatch_later)
     assert f"issued all_reduce #{CHECK_EACH_UNTIL + 4}" in error and "reduction 0" in error and "reduction 4" in error, error
