@@ -74,6 +74,7 @@ from raydist.elastic import inflight
 from raydist.elastic.bounded_store import STORE_TIMEOUT_S, BoundedStore, StoreUnreachable  # noqa: F401
 from raydist.elastic.stacks import PY_SPY_TIMEOUT_S, own_stack, py_spy_dump, python_stacks
 from raydist.metrics.actions import ACTIONS
+from raydist.store.run_store import RunStore
 
 PREFIX = "raydist/hang/"
 DIAGNOSE_BUDGET_S = 45.0  # the whole diagnosis, from the trigger to the failure going on
@@ -170,10 +171,8 @@ def is_hang(error: BaseException) -> bool:
 # ---- the monitor -----------------------------------------------------------------------------------
 
 
-def _write(run_dir_uri: str, name: str, text: str) -> None:
-    from raydist.store.atomic import write_text_atomic
-
-    write_text_atomic(run_dir_uri.rstrip("/") + "/" + name, text)
+def _write(directory_uri: str, name: str, text: str) -> None:
+    RunStore(directory_uri).write_text(name, text)
 
 
 class HangMonitor:
