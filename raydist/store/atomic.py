@@ -15,7 +15,7 @@ A file torn anyway (written by an older version, copied half, truncated by hand)
 `json_or_none` as absent with a warning, never a crash: bookkeeping must not stop a run.
 
 Files of a run directory are read and written through `raydist.store.run_store.RunStore`, which decides
-local-or-remote once for the directory; the URI functions here (`write_bytes_atomic`, `read_json_or_none`)
+local-or-remote once for the directory; the URI functions here (`write_bytes_atomic`, `write_json_atomic`)
 are for single files elsewhere: a checkpoint's COMMIT.json and extra.json, a dataset's manifest.json.
 """
 
@@ -85,22 +85,8 @@ def write_bytes_atomic(uri: str, data: bytes) -> None:
     replace_bytes(fs, path, data, is_local(fs))
 
 
-def write_text_atomic(uri: str, text: str) -> None:
-    write_bytes_atomic(uri, text.encode("utf-8"))
-
-
 def write_json_atomic(uri: str, obj: Any, indent: int | None = 1) -> None:
     write_bytes_atomic(uri, json_bytes(obj, indent))
-
-
-def read_json_or_none(uri: str, what: str | None = None) -> Any | None:
-    """The JSON at `uri`; None when absent, and None with a warning when empty or not JSON (torn)."""
-    fs, path = fsspec.core.url_to_fs(uri)
-    try:
-        data = fs.cat_file(path)
-    except FileNotFoundError:
-        return None
-    return json_or_none(data, uri, what)
 
 
 def probe_writable(root_uri: str) -> None:

@@ -17,7 +17,7 @@ import faults_fs  # noqa: F401  (registers objfile://)
 from fault_runs import small_config
 from raydist.metrics.goodput import EventLog, read_events
 from raydist.metrics.logger import MetricsWriter, read_metrics
-from raydist.store.atomic import read_json_or_none, write_bytes_atomic
+from raydist.store.atomic import write_bytes_atomic
 from raydist.store.run_store import RunStore, append_line
 from raydist.testing import run_fit
 
@@ -53,8 +53,8 @@ def test_torn_json_reads_as_absent_with_a_warning(tmp_path, content):
     path = tmp_path / "progress.json"
     path.write_bytes(content)
     with pytest.warns(RuntimeWarning, match="progress.json is (empty|not valid JSON).*treating it as absent"):
-        assert read_json_or_none(str(path)) is None
-    assert read_json_or_none(str(tmp_path / "absent.json")) is None
+        assert RunStore(str(tmp_path)).read_json("progress.json") is None
+    assert RunStore(str(tmp_path)).read_json("absent.json") is None
 
 
 # ---- appended lines ----------------------------------------------------------------------------------
