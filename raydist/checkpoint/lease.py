@@ -11,7 +11,8 @@ with one `error:` line (exit 2). An older one is what a driver killed without cl
 over with a `warning:` line. Liveness compares the holder's clock with the reader's, so driver hosts'
 clocks must agree to well within the stale limit (NTP does).
 
-Two drivers starting at the same moment:
+Two drivers starting at the same moment (the run directory's `RunStore` knows which storage it is on and
+provides the local primitives, `create_json_exclusive` and `lock`):
     local storage   the lease is created with exclusive-create semantics (a complete temporary file
                     hard-linked to lease.json: fails if it exists, never shows a partial file), and every
                     read-decide-write step (stale takeover, renewal, release) runs under `flock` on the run
@@ -26,7 +27,6 @@ Two drivers starting at the same moment:
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import socket
@@ -34,10 +34,8 @@ import threading
 import time
 from typing import Any, Callable
 
-import fsspec
-
 from raydist.config import ConfigError
-from raydist.store.atomic import is_local, read_json_or_none, write_json_atomic
+from raydist.store.run_store import RunStore
 
 LEASE = "lease.json"
 INTERVAL_S = 10.0
@@ -61,9 +59,8 @@ class RunLease:
                  log: Callable[[str], None] = print):
         self.run_dir = run_dir
         self.run_name = run_name or run_dir.rstrip("/").rsplit("/", 1)[-1]
-        self.uri = run_dir.rstrip("/") + "/" + LEASE
-        self.fs, self.path = fsspec.core.url_to_fs(self.uri)
-        self.local = is_local(self.fs)
+        self.store = RunStore(run_dir)
+        self.uri = self.store.join(LEASE)
         self.interval_s = interval_s
         self.stale_after_s = stale_after_s if stale_after_s is not None else STALE_FACTOR * interval_s
         self.settle_s = settle_s
@@ -81,7 +78,7 @@ class RunLease:
 
     def read(self) -> dict[str, Any] | None:
         """The current lease, or None when there is none (an unreadable one reads as None too)."""
-        lease = read_json_or_none(self.uri, "a torn lease counts as none")
+        lease = self.store.read_json(LEASE, "a torn lease counts as none")
         return lease if isinstance(lease, dict) else None
 
     def is_live(self, lease: dict[str, Any], now: float | None = None) -> bool:
@@ -96,40 +93,11 @@ class RunLease:
         return RunBusyError(f"run {self.run_name} is already running (pid {lease.get('pid')} on "
                             f"{lease.get('host')} since {when}); pick another train.run_name")
 
-    @contextlib.contextmanager
-    def _locked(self):
-        """flock on the run directory (local storage), serialising read-decide-write steps."""
-        if not self.local:
-            yield
-            return
-        import fcntl
-
-        directory = os.path.dirname(self.path)
-        os.makedirs(directory, exist_ok=True)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
-
-    def _create_exclusive(self, record: dict[str, Any]) -> bool:
-        """Local: lease.json appears complete or not at all, and only if absent (False if it exists)."""
-        tmp = f"{self.path}.{self.run_id}.tmp"
-        write_json_atomic(tmp, record)
-        try:
-            os.link(tmp, self.path)
-            return True
-        except FileExistsError:
-            return False
-        finally:
-            os.unlink(tmp)
-
     # ---- acquire, renew, release ---------------------------------------------------------------
     def acquire(self) -> "RunLease":
         """Takes the lease or raises RunBusyError; a stale lease is taken over with a warning."""
         self.since = time.time()
-        with self._locked():
+        with self.store.lock():
             current = self.read()
             if current is not None and current.get("run_id") != self.run_id:
                 if self.is_live(current):
@@ -139,14 +107,14 @@ class RunLease:
                 self.log(f"warning: run {self.run_name}: taking over a stale lease (pid {current.get('pid')} on "
                          f"{current.get('host')}, last heartbeat {age:.0f}s ago, the limit is "
                          f"{self.stale_after_s:g}s); that driver is gone or stalled")
-            if self.local:
+            if self.store.local:
                 if current is None:
-                    if not self._create_exclusive(self._record()):  # someone not under our flock (NFS)
+                    if not self.store.create_json_exclusive(LEASE, self._record()):  # one not under our flock (NFS)
                         raise self.busy_error(self.read() or {})
                 else:
-                    write_json_atomic(self.uri, self._record())
+                    self.store.write_json(LEASE, self._record())
             else:
-                write_json_atomic(self.uri, self._record())
+                self.store.write_json(LEASE, self._record())
                 time.sleep(self.settle_s)
                 back = self.read()
                 if back is None or back.get("run_id") != self.run_id:
@@ -156,7 +124,7 @@ class RunLease:
 
     def renew(self) -> bool:
         """Writes a new heartbeat if the lease is still this driver's; False (with a warning) if not."""
-        with self._locked():
+        with self.store.lock():
             current = self.read()
             if current is None or current.get("run_id") != self.run_id:
                 self.held = False
@@ -164,7 +132,7 @@ class RunLease:
                 self.log(f"warning: run {self.run_name}: lost its lease (now held by {holder}); another driver "
                          "may be writing this run directory")
                 return False
-            write_json_atomic(self.uri, self._record())
+            self.store.write_json(LEASE, self._record())
         return True
 
     def release(self) -> None:
@@ -175,10 +143,10 @@ class RunLease:
         if not self.held:
             return
         self.held = False
-        with self._locked():
+        with self.store.lock():
             current = self.read()
             if current is not None and current.get("run_id") == self.run_id:
-                self.fs.rm(self.path)
+                self.store.remove(LEASE)
 
     def start_heartbeat(self) -> None:
         def beat():

@@ -28,10 +28,7 @@ import sys
 import threading
 from typing import Any, TextIO
 
-import fsspec
-
-from raydist.metrics.logger import join
-from raydist.store.atomic import is_local
+from raydist.store.run_store import RunStore
 
 
 def format_duration(seconds: float) -> str:
@@ -89,10 +86,10 @@ class Console:
         if self.verbose or not _has_fds():
             yield None
             return
-        fs, path = fsspec.core.url_to_fs(join(run_dir, "logs"))
-        local = is_local(fs)
-        logs = path if local else os.path.join(os.path.expanduser(os.environ.get("RAYDIST_CACHE", "~/.cache/raydist")),
-                                                "logs", run_name)
+        store = RunStore(run_dir)
+        local_logs = store.local_path("logs")  # None on object stores: logs go to a local cache, copied up after
+        cache = os.path.expanduser(os.environ.get("RAYDIST_CACHE", "~/.cache/raydist"))
+        logs = local_logs or os.path.join(cache, "logs", run_name)
         os.makedirs(logs, exist_ok=True)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -107,7 +104,7 @@ class Console:
         os.dup2(target, 1)
         os.dup2(target, 2)
         os.close(target)
-        self.logs_dir = join(run_dir, "logs")
+        self.logs_dir = store.join("logs")
         try:
             yield logs
         finally:
@@ -120,8 +117,9 @@ class Console:
             self._out, self._err = previous
             out.close()
             err.close()
-            if not local:
-                _upload(logs, join(run_dir, "logs"))
+            if local_logs is None:
+                with contextlib.suppress(Exception):  # the run's outcome matters more than its log files
+                    store.put_files(logs, "logs")
 
 
 class _TtyAs:
@@ -144,13 +142,6 @@ def _has_fds() -> bool:
         return True
     except (AttributeError, OSError, ValueError):  # e.g. a test's captured streams
         return False
-
-
-def _upload(local_dir: str, uri: str) -> None:
-    fs, path = fsspec.core.url_to_fs(uri)
-    for name in os.listdir(local_dir):
-        with contextlib.suppress(Exception):
-            fs.put_file(os.path.join(local_dir, name), path.rstrip("/") + "/" + name)
 
 
 class RayLogFile:

@@ -28,7 +28,6 @@ from raydist.driver.console import Console, ProgressSink, RayLogFile, result_lin
 from raydist.driver.follow import Follower
 from raydist.driver.ray_cluster import connect_ray, resolve_use_gpu, wait_for_capacity, worker_resources
 from raydist.elastic import failures
-from raydist.metrics.logger import join, read_json, write_text
 from raydist.metrics.tensorboard import TensorBoardTracker
 from raydist.metrics.tracking import MlflowTracker, Tracker, end_all, start_all
 from raydist.metrics.wandb_tracker import WandbTracker
@@ -37,6 +36,7 @@ from raydist.parallel.layout import Layout
 from raydist.planner.policy import plan_layout, replica_layout
 from raydist.store.atomic import probe_writable
 from raydist.store.redact import redact
+from raydist.store.run_store import RunStore, join
 
 
 @dataclass(frozen=True)
@@ -261,7 +261,7 @@ def completed_summary(cfg: Config, log: Callable[[str], None]) -> dict[str, Any]
         return None
     run_dir = join(resolve_storage(cfg.checkpoint.storage), cfg.train.run_name)
     try:
-        summary = read_json(join(run_dir, "summary.json"))
+        summary = RunStore(run_dir).read_json("summary.json")
     except Exception:
         return None
     if not isinstance(summary, dict) or summary.get("status") != "completed":
@@ -338,7 +338,7 @@ def configured_trackers(cfg: Config, run_dir: str, run_name: str, log: Callable[
 def _summary(run_dir: str) -> dict[str, Any]:
     """summary.json's content for the trackers' end ({} when missing, torn or unreadable)."""
     try:
-        summary = read_json(join(run_dir, "summary.json"))
+        summary = RunStore(run_dir).read_json("summary.json")
     except Exception:
         return {}
     return summary if isinstance(summary, dict) else {}
@@ -346,8 +346,9 @@ def _summary(run_dir: str) -> dict[str, Any]:
 
 def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
             log: Callable[[str], None], console: Console, record_samples: bool = False) -> dict[str, Any]:
-    write_text(join(lp.facts.run_dir, "config.toml"), redact(cfg.to_toml()))  # the user's config, as given
-    write_text(join(lp.facts.run_dir, RUN_FACTS), redact(json.dumps(lp.facts.to_dict(), indent=1)))
+    store = RunStore(lp.facts.run_dir)
+    store.write_text("config.toml", redact(cfg.to_toml()))  # the user's config, as given
+    store.write_text(RUN_FACTS, redact(json.dumps(lp.facts.to_dict(), indent=1)))
     # before Ray: a tracker that cannot start is one `error:` line
     trackers = start_all(configured_trackers(cfg, lp.facts.run_dir, lp.facts.run_name, log), log)
     status = "FAILED"
@@ -365,7 +366,7 @@ def _launch(cfg: Config, lp: LaunchPlan, address: str | None, start_time: float,
         raise
     finally:
         end_all(trackers, status, _summary(lp.facts.run_dir), log)
-    summary = read_json(join(lp.facts.run_dir, "summary.json")) or {}
+    summary = store.read_json("summary.json") or {}
     log(result_line(summary, lp.facts.run_dir, time.time() - start_time))
     return summary
 

@@ -24,26 +24,17 @@ import json
 import time
 from typing import Any
 
-import fsspec
-
 from raydist.errors import ConfigError
 from raydist.metrics.goodput import read_events
-from raydist.metrics.logger import join, read_jsonl
-from raydist.store.atomic import read_json_or_none
 from raydist.store.redact import redact
+from raydist.store.run_store import RunStore, join
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "events.jsonl", "lease.json", "progress.json", "summary.json")
 
 
-def _exists(run_dir: str, name: str) -> bool:
-    fs, path = fsspec.core.url_to_fs(join(run_dir, name))
-    return fs.exists(path)
-
-
-def _read_config_steps(run_dir: str) -> int | None:
-    fs, path = fsspec.core.url_to_fs(join(run_dir, "config.toml"))
+def _read_config_steps(store: RunStore) -> int | None:
     try:
-        text = fs.cat_file(path).decode()
+        text = store.read_text("config.toml")
     except (FileNotFoundError, IsADirectoryError):
         return None
     try:
@@ -68,10 +59,10 @@ def newest_checkpoint(run_dir: str) -> dict[str, Any] | None:
     return None
 
 
-def _lease_state(run_dir: str, now: float) -> tuple[dict | None, bool]:
+def _lease_state(store: RunStore, now: float) -> tuple[dict | None, bool]:
     from raydist.checkpoint.lease import INTERVAL_S, STALE_FACTOR
 
-    lease = read_json_or_none(join(run_dir, "lease.json"), "a torn lease counts as none")
+    lease = store.read_json("lease.json", "a torn lease counts as none")
     if not isinstance(lease, dict):
         return None, False
     beat = lease.get("heartbeat")
@@ -104,21 +95,22 @@ def run_status(run_dir: str, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     run_dir = run_dir.rstrip("/")
     try:
-        present = [name for name in RUN_FILES if _exists(run_dir, name)]
+        store = RunStore(run_dir)
+        present = [name for name in RUN_FILES if store.exists(name)]
     except Exception as exc:
         raise ConfigError(f"{redact(run_dir)} cannot be read ({type(exc).__name__}: {exc})") from None
-    if not present and not _exists(run_dir, "metrics.jsonl.d") and not _exists(run_dir, "events.jsonl.d"):
+    if not present and not store.exists("metrics.jsonl.d") and not store.exists("events.jsonl.d"):
         raise ConfigError(f"{redact(run_dir)} is not a run directory (none of {', '.join(RUN_FILES)} is there); "
                           "pass <checkpoint.storage>/<train.run_name>")
     problems: list[str] = []
-    metrics = read_jsonl(run_dir, "metrics.jsonl", problems) or []
+    metrics = store.read_records("metrics.jsonl", problems) or []
     events = read_events(run_dir, problems)
-    progress = read_json_or_none(join(run_dir, "progress.json"), "progress is read from metrics.jsonl")
+    progress = store.read_json("progress.json", "progress is read from metrics.jsonl")
     progress = progress if isinstance(progress, dict) else {}
-    summary = read_json_or_none(join(run_dir, "summary.json"))
+    summary = store.read_json("summary.json")
     summary = summary if isinstance(summary, dict) else {}
-    fatal = read_json_or_none(join(run_dir, "fatal.json"))
-    lease, live = _lease_state(run_dir, now)
+    fatal = store.read_json("fatal.json")
+    lease, live = _lease_state(store, now)
 
     ends = [e for e in events if e.get("kind") == "end"]
     begins = [e for e in events if e.get("kind") in ("launch", "start", "restart")]
@@ -148,7 +140,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict[str, Any]:
     step = max([progress.get("max_step") or 0, last.get("step") or 0, summary.get("steps") or 0])
     if state == "completed" and summary.get("steps"):
         step = summary["steps"]
-    steps = _read_config_steps(run_dir)
+    steps = _read_config_steps(store)
     with_loss = [m for m in trained if m.get("loss") is not None]
     with_val = [m for m in trained if m.get("val_loss") is not None]
     speed = [m for m in trained if m.get("tokens_per_s")]

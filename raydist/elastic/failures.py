@@ -19,8 +19,7 @@ import time
 from typing import Any
 
 from raydist.errors import ConfigError
-from raydist.metrics.logger import join
-from raydist.store.atomic import read_json_or_none, write_json_atomic
+from raydist.store.run_store import RunStore
 
 FATAL = "fatal.json"
 
@@ -61,14 +60,14 @@ def first_line(exc: BaseException) -> str:
 
 def record(run_dir: str, exc: BaseException, rank: int) -> None:
     """Rank `rank` failed deterministically: say so for the next attempt and the driver."""
-    write_json_atomic(join(run_dir, FATAL), {"error": first_line(exc), "type": type(exc).__name__,
-                                             "rank": rank, "time": time.time()})
+    RunStore(run_dir).write_json(FATAL, {"error": first_line(exc), "type": type(exc).__name__,
+                                         "rank": rank, "time": time.time()})
 
 
 def recorded(run_dir: str, since: float) -> dict[str, Any] | None:
     """The fatal record written after `since` (the driver's start: an older one belongs to an earlier run
     of this name), or None."""
-    fatal = read_json_or_none(join(run_dir, FATAL))
+    fatal = RunStore(run_dir).read_json(FATAL)
     if isinstance(fatal, dict) and fatal.get("time", 0) >= since:
         return fatal
     return None

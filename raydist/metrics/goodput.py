@@ -13,9 +13,9 @@ checkpoint, checkpoint_skipped, worker_error (a worker saw a failure, e.g. a dea
 replica_joined (live recovery: a replica left or rejoined the quorum; replica_time_out_s sums the replica-
 seconds the run trained without a lost replica, up to the end for one that never came back, counted in
 replicas_out_at_end; restarts and steps_redone stay 0), end. Events come
-from several writers (rank 0 in `fit`, any rank outside it, each attempt); see logger.py for how their
-lines stay whole, and `read_events` for the merged, time-ordered view. Every string in an event is passed
-through `redact` (a checkpoint path or an error message may hold a storage URI with credentials).
+from several writers (rank 0 in `fit`, any rank outside it, each attempt); see raydist.store.run_store for
+how their lines stay whole, and `read_events` for the merged, time-ordered view. Every string in an event
+is passed through `redact` (a checkpoint path or an error message may hold a storage URI with credentials).
 
 A progress.json that is empty or torn is treated as absent (with a warning): the accounting starts over
 from this attempt instead of stopping the run.
@@ -27,11 +27,11 @@ import json
 import time
 from typing import Any, Callable
 
-import fsspec
-
-from raydist.metrics.logger import MetricsWriter, join, read_jsonl, write_json
-from raydist.store.atomic import is_local, read_json_or_none
+from raydist.metrics.logger import MetricsWriter, clean
 from raydist.store.redact import redact_tree
+from raydist.store.run_store import RunStore
+
+PROGRESS = "progress.json"
 
 
 class EventLog(MetricsWriter):
@@ -52,17 +52,16 @@ class EventLog(MetricsWriter):
 
 
 def read_events(run_dir: str, problems: list[str] | None = None) -> list[dict[str, Any]]:
-    """events.jsonl of every writer, ordered by time (see `read_jsonl` for torn lines)."""
-    events = read_jsonl(run_dir, "events.jsonl", problems) or []
+    """events.jsonl of every writer, ordered by time (see `RunStore.read_records` for torn lines)."""
+    events = RunStore(run_dir).read_records("events.jsonl", problems) or []
     return sorted(events, key=lambda e: e.get("time") or 0.0)
 
 
 class Goodput:
     def __init__(self, run_dir: str, driver_start: float, background=None):
-        self.path = join(run_dir, "progress.json")
+        self.store = RunStore(run_dir)
         self.background = background  # a BackgroundWriter: the newest state is written off the step
-        self.local = is_local(fsspec.core.url_to_fs(run_dir)[0])
-        state = read_json_or_none(self.path, "restart accounting starts over from this attempt")
+        state = self.store.read_json(PROGRESS, "restart accounting starts over from this attempt")
         state = state if isinstance(state, dict) else {}
         self.state: dict[str, Any] = {
             "run_start_time": driver_start, "attempts": 0, "restarts": 0, "max_step": 0, "last_time": None,
@@ -104,7 +103,7 @@ class Goodput:
             s["recovering"] = None
         s["max_step"] = max(s["max_step"], step)
         s["last_time"] = now
-        if self.local or logged:
+        if self.store.local or logged:  # object stores: every write is a request
             self.save()
 
     def add_checkpoint_stall(self, seconds: float) -> None:
@@ -123,10 +122,10 @@ class Goodput:
         if self.gate is not None and not self.gate():
             return
         if self.background is None:
-            write_json(self.path, self.state)
+            self.store.write_json(PROGRESS, clean(self.state))
             return
         state = json.loads(json.dumps(self.state))  # a snapshot: the training thread goes on changing it
-        self.background.submit(lambda: write_json(self.path, state), key=self.path)
+        self.background.submit(lambda: self.store.write_json(PROGRESS, clean(state)), key=self.store.join(PROGRESS))
 
     def summary(self, final_step: int, tokens_per_step: int) -> dict[str, Any]:
         s = self.state

@@ -13,25 +13,17 @@ a local temporary directory and copies the files up on `flush()` (with each comm
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from typing import Any, Callable
 
-import fsspec
-
 from raydist.metrics.tracking import Guard
+from raydist.store.run_store import RunStore
 
 SCALARS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "mfu",
            "mem_peak_mb", "world_size", "tokens")
 EVENT_CODES = {"start": 0, "restart": 1, "resize": 2, "checkpoint": 3, "checkpoint_failed": 4, "end": 5, "hang": 6,
                "straggler": 7}
-
-
-def _is_local(url: str) -> bool:
-    protocol = fsspec.core.url_to_fs(url)[0].protocol
-    protocols = protocol if isinstance(protocol, tuple) else (protocol,)
-    return "file" in protocols or "local" in protocols
 
 
 class TensorBoardWriter:
@@ -40,12 +32,12 @@ class TensorBoardWriter:
     def __init__(self, run_dir: str, subdir: str = "tensorboard"):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.target = run_dir.rstrip("/") + "/" + subdir
-        self.local = _is_local(self.target)
+        self.store, self.subdir = RunStore(run_dir), subdir
+        self.target = self.store.join(subdir)
+        self.local = self.store.local
         if self.local:
-            fs, path = fsspec.core.url_to_fs(self.target)
-            fs.makedirs(path, exist_ok=True)
-            self.log_dir = path
+            self.store.makedirs(subdir)
+            self.log_dir = self.store.local_path(subdir)
         else:
             self.log_dir = tempfile.mkdtemp(prefix="raydist-tb-")
         self.writer = SummaryWriter(log_dir=self.log_dir)
@@ -79,19 +71,13 @@ class TensorBoardWriter:
     def flush(self) -> None:
         self.writer.flush()
         if not self.local:
-            self._upload()
+            self.store.put_files(self.log_dir, self.subdir)
 
     def close(self) -> None:
         self.writer.close()
         if not self.local:
-            self._upload()
+            self.store.put_files(self.log_dir, self.subdir)
             shutil.rmtree(self.log_dir, ignore_errors=True)
-
-    def _upload(self) -> None:
-        fs, path = fsspec.core.url_to_fs(self.target)
-        fs.makedirs(path, exist_ok=True)
-        for name in os.listdir(self.log_dir):
-            fs.put_file(os.path.join(self.log_dir, name), path.rstrip("/") + "/" + name)
 
 
 class TensorBoardTracker:

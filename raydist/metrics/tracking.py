@@ -36,9 +36,8 @@ from typing import Any, Callable, Protocol
 
 from raydist.config import Config
 from raydist.errors import ConfigError
-from raydist.metrics.logger import join
-from raydist.store.atomic import read_json_or_none, write_json_atomic
 from raydist.store.redact import redact, redact_tree
+from raydist.store.run_store import RunStore
 
 METRICS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s", "mfu",
            "mem_peak_mb", "world_size", "tokens")
@@ -158,8 +157,8 @@ class MlflowTracker:
                 run = self.client.create_run(experiment_id, run_name=self.run_name,
                                              tags={"raydist.run_dir": redact(self.run_dir)})
                 self.run_id = run.info.run_id
-                write_json_atomic(join(self.run_dir, RECORD), {"tracking_uri": redact(self.uri), "run_id": self.run_id,
-                                                               "experiment_id": experiment_id})
+                RunStore(self.run_dir).write_json(RECORD, {"tracking_uri": redact(self.uri), "run_id": self.run_id,
+                                                           "experiment_id": experiment_id})
             logged = self.client.get_run(self.run_id).data.params
             params = [Param(k, v[:6000]) for k, v in flatten_config(self.cfg).items() if k not in logged]
             for i in range(0, len(params), 100):  # MLflow's batch limit
@@ -176,7 +175,7 @@ class MlflowTracker:
 
     def _resume(self, experiment_id: str) -> str | None:
         """The run RUN_DIR/mlflow.json names, if it is on this server and in this experiment."""
-        record = read_json_or_none(join(self.run_dir, RECORD))
+        record = RunStore(self.run_dir).read_json(RECORD)
         if not isinstance(record, dict) or record.get("tracking_uri") != redact(self.uri):
             return None
         try:

@@ -21,13 +21,10 @@ import json
 import os
 from typing import Any, Callable
 
-import fsspec
-
 from raydist.config import Config
 from raydist.errors import ConfigError
-from raydist.metrics.logger import join
 from raydist.metrics.tracking import Guard, flatten_config, numeric_metrics, summary_numbers
-from raydist.store.atomic import is_local, read_json_or_none, write_json_atomic
+from raydist.store.run_store import RunStore
 
 RECORD = "wandb.json"
 EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": 130}
@@ -54,12 +51,12 @@ class WandbTracker:
         except ImportError:
             raise ConfigError(f"{setting} needs wandb: pip install wandb "
                               "(or set tracking.wandb_project=\"\" to turn W&B off)") from None
-        record = read_json_or_none(join(self.run_dir, RECORD))
+        store = RunStore(self.run_dir)
+        record = store.read_json(RECORD)
         resume = (record["run_id"] if isinstance(record, dict) and record.get("project") == self.project
                   and record.get("entity") == self.entity else None)
-        local = is_local(fsspec.core.url_to_fs(self.run_dir)[0])
         # W&B's files go beside the run's own unless WANDB_DIR says where (W&B needs a local directory)
-        directory = self.run_dir if local and not os.environ.get("WANDB_DIR") else None
+        directory = store.local_path() if not os.environ.get("WANDB_DIR") else None
         settings = wandb.Settings(console="off", silent=True, x_disable_stats=True, init_timeout=60)
         try:
             self.run = wandb.init(project=self.project, entity=self.entity or None, name=self.run_name,
@@ -72,8 +69,7 @@ class WandbTracker:
             raise ConfigError(f"{setting} cannot be used ({type(exc).__name__}: {detail}); run `wandb login` or "
                               "set WANDB_API_KEY on the driver, fix the project or entity, set "
                               "tracking.wandb_mode=\"offline\", or set tracking.wandb_project=\"\"") from None
-        write_json_atomic(join(self.run_dir, RECORD), {"project": self.project, "entity": self.entity,
-                                                       "run_id": self.run.id})
+        store.write_json(RECORD, {"project": self.project, "entity": self.entity, "run_id": self.run.id})
         where = f"offline in {os.path.dirname(self.run.dir)} (upload: wandb sync)" if self.mode == "offline" \
             else self.run.url
         self.log(f"tracking: W&B run {self.run.id} in project {self.project!r}, {where}")

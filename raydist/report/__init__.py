@@ -10,10 +10,8 @@ summary. Needs matplotlib (the `report` extra).
 
 from __future__ import annotations
 
-import fsspec
-
-from raydist.report.data import RunData, join, load_run
-from raydist.store.atomic import write_bytes_atomic
+from raydist.report.data import RunData, load_run
+from raydist.store.run_store import RunStore, join
 
 
 def default_out_dir(run_dir: str) -> str:
@@ -28,12 +26,11 @@ def build_report(run_dir: str, out_dir: str | None = None) -> dict[str, str]:
 
     data = load_run(run_dir)
     out_dir = out_dir or default_out_dir(run_dir)
-    fs, root = fsspec.core.url_to_fs(out_dir)
-    fs.makedirs(root, exist_ok=True)
-    png_path, html_path = join(out_dir, "report.png"), join(out_dir, "report.html")
-    write_bytes_atomic(png_path, render_overview(data))
-    write_bytes_atomic(html_path, render_html(data).encode("utf-8"))
-    return {"png": png_path, "html": html_path}
+    out = RunStore(out_dir)
+    out.makedirs()
+    out.write_bytes("report.png", render_overview(data))
+    out.write_bytes("report.html", render_html(data).encode("utf-8"))
+    return {"png": out.join("report.png"), "html": out.join("report.html")}
 
 
 __all__ = ["RunData", "build_report", "load_run"]

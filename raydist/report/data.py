@@ -16,10 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-import fsspec
-
 from raydist.errors import ConfigError
-from raydist.metrics.logger import read_jsonl
+from raydist.store.run_store import RunStore
 
 EVENT_KINDS = ("start", "restart", "resize", "checkpoint", "checkpoint_failed", "end")
 
@@ -31,10 +29,6 @@ def format_value(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
-
-
-def join(root: str, name: str) -> str:
-    return root.rstrip("/") + "/" + name
 
 
 @dataclass
@@ -65,33 +59,33 @@ class RunData:
         return None
 
 
-def _read_text(fs, path: str) -> str | None:
-    if not fs.exists(path):
+def _read_text(store: RunStore, name: str) -> str | None:
+    try:
+        return store.read_text(name)
+    except FileNotFoundError:
         return None
-    with fs.open(path, "r") as f:
-        return f.read()
 
 
 def load_run(run_dir: str) -> RunData:
-    fs, root = fsspec.core.url_to_fs(run_dir)
-    if not fs.exists(root) or not fs.isdir(root):
+    store = RunStore(run_dir)
+    if not store.exists() or not store.isdir():
         raise ConfigError(f"run directory {run_dir!r} not found; pass <checkpoint.storage>/<train.run_name>")
     data = RunData(run_dir)
-    metrics = read_jsonl(run_dir, "metrics.jsonl", data.warnings)  # merged with per-writer parts
+    metrics = store.read_records("metrics.jsonl", data.warnings)  # merged with per-writer parts
     if metrics is None:
         raise ConfigError(f"{run_dir!r} has no metrics.jsonl; is it a raydist run directory?")
     data.metrics = metrics
-    data.config_text = _read_text(fs, join(root, "config.toml")) or ""
-    summary = _read_text(fs, join(root, "summary.json"))
+    data.config_text = _read_text(store, "config.toml") or ""
+    summary = _read_text(store, "summary.json")
     if summary:
         try:
             data.summary = json.loads(summary)
         except json.JSONDecodeError:
             data.warnings.append("summary.json: not JSON, ignored")
-    events = read_jsonl(run_dir, "events.jsonl", data.warnings)
+    events = store.read_records("events.jsonl", data.warnings)
     if events:
         data.events = sorted(events, key=lambda e: (e.get("elapsed_s") or 0.0))
-    timeline = _read_text(fs, join(root, "pipeline_timeline.json"))
+    timeline = _read_text(store, "pipeline_timeline.json")
     if timeline:
         try:
             value = json.loads(timeline)

@@ -29,9 +29,10 @@ from raydist.elastic.session import LocalSession, Session
 from raydist.metrics.background import BackgroundWriter
 from raydist.metrics.flops import run_peak_flops
 from raydist.metrics.goodput import EventLog, Goodput
-from raydist.metrics.logger import MetricsWriter, join, write_json
+from raydist.metrics.logger import MetricsWriter, clean
 from raydist.metrics.stragglers import StragglerDetector, per_rank, percentiles
 from raydist.models.gpt import flops_per_token
+from raydist.store.run_store import RunStore, join
 from raydist.strict.audit import marking_host_tensors
 from raydist.training.trainer import StepStats, Trainer, peak_memory_mb
 
@@ -296,7 +297,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
             record = logger.record(stats, val_loss=val)  # reads every step since the last record, on every rank
             if timeline is not None:
                 if run_dir and rank0 and lead():
-                    write_json(join(run_dir, "pipeline_timeline.json"), timeline.pipeline_timeline)
+                    RunStore(run_dir).write_json("pipeline_timeline.json", clean(timeline.pipeline_timeline))
                 timeline = None
             if ckpt and not done:
                 ckpt.sync(_numbers(record))
@@ -322,7 +323,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     summary.update(replicas.summary(trainer.retried_steps))
     if run_dir and rank0 and lead():
         bookkeeping.flush()  # progress, metrics and events are on storage before the summary says so
-        write_json(join(run_dir, "summary.json"), summary)
+        RunStore(run_dir).write_json("summary.json", clean(summary))
         events.event("end", trainer.step, status="completed")
         bookkeeping.flush()
     session.finish(summary)
@@ -356,16 +357,13 @@ def _record_live_samples(run_dir: str, trainer: Trainer, stats: StepStats) -> No
     (dp rank, dp) inside its replica, to RUN_DIR/samples/replica-<pid>.jsonl, so a test can account for
     every sample of a run. A worker killed between a step's commit and this line trained that step without
     recording it: the survivors' lines name the quorum it was part of."""
-    from raydist.metrics.logger import append_line
-
     if stats.sample_ids is None:
         return
-    path = join(run_dir, "samples", f"replica-{os.getpid()}.jsonl")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    append_line(path, json.dumps({"step": trainer.step, "span": list(trainer.last_span),
-                                  "replica_span": list(trainer.last_replica_span), "quorum": list(trainer.last_quorum),
-                                  "shard": [trainer.mesh.dp_rank, trainer.layout.dp],
-                                  "ids": [int(i) for i in stats.sample_ids]}))
+    samples = RunStore(run_dir).appender(f"samples/replica-{os.getpid()}.jsonl")
+    samples.append_line(json.dumps({"step": trainer.step, "span": list(trainer.last_span),
+                                    "replica_span": list(trainer.last_replica_span), "quorum": list(trainer.last_quorum),
+                                    "shard": [trainer.mesh.dp_rank, trainer.layout.dp],
+                                    "ids": [int(i) for i in stats.sample_ids]}))
 
 
 def _numbers(record: dict) -> dict:

@@ -16,8 +16,9 @@ import pytest
 import faults_fs  # noqa: F401  (registers objfile://)
 from fault_runs import small_config
 from raydist.metrics.goodput import EventLog, read_events
-from raydist.metrics.logger import MetricsWriter, append_line, read_jsonl, read_metrics
-from raydist.store.atomic import read_json_or_none, write_bytes_atomic
+from raydist.metrics.logger import MetricsWriter, read_metrics
+from raydist.store.atomic import write_bytes_atomic
+from raydist.store.run_store import RunStore, append_line
 from raydist.testing import run_fit
 
 
@@ -52,8 +53,8 @@ def test_torn_json_reads_as_absent_with_a_warning(tmp_path, content):
     path = tmp_path / "progress.json"
     path.write_bytes(content)
     with pytest.warns(RuntimeWarning, match="progress.json is (empty|not valid JSON).*treating it as absent"):
-        assert read_json_or_none(str(path)) is None
-    assert read_json_or_none(str(tmp_path / "absent.json")) is None
+        assert RunStore(str(tmp_path)).read_json("progress.json") is None
+    assert RunStore(str(tmp_path)).read_json("absent.json") is None
 
 
 # ---- appended lines ----------------------------------------------------------------------------------
@@ -67,7 +68,7 @@ def test_torn_last_line_is_skipped_and_does_not_swallow_the_next(tmp_path, recwa
     append_line(str(path), json.dumps({"step": 3}))  # the next attempt appends
     assert path.read_text().splitlines() == ['{"step": 1}', '{"step": 2, "lo', '{"step": 3}']
     problems = []
-    assert read_jsonl(str(tmp_path), "metrics.jsonl", problems) == [{"step": 1}, {"step": 3}]
+    assert RunStore(str(tmp_path)).read_records("metrics.jsonl", problems) == [{"step": 1}, {"step": 3}]
     assert problems == ["metrics.jsonl:2: not a JSON record (a torn line?), skipped"]
 
 
@@ -113,7 +114,7 @@ def test_resume_on_torn_bookkeeping_finishes_like_an_uninterrupted_run(tiny_data
     shutil.copytree(crashed, run_dir)
     # metrics lines are written in the background (raydist.metrics.background): the kill after step 7 may
     # have lost step 6's line, never an earlier one
-    before = [r["step"] for r in read_jsonl(run_dir, "metrics.jsonl")]
+    before = [r["step"] for r in RunStore(run_dir).read_records("metrics.jsonl")]
     assert before in (list(range(6)), list(range(7)))
     progress = os.path.join(run_dir, "progress.json")
     data = open(progress, "rb").read()
@@ -128,7 +129,7 @@ def test_resume_on_torn_bookkeeping_finishes_like_an_uninterrupted_run(tiny_data
     assert resumed.summary["final_loss"] == pytest.approx(reference[-1], rel=1e-6)
     assert json.load(open(progress))["max_step"] == 10  # rewritten whole
     problems = []
-    steps = [r["step"] for r in read_jsonl(run_dir, "metrics.jsonl", problems)]
+    steps = [r["step"] for r in RunStore(run_dir).read_records("metrics.jsonl", problems)]
     assert steps == before + list(range(6, 11)) and len(problems) == 1
     kinds = [e["kind"] for e in read_events(run_dir)]
     assert kinds[0] == "start" and kinds[-1] == "end"

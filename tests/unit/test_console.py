@@ -11,7 +11,8 @@ import textwrap
 from pathlib import Path
 
 from raydist.driver.console import Console, ProgressSink, describe_event, format_rate, result_line
-from raydist.driver.follow import Follower, JsonlTail
+from raydist.driver.follow import Follower
+from raydist.store.run_store import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,4 +107,4 @@ def test_the_follower_hands_each_new_record_once_and_skips_torn_lines(tmp_path):
         with open(tmp_path / "metrics.jsonl", "a") as f:
             f.write('ss": 1.0}\n')
     assert seen == [("m", 1), ("e", "start"), ("m", 2), "closed"]
-    assert [r["step"] for r in JsonlTail(str(tmp_path), "metrics.jsonl").new()] == [0, 1, 2]
+    assert [r["step"] for r in RunStore(str(tmp_path)).tail("metrics.jsonl").new()] == [0, 1, 2]

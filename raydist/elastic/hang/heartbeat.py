@@ -48,6 +48,7 @@ from raydist.elastic.bounded_store import STORE_TIMEOUT_S, BoundedStore
 from raydist.elastic.hang import trigger
 from raydist.elastic.stacks import own_stack
 from raydist.metrics.actions import ACTIONS
+from raydist.store.run_store import RunStore
 
 PREFIX = "raydist/hang/"
 STALE_MIN_S = 5.0
@@ -103,11 +104,9 @@ def untrack_collectives() -> None:
 # ---- the heartbeat ---------------------------------------------------------------------------------
 
 
-def write_file(run_dir_uri: str, name: str, text: str) -> None:
-    """`text` as the file `name` under `run_dir_uri` (a path or an fsspec URI), written whole."""
-    from raydist.store.atomic import write_text_atomic
-
-    write_text_atomic(run_dir_uri.rstrip("/") + "/" + name, text)
+def write_file(directory_uri: str, name: str, text: str) -> None:
+    """`text` as the file `name` under `directory_uri` (a path or an fsspec URI), written whole."""
+    RunStore(directory_uri).write_text(name, text)
 
 
 class Heartbeat:
