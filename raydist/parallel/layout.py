@@ -22,7 +22,7 @@ import dataclasses
 import enum
 import functools
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from raydist.errors import ConfigError
@@ -49,11 +49,9 @@ class DataParallelKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Layout:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
+    spec: MeshSpec = MeshSpec()
+    """The mesh's degrees (pp x dp_replicate x dp_shard x cp x tp), resolved: `layout.tp` and the others
+    read them from here."""
     micro_batch: int = 1
     """Samples per forward/backward on one rank."""
     num_microbatches: int = 1
@@ -77,22 +75,31 @@ class Layout:
         object.__setattr__(self, "virtual_stages", chunks_per_rank(self.pp_schedule, self.virtual_stages))
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
 
-    # ---- sizes -------------------------------------------------------------------------------------
-    @property
-    def spec(self) -> MeshSpec:
-        return MeshSpec(self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+    @classmethod
+    def of(cls, **settings: Any) -> "Layout":
+        """A Layout from flat settings, the degrees among them (`Layout.of(pp=4, tp=2, micro_batch=1)`);
+        degrees left out are 1."""
+        degrees = {name: settings.pop(name) for name in DIMS if name in settings}
+        return cls(MeshSpec(**degrees), **settings)
+
+    # ---- sizes: the mesh's ---------------------------------------------------------------------------
+    pp = property(lambda self: self.spec.pp)
+    dp_replicate = property(lambda self: self.spec.dp_replicate)
+    dp_shard = property(lambda self: self.spec.dp_shard)
+    cp = property(lambda self: self.spec.cp)
+    tp = property(lambda self: self.spec.tp)
 
     def degrees(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in DIMS}
+        return self.spec.degrees()
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.degrees().values())
+        return self.spec.world_size
 
     @property
     def dp(self) -> int:
         """Data-parallel width: how many different batches are computed at once."""
-        return self.dp_replicate * self.dp_shard
+        return self.spec.dp
 
     @property
     def fsdp_size(self) -> int:
@@ -144,16 +151,21 @@ class Layout:
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        """Flat: the degrees beside the other settings (what travels to workers and estimates print)."""
+        out = {**self.degrees(), **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}}
         out["stage_layers"] = list(self.stage_layers)
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Layout":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: (tuple(v) if k == "stage_layers" else v) for k, v in data.items() if k in known})
+        known = {f.name for f in fields(cls)} | set(DIMS)
+        return cls.of(**{k: (tuple(v) if k == "stage_layers" else v) for k, v in data.items() if k in known})
 
     def replace(self, **changes) -> "Layout":
+        """A copy with `changes`, degrees among them (they go to the mesh spec)."""
+        degrees = {name: changes.pop(name) for name in DIMS if name in changes}
+        if degrees:
+            changes["spec"] = dataclasses.replace(self.spec, **degrees)
         return dataclasses.replace(self, **changes)
 
 

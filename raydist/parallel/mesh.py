@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,7 +38,7 @@ class MeshSpec:
         return cls(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp)
 
     def degrees(self) -> dict[str, int]:
-        return asdict(self)
+        return {name: getattr(self, name) for name in DIMS}
 
     def resolve(self, world_size: int) -> "MeshSpec":
         """Fill the one -1 degree from the world size and check the product equals it."""
@@ -65,7 +65,7 @@ class MeshSpec:
 
     @property
     def world_size(self) -> int:
-        return math.prod(self.degrees().values())
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:

@@ -25,6 +25,7 @@ from typing import Iterable, Iterator
 
 from raydist.config import Config, ConfigError
 from raydist.parallel.layout import mesh_problems
+from raydist.parallel.mesh import MeshSpec
 from raydist.planner.cost_model import Estimate, complete, estimate, layout_problems
 from raydist.planner.hardware import Hardware, get_hardware
 from raydist.planner.memory import rank_memory
@@ -59,8 +60,7 @@ def layout_shapes(w: Workload, world: int, hw: Hardware, features: Iterable[str]
                 if w.global_batch % dp:
                     continue
                 for dp_shard in divisors(dp):
-                    base = Layout(pp=pp, dp_replicate=dp // dp_shard, dp_shard=dp_shard, cp=cp, tp=tp,
-                                  sequence_parallel=tp > 1)
+                    base = Layout(MeshSpec(pp, dp // dp_shard, dp_shard, cp, tp), sequence_parallel=tp > 1)
                     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}  # (not asdict: 5x)
                     for cp_impl in (("ring", "ulysses") if cp > 1 else ("ring",)):
                         # each kind's chunk counts (with pp = 1 only the default: no pipeline to schedule)

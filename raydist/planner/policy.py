@@ -44,8 +44,7 @@ def resolve_layout(cfg: Config, spec: MeshSpec, *, micro_batch_limit: int | None
                                 pp=spec.pp, schedule=p.pp_schedule, num_microbatches=p.num_microbatches)
     stages = spec.pp * chunks_per_rank(p.pp_schedule, p.virtual_stages)
     layout = Layout(
-        pp=spec.pp, dp_replicate=spec.dp_replicate, dp_shard=spec.dp_shard, cp=spec.cp, tp=spec.tp,
-        micro_batch=batch.micro_batch, num_microbatches=batch.num_microbatches,
+        spec, micro_batch=batch.micro_batch, num_microbatches=batch.num_microbatches,
         activation_checkpoint=t.activation_checkpoint, activation_checkpoint_k=t.activation_checkpoint_k,
         sequence_parallel=p.sequence_parallel, cp_impl=p.cp_impl, pp_schedule=p.pp_schedule,
         virtual_stages=p.virtual_stages,

@@ -45,8 +45,8 @@ LLAMA3_405B = Published(
     workload=Workload(ModelConfig(num_layers=126, d_model=16384, num_heads=128, num_kv_heads=8,
                                   ffn_hidden=53248, vocab_size=128256, tie_embeddings=False),
                       seq_len=8192, global_batch=2048, compute_dtype_bytes=2, name="llama3-405b"),
-    layout=Layout(pp=16, dp_replicate=1, dp_shard=128, cp=1, tp=8, micro_batch=1, sequence_parallel=True,
-                  pp_schedule="interleaved", virtual_stages=2, fsdp_reshard_after_forward=False),
+    layout=Layout.of(pp=16, dp_replicate=1, dp_shard=128, cp=1, tp=8, micro_batch=1, sequence_parallel=True,
+                     pp_schedule="interleaved", virtual_stages=2, fsdp_reshard_after_forward=False),
     device="h100", world_size=16384, gpus_per_node=8,
     variants={"activation_checkpoint": ("none", "selective", "full", "every_k"), "virtual_stages": (2, 4)},
 )
@@ -57,8 +57,8 @@ MEGATRON_1T = Published(
     workload=Workload(ModelConfig(num_layers=128, d_model=25600, num_heads=160, num_kv_heads=160,
                                   ffn_hidden=68264, vocab_size=51200, tie_embeddings=True),
                       seq_len=2048, global_batch=512, compute_dtype_bytes=2, name="megatron-1t"),
-    layout=Layout(pp=64, dp_replicate=1, dp_shard=1, cp=1, tp=8, micro_batch=1, sequence_parallel=True,
-                  activation_checkpoint="selective", pp_schedule="1f1b"),
+    layout=Layout.of(pp=64, dp_replicate=1, dp_shard=1, cp=1, tp=8, micro_batch=1, sequence_parallel=True,
+                     activation_checkpoint="selective", pp_schedule="1f1b"),
     device="a100", world_size=512, gpus_per_node=8,
     variants={"activation_checkpoint": ("none", "selective", "full", "every_k")},
 )
@@ -77,7 +77,7 @@ def published_options(pub: Published) -> list[Estimate]:
     hw = get_hardware(pub.device, pub.world_size, pub.gpus_per_node)
     layouts = [pub.layout]
     for key, values in pub.variants.items():
-        layouts = [Layout(**{**lay.to_dict(), key: value}) for lay in layouts for value in values]
+        layouts = [lay.replace(**{key: value}) for lay in layouts for value in values]
     return [estimate(pub.workload, lay, hw) for lay in layouts]
 
 

@@ -34,7 +34,7 @@ def test_a_cp_rank_holds_its_tokens_and_their_targets(impl, cp):
     inputs, targets = sft.split_rows(rows, masked=True)
     covered = []
     for r in range(cp):
-        needs = rank_needs(Layout(cp=cp, cp_impl=impl), T, pp_rank=0, cp_rank=r)
+        needs = rank_needs(Layout.of(cp=cp, cp_impl=impl), T, pp_rank=0, cp_rank=r)
         positions = POSITIONS[impl](T, cp, r)
         local = LocalBatch.of_rows(rows, needs)
         assert torch.equal(local.inputs(masked=True), inputs[:, positions])
@@ -49,7 +49,7 @@ def test_a_cp_rank_holds_its_tokens_and_their_targets(impl, cp):
 @pytest.mark.parametrize("schedule, virtual, first, last", [("1f1b", 1, 0, 3), ("interleaved", 2, 0, 3),
                                                             ("zbv", 2, 0, 0)])
 def test_pipeline_inputs_go_to_the_first_stage_and_targets_to_the_last(schedule, virtual, first, last):
-    layout = Layout(pp=4, pp_schedule=schedule, virtual_stages=virtual)
+    layout = Layout.of(pp=4, pp_schedule=schedule, virtual_stages=virtual)
     rows = torch.arange(2 * (T + 1)).view(2, T + 1)
     for pp_rank in range(4):
         needs = rank_needs(layout, T, pp_rank=pp_rank, cp_rank=0)

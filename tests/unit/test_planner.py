@@ -30,11 +30,11 @@ def _workload(**model) -> Workload:
 
 def test_fsdp_gathers_per_step_are_the_runtimes():
     # (tests/unit/test_comm_volume.py counts the runtime's: one per unit and step under 1F1B, kept gathered)
-    assert fsdp_gathers_per_step(Layout(dp_shard=2), 4) == 8  # ZeRO-3: forward and backward, each micro-batch
-    assert fsdp_gathers_per_step(Layout(dp_shard=2, fsdp_reshard_after_forward=False), 4) == 4
+    assert fsdp_gathers_per_step(Layout.of(dp_shard=2), 4) == 8  # ZeRO-3: forward and backward, each micro-batch
+    assert fsdp_gathers_per_step(Layout.of(dp_shard=2, fsdp_reshard_after_forward=False), 4) == 4
     kept = dict(dp_shard=2, pp=2, fsdp_reshard_after_forward=False)
-    assert fsdp_gathers_per_step(Layout(**kept, pp_schedule="1f1b"), 4) == 1
-    assert fsdp_gathers_per_step(Layout(**kept, pp_schedule="zbh1"), 4) == 4  # the split backward reshards
+    assert fsdp_gathers_per_step(Layout.of(**kept, pp_schedule="1f1b"), 4) == 1
+    assert fsdp_gathers_per_step(Layout.of(**kept, pp_schedule="zbh1"), 4) == 4  # the split backward reshards
 
 
 def test_the_h100_estimate_holds_against_the_gpu_suites_measured_run():
@@ -65,10 +65,10 @@ def test_the_h100_estimate_holds_against_the_gpu_suites_measured_run():
 
 
 def test_bubble_fractions_follow_the_published_formulas():
-    assert bubble_fraction(Layout(pp=4, pp_schedule="1f1b"), 4) == pytest.approx(3 / 7)  # (p-1)/(m+p-1)
-    assert bubble_fraction(Layout(pp=4, pp_schedule="gpipe"), 12) == pytest.approx(3 / 15)
-    assert bubble_fraction(Layout(pp=4, pp_schedule="interleaved", virtual_stages=2), 4) == pytest.approx(3 / 11)
-    assert bubble_fraction(Layout(pp=1), 8) == 0.0
+    assert bubble_fraction(Layout.of(pp=4, pp_schedule="1f1b"), 4) == pytest.approx(3 / 7)  # (p-1)/(m+p-1)
+    assert bubble_fraction(Layout.of(pp=4, pp_schedule="gpipe"), 12) == pytest.approx(3 / 15)
+    assert bubble_fraction(Layout.of(pp=4, pp_schedule="interleaved", virtual_stages=2), 4) == pytest.approx(3 / 11)
+    assert bubble_fraction(Layout.of(pp=1), 8) == 0.0
 
 
 def test_alpha_beta_collectives():
@@ -84,31 +84,31 @@ def test_fsdp_moves_three_times_the_parameters_and_ddp_two():
     and no latency, 3/2."""
     hw = Hardware("t", 1e15, 1e12, 1e12, Link(0.0, 1e9), Link(0.0, 1e9), gpus_per_node=8, compute_dtype_bytes=4)
     w = Workload(_workload().model, 2048, global_batch=8, compute_dtype_bytes=4)
-    ddp = step_time(w, Layout(dp_replicate=8, micro_batch=1), hw, 1)["dp_comm"]
-    fsdp = step_time(w, Layout(dp_shard=8, micro_batch=1), hw, 1)["dp_comm"]
+    ddp = step_time(w, Layout.of(dp_replicate=8, micro_batch=1), hw, 1)["dp_comm"]
+    fsdp = step_time(w, Layout.of(dp_shard=8, micro_batch=1), hw, 1)["dp_comm"]
     assert fsdp / ddp == pytest.approx(1.5, rel=1e-6)
 
 
 def test_memory_falls_with_sharding_and_recompute():
     w = _workload()
-    base = rank_memory(w, Layout(dp_replicate=8, micro_batch=4), 2)
-    fsdp = rank_memory(w, Layout(dp_shard=8, micro_batch=4), 2)
+    base = rank_memory(w, Layout.of(dp_replicate=8, micro_batch=4), 2)
+    fsdp = rank_memory(w, Layout.of(dp_shard=8, micro_batch=4), 2)
     assert fsdp["optimizer"] == pytest.approx(base["optimizer"] / 8, rel=0.01)  # 16N/p (ZeRO)
-    mem = {p: rank_memory(w, Layout(dp_replicate=8, micro_batch=4, activation_checkpoint=p), 2)
+    mem = {p: rank_memory(w, Layout.of(dp_replicate=8, micro_batch=4, activation_checkpoint=p), 2)
            for p in ("none", "selective", "every_k", "full")}
     assert mem["none"]["activations"] > mem["selective"]["activations"] > mem["full"]["activations"]
     # sqrt(L) rule (Chen et al. 2016): every_k keeps ceil(8/3) segment inputs instead of 8 block inputs, and
     # re-materialises 3 blocks at a time instead of 1
     assert mem["every_k"]["activations"] < mem["full"]["activations"]
     assert mem["every_k"]["transient"] >= mem["full"]["transient"]
-    tp = rank_memory(w, Layout(dp_replicate=4, tp=2, micro_batch=4, sequence_parallel=True), 2)
+    tp = rank_memory(w, Layout.of(dp_replicate=4, tp=2, micro_batch=4, sequence_parallel=True), 2)
     assert tp["params"] < 0.6 * base["params"]
 
 
 def test_pipeline_first_stage_holds_p_microbatches():
     w = _workload()
-    one = rank_memory(w, Layout(pp=4, dp_replicate=2, micro_batch=1), 16)["activations"]
-    gpipe = rank_memory(w, Layout(pp=4, dp_replicate=2, micro_batch=1, pp_schedule="gpipe"), 16)["activations"]
+    one = rank_memory(w, Layout.of(pp=4, dp_replicate=2, micro_batch=1), 16)["activations"]
+    gpipe = rank_memory(w, Layout.of(pp=4, dp_replicate=2, micro_batch=1, pp_schedule="gpipe"), 16)["activations"]
     assert gpipe > 3 * one  # GPipe keeps all 16 micro-batches, 1F1B at most p = 4
 
 
@@ -120,16 +120,16 @@ def test_zero_bubble_schedules_are_priced_and_searched():
     from raydist.planner.memory import in_flight_microbatches, root_tensors
 
     shape = dict(pp=4, dp_replicate=2, micro_batch=1)
-    bubbles = [bubble_fraction(Layout(**shape, pp_schedule=k), 8) for k in ("1f1b", "zbh1", "zbv")]
+    bubbles = [bubble_fraction(Layout.of(**shape, pp_schedule=k), 8) for k in ("1f1b", "zbh1", "zbv")]
     assert bubbles == pytest.approx([3 / 11, 1 / 9, 1 / 17])
     w = _workload()
-    zbh1, zbv = Layout(**shape, pp_schedule="zbh1"), Layout(**shape, pp_schedule="zbv")
+    zbh1, zbv = Layout.of(**shape, pp_schedule="zbh1"), Layout.of(**shape, pp_schedule="zbv")
     assert [in_flight_microbatches(zbh1, 8, r) for r in range(4)] == [4] * 4
-    assert [in_flight_microbatches(Layout(**shape), 8, r) for r in range(4)] == [4, 3, 2, 1]
+    assert [in_flight_microbatches(Layout.of(**shape), 8, r) for r in range(4)] == [4, 3, 2, 1]
     assert rank_layer_counts(w, zbv) == [2] * 4 and zbv.stages_of(0) == [0, 7]
     assert len(root_tensors(w, zbv, 0)) == 3 and root_tensors(w, zbv, 3) == []  # embedding, norm, head copy
     faster = step_time(w, zbh1, DEVICES["h100"], 8)
-    assert faster["bubble"] < step_time(w, Layout(**shape), DEVICES["h100"], 8)["bubble"]
+    assert faster["bubble"] < step_time(w, Layout.of(**shape), DEVICES["h100"], 8)["bubble"]
     fits, _ = enumerate_estimates(w, 16, DEVICES["h100"], policies=("none",))
     seen = {e.layout.pp_schedule for e in fits if e.layout.pp > 1}
     assert {"zbh1", "zbv"} <= seen
@@ -143,13 +143,13 @@ def first_problem(w: Workload, lay: Layout) -> str | None:
 
 def test_check_layout_names_the_problem():
     w = _workload()
-    assert "tp=3 does not divide model.num_heads=16" in first_problem(w, Layout(tp=3, dp_replicate=1))
-    assert first_problem(w, Layout(pp=4, dp_replicate=2, micro_batch=8)) is None  # 4 micro-batches
+    assert "tp=3 does not divide model.num_heads=16" in first_problem(w, Layout.of(tp=3, dp_replicate=1))
+    assert first_problem(w, Layout.of(pp=4, dp_replicate=2, micro_batch=8)) is None  # 4 micro-batches
     # fewer micro-batches than stages: a large bubble, but the runtime runs it (and so the planner prices it)
-    assert first_problem(w, Layout(pp=4, dp_replicate=2, micro_batch=16)) is None
+    assert first_problem(w, Layout.of(pp=4, dp_replicate=2, micro_batch=16)) is None
     assert "interleaved 1F1B needs the micro-batch count (2) to be a multiple of parallel.pp=4" in \
-        first_problem(w, Layout(pp=4, dp_replicate=2, micro_batch=16, pp_schedule="interleaved", virtual_stages=2))
-    assert "global_batch=64" in first_problem(w, Layout(dp_replicate=3))
+        first_problem(w, Layout.of(pp=4, dp_replicate=2, micro_batch=16, pp_schedule="interleaved", virtual_stages=2))
+    assert "global_batch=64" in first_problem(w, Layout.of(dp_replicate=3))
 
 
 # ---- the search ------------------------------------------------------------------------------------

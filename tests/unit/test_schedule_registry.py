@@ -113,14 +113,14 @@ def test_the_micro_batch_rule_is_the_generators_and_the_layouts():
                 except ConfigError as exc:
                     assert str(exc) == problem, (kind.name, p, m)
                 if p > 1:
-                    lay = Layout(pp=p, num_microbatches=m, pp_schedule=kind.name, virtual_stages=v)
+                    lay = Layout.of(pp=p, num_microbatches=m, pp_schedule=kind.name, virtual_stages=v)
                     assert (in_config in validate_layout(lay, model, 16)) == (in_config is not None)
 
 
 def test_config_layout_and_cli_offer_the_registrys_kinds():
     assert CHOICES["parallel.pp_schedule"] == KINDS
     assert DEFAULT_KIND in KINDS
-    problems = validate_layout(Layout(pp=2, num_microbatches=2, pp_schedule="zb"), ModelConfig(), 16)
+    problems = validate_layout(Layout.of(pp=2, num_microbatches=2, pp_schedule="zb"), ModelConfig(), 16)
     assert any(f"is not one of {', '.join(KINDS)}" in line for line in problems)
     subparsers = argparse.ArgumentParser().add_subparsers()
     register_cli(subparsers)
