@@ -29,7 +29,7 @@ from raydist.errors import ConfigError
 from raydist.parallel.mesh import DIMS, MeshSpec
 from raydist.schedule.actions import stages_of_rank
 from raydist.schedule.batch import divisors
-from raydist.schedule.registry import KINDS, SCHEDULE_KINDS, chunks_per_rank, placement_of
+from raydist.schedule.registry import DEFAULT_KIND, KINDS, SCHEDULE_KINDS, chunks_per_rank, placement_of
 
 if TYPE_CHECKING:  # the model's shape; attribute access only, so leaf code need not import the config
     from raydist.config import ModelConfig
@@ -61,7 +61,7 @@ class Layout:
     activation_checkpoint_k: int = 0
     sequence_parallel: bool = False
     cp_impl: str = "ring"
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = DEFAULT_KIND
     virtual_stages: int = 1
     """Chunks per pipeline rank (normalised: 1 unless the schedule interleaves)."""
     stage_layers: tuple[int, ...] = ()

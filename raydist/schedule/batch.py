@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raydist.errors import ConfigError
-from raydist.schedule.registry import SCHEDULE_KINDS
+from raydist.schedule.registry import DEFAULT_KIND, SCHEDULE_KINDS
 
 AUTO_MICRO_BATCH_LIMIT = 8
 
@@ -74,7 +74,7 @@ class BatchPlan:
         return self.per_rank // self.micro_batch
 
 
-def auto_micro_batch(per_rank: int, limit: int, pp: int = 1, schedule: str = "1f1b") -> int:
+def auto_micro_batch(per_rank: int, limit: int, pp: int = 1, schedule: str = DEFAULT_KIND) -> int:
     """The largest divisor of `per_rank` not above `limit`; with a pipeline, one giving M >= pp micro-batches
     (and what else the schedule needs of M: a multiple of pp when interleaved), when such a divisor exists."""
     if pp > 1:
@@ -87,7 +87,7 @@ def auto_micro_batch(per_rank: int, limit: int, pp: int = 1, schedule: str = "1f
 
 
 def plan_batch(global_batch: int, dp: int, *, micro_batch: int = 0, limit: int | None = None, pp: int = 1,
-               schedule: str = "1f1b", num_microbatches: int = 0) -> BatchPlan:
+               schedule: str = DEFAULT_KIND, num_microbatches: int = 0) -> BatchPlan:
     """The batch plan of a config on `dp` data-parallel ranks, or a ConfigError naming the value and the fix.
 
     With a pipeline and `num_microbatches` (parallel.num_microbatches) set: per-rank rows / M. Else
