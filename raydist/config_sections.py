@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raydist.families.registry import FAMILY_NAMES
-from raydist.schedule.registry import KINDS
+from raydist.schedule.registry import DEFAULT_KIND, KINDS
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class ParallelConfig:
     """Megatron sequence parallelism for norms and the residual stream (needs tp > 1)."""
     cp_impl: str = "ring"
     """Context-parallel attention: `ring` (K/V passed around a ring) or `ulysses` (all-to-all to heads)."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = DEFAULT_KIND
     """Pipeline schedule: `gpipe`, `1f1b`, `interleaved`, or the zero-bubble `zbh1` (1F1B's memory, the
     backward split into input and weight gradients) and `zbv` (two chunks per rank in a V); both need
     num_microbatches >= pp."""
