@@ -4,20 +4,26 @@ class, the same the runtime trains with): plain data, no torch.
 A planner layout is a `raydist.parallel.layout.Layout`: the five mesh degrees plus the knobs that change memory and
 time without changing the math (micro-batch size, activation recompute, sequence parallelism, the
 context-parallel and pipeline algorithms, FSDP resharding), and the pipeline's stage partition.
+
+The workload carries the config's [peft] section, which decides what trains (raydist.models.peft): every
+parameter (`none`); LoRA's adapters only, in every block (`lora`); or the last `trainable_last_layers` blocks
+with the final norm and an untied head (`freeze`), whose earlier blocks run forward only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
 
-from raydist.config import Config, ModelConfig
+from raydist.config import Config, ModelConfig, PeftConfig
 from raydist.parallel.layout import Layout, stage_partition
 from raydist.schedule.actions import stages_of_rank
 from raydist.schedule.registry import placement_of
 
-__all__ = ["Layout", "Workload", "rank_layer_counts", "holds_stage", "holders", "every_k_segment"]
+__all__ = ["Layout", "Workload", "rank_layer_counts", "trained_layer_counts", "holds_stage", "holders",
+           "every_k_segment"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +36,7 @@ class Workload:
     compute_dtype_bytes: int = 2  # 2: bf16 autocast / FSDP mixed precision; 4: fp32
     name: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
+    peft: PeftConfig = PeftConfig()  # what trains: everything, LoRA's adapters, or the last blocks
 
     @classmethod
     def from_config(cls, cfg: Config, compute_dtype_bytes: int, name: str = "") -> "Workload":
@@ -37,7 +44,11 @@ class Workload:
             compute_dtype_bytes = 4
         elif cfg.train.dtype == "bf16":
             compute_dtype_bytes = 2
-        return cls(cfg.model, cfg.data.seq_len, cfg.train.global_batch, compute_dtype_bytes, name)
+        return cls(cfg.model, cfg.data.seq_len, cfg.train.global_batch, compute_dtype_bytes, name, peft=cfg.peft)
+
+    def fully_trained(self) -> "Workload":
+        """This workload with every parameter trained (peft.method none)."""
+        return self if self.peft.method == "none" else dataclasses.replace(self, peft=PeftConfig())
 
     @property
     def head_dim(self) -> int:
@@ -52,10 +63,14 @@ def rank_layer_counts(w: Workload, lay: Layout) -> list[int]:
     """Blocks each pipeline rank holds, from the layout's stage partition (computed as the runtime does
     when the layout does not carry one): rank r holds the virtual stages `lay.stages_of(r)` (c x pp + r,
     or r and 2 pp - 1 - r under zbv's V)."""
-    stages = lay.stage_layers
-    if not stages:
-        stages = stage_partition(w.model, lay.num_stages) if lay.pp > 1 else (w.model.num_layers,)
-    return list(_per_rank(stages, lay.pp, lay.virtual_stages, placement_of(lay.pp_schedule)))
+    return list(_per_rank(_stage_layers(w, lay), lay.pp, lay.virtual_stages, placement_of(lay.pp_schedule)))
+
+
+def _stage_layers(w: Workload, lay: Layout) -> tuple[int, ...]:
+    """Blocks of each virtual stage: the layout's partition, or the runtime's when it carries none."""
+    if lay.stage_layers:
+        return lay.stage_layers
+    return stage_partition(w.model, lay.num_stages) if lay.pp > 1 else (w.model.num_layers,)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -63,6 +78,32 @@ def _per_rank(stages: tuple[int, ...], pp: int, virtual_stages: int, placement: 
     if pp == 1:
         return (sum(stages),)
     return tuple(sum(stages[s] for s in stages_of_rank(placement, pp, virtual_stages, r)) for r in range(pp))
+
+
+def trained_layer_counts(w: Workload, lay: Layout) -> list[int]:
+    """Blocks with trained parameters on each pipeline rank: `rank_layer_counts` under none and lora (LoRA
+    adapts every block); under freeze the rank's blocks among the last k = trainable_last_layers. Nothing
+    before a frozen prefix requires a gradient, so its blocks build no autograd graph: they run forward only,
+    save no activations and are not recomputed."""
+    counts = rank_layer_counts(w, lay)
+    if w.peft.method != "freeze":
+        return counts
+    return list(_trained_per_rank(_stage_layers(w, lay), lay.pp, lay.virtual_stages, placement_of(lay.pp_schedule),
+                                  w.peft.trainable_last_layers))
+
+
+@functools.lru_cache(maxsize=4096)
+def _trained_per_rank(stages: tuple[int, ...], pp: int, virtual_stages: int, placement: str,
+                      k: int) -> tuple[int, ...]:
+    starts = [sum(stages[:s]) for s in range(len(stages))]
+    first_trained = sum(stages) - k  # blocks first_trained .. L - 1 train
+
+    def trained(s: int) -> int:
+        return max(0, starts[s] + stages[s] - max(starts[s], first_trained))
+
+    if pp == 1:
+        return (sum(trained(s) for s in range(len(stages))),)
+    return tuple(sum(trained(s) for s in stages_of_rank(placement, pp, virtual_stages, r)) for r in range(pp))
 
 
 def holds_stage(lay: Layout, rank: int, stage: str) -> bool:
