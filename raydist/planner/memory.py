@@ -34,6 +34,24 @@ input per k-block segment; `selective` keeps the block input and the outputs of 
 (q, k, v, wo, w1, w3, w2 outputs and the attention output + LSE); all three re-materialise one region's
 full activations during its backward. Pipelines keep several micro-batches in flight on a stage: 1F1B
 min(m, p) on the first stage, GPipe all m, interleaved 1F1B Megatron's warm-up count per chunk.
+
+Parameter-efficient fine-tuning (the workload's [peft]; raydist.models.peft). Frozen weights are held as
+above (fp32, split by tensor parallelism, sharded by FSDP); gradients and AdamW moments exist for the
+trained elements only, so a rank holds
+    4 N_held + (4 + 8) N_trained   bytes,
+N_held counting LoRA's adapters: for each adapted Linear W (out x in), A (r x in) and B (out x r), B split
+by rows and A replicated under a column-parallel W, A split by columns and B replicated under a row-parallel
+one (peft.py's tensor-parallel styles), each chunked by rows by FSDP like any tensor. N_trained is every
+element under none, the adapters under lora, and under freeze the last k blocks, the final norm and an
+untied head. Activations (measured as above, with the adapters applied):
+    lora:   a frozen norm saves no normalised x (a h / sp less, each); a norm whose projections are all
+            unadapted saves no matmul input either (a h less), nor does the SwiGLU product stay for an
+            unadapted w2 (a F / tp less); each adapted projection saves x A^T (a r). `selective` caches every
+            matmul output, the adapters' too: a r + the projection's own output size per adapted projection.
+            The head saves its norm's normalised x and its own input only where they train.
+    freeze: only the trained blocks keep activations (the frozen ones before them build no graph).
+Not modelled (an upper bound by it): the first block in the graph saves less again, since nothing before
+it needs a gradient: its first norm's input under LoRA, and its whole attention when only the MLP is adapted.
 """
 
 from __future__ import annotations
@@ -45,7 +63,9 @@ from dataclasses import dataclass
 import torch
 
 from raydist.models.gpt import TransformerBlock, block_roles
-from raydist.planner.placement import Layout, Workload, every_k_segment, holders, holds_stage, rank_layer_counts
+from raydist.models.peft import GROUPS, lora_targets
+from raydist.planner.placement import (Layout, Workload, every_k_segment, holders, holds_stage, rank_layer_counts,
+                                       trained_layer_counts)
 from raydist.schedule.registry import SCHEDULE_KINDS
 
 STATE_BYTES_PER_ELEMENT = {"params": 4, "grads": 4, "optimizer": 8}
@@ -59,7 +79,10 @@ class Tensor2D:
 
 
 def block_tensors(w: Workload) -> tuple[Tensor2D, ...]:
-    return _block_tensors(w.model)
+    """One block's parameters, LoRA's adapters too."""
+    if w.peft.method != "lora":
+        return _block_tensors(w.model)
+    return _block_tensors(w.model) + _adapter_tensors(w.model, w.peft.lora_rank, w.peft.lora_targets)
 
 
 @functools.lru_cache(maxsize=64)
@@ -79,6 +102,37 @@ def _block_tensors(m) -> tuple[Tensor2D, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class Adapted:
+    """A Linear of the block that LoRA adapts: its tensor-parallel role, its group and W's shape."""
+
+    role: str  # column, kv or row
+    group: str  # attention or mlp (the role of its parent: raydist.models.peft.GROUPS)
+    out_features: int
+    in_features: int
+
+
+@functools.lru_cache(maxsize=64)
+def _adapted(m, which: str) -> tuple[Adapted, ...]:
+    """The block's Linears that `peft.lora_targets = which` adapts (raydist.models.peft.lora_targets)."""
+    with torch.device("meta"):
+        block = TransformerBlock(m)
+    roles = block_roles(m)
+    return tuple(Adapted(roles[name], GROUPS[roles[name.rpartition(".")[0]]], *block.get_submodule(name).weight.shape)
+                 for name in lora_targets(m, which))
+
+
+@functools.lru_cache(maxsize=64)
+def _adapter_tensors(m, rank: int, which: str) -> tuple[Tensor2D, ...]:
+    """LoRA's A (r x in) and B (out x r) for each adapted Linear, split as W is: under a column-parallel W
+    (column, kv) B by rows and A replicated, under a row-parallel W A by columns and B replicated."""
+    out = []
+    for p in _adapted(m, which):
+        row = p.role == "row"
+        out += [Tensor2D(rank, p.in_features, 1 if row else None), Tensor2D(p.out_features, rank, None if row else 0)]
+    return tuple(out)
+
+
 def root_tensors(w: Workload, lay: Layout, rank: int) -> list[Tensor2D]:
     """Embedding / final norm / output head held by pipeline rank `rank` (FSDP's root unit); a tied head
     is a copy of its own whenever there is a pipeline (zbv's rank 0 holds both, in two chunks)."""
@@ -86,14 +140,29 @@ def root_tensors(w: Workload, lay: Layout, rank: int) -> list[Tensor2D]:
 
 
 def _root_tensors(m, first: bool, last: bool, no_pipeline: bool) -> list[Tensor2D]:
+    return [t for _, t in _root_parts(m, first, last, no_pipeline)]
+
+
+def _root_parts(m, first: bool, last: bool, no_pipeline: bool) -> list[tuple[str, Tensor2D]]:
     out = []
     if first:
-        out.append(Tensor2D(m.vocab_size, m.d_model, 0))
+        out.append(("embedding", Tensor2D(m.vocab_size, m.d_model, 0)))
     if last:
-        out.append(Tensor2D(m.d_model, 1, None))
+        out.append(("norm", Tensor2D(m.d_model, 1, None)))
         if not (m.tie_embeddings and no_pipeline):
-            out.append(Tensor2D(m.vocab_size, m.d_model, 0))
+            out.append(("head", Tensor2D(m.vocab_size, m.d_model, 0)))
     return out
+
+
+def trained_root_parts(m, method: str) -> frozenset[str]:
+    """Which of the root's embedding, final norm and head train (raydist.models.peft.apply_peft): all under
+    none; none of them under lora; the norm and an untied head under freeze (a tied head is the frozen
+    embedding, and so is its copy on a pipeline's last stage)."""
+    if method == "none":
+        return frozenset({"embedding", "norm", "head"})
+    if method == "freeze":
+        return frozenset({"norm"} | (set() if m.tie_embeddings else {"head"}))
+    return frozenset()
 
 
 def own_embedding_elements(w: Workload, lay: Layout, rank: int) -> int:
@@ -130,13 +199,27 @@ def stage_units(w: Workload, lay: Layout, stage: int) -> list[list[Tensor2D]]:
 
 def unit_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
                   sharded: bool = True) -> tuple[int, int, int]:
-    """(blocks on the stage, elements of one block, elements of the root unit) held by one rank."""
+    """(blocks on the stage, elements of one block (its LoRA adapters too), elements of the root unit) held
+    by one rank."""
     layers = rank_layer_counts(w, lay)[stage]
     fsdp = lay.fsdp_size if sharded else 1
-    block = _block_elements(w.model, lay.tp, fsdp, fsdp_index)
+    block = _block_elements(w.model, lay.tp, fsdp, fsdp_index) + _adapter_elements(w.model, w.peft, lay.tp, fsdp,
+                                                                                    fsdp_index)
     root = _root_elements(w.model, holds_stage(lay, stage, "first"), holds_stage(lay, stage, "last"), lay.pp == 1,
                           lay.tp, fsdp, fsdp_index)
     return layers, block, root
+
+
+def trained_unit_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
+                          sharded: bool = True) -> tuple[int, int, int]:
+    """`unit_elements` for what trains: (trained blocks on the stage, trained elements of one, trained
+    elements of the root unit); equal to unit_elements under peft.method none."""
+    trained = trained_layer_counts(w, lay)[stage]
+    fsdp = lay.fsdp_size if sharded else 1
+    block = _trained_block_elements(w.model, w.peft, lay.tp, fsdp, fsdp_index)
+    root = _trained_root_elements(w.model, w.peft.method, holds_stage(lay, stage, "first"),
+                                  holds_stage(lay, stage, "last"), lay.pp == 1, lay.tp, fsdp, fsdp_index)
+    return trained, block, root
 
 
 # The planner asks for the same few sums for every candidate layout (hundreds of thousands of them, times
@@ -152,10 +235,46 @@ def _root_elements(m, first: bool, last: bool, no_pipeline: bool, tp: int, fsdp:
     return sum(local_elements(t, tp, fsdp, fsdp_index) for t in _root_tensors(m, first, last, no_pipeline))
 
 
+@functools.lru_cache(maxsize=1 << 14)
+def _adapter_elements(m, peft, tp: int, fsdp: int, fsdp_index: int | None) -> int:
+    """Elements of one block's LoRA adapters on a rank (0 unless peft.method is lora)."""
+    if peft.method != "lora":
+        return 0
+    return sum(local_elements(t, tp, fsdp, fsdp_index) for t in _adapter_tensors(m, peft.lora_rank, peft.lora_targets))
+
+
+def adapter_elements(w: Workload, tp: int) -> int:
+    """Elements of one block's LoRA adapters on a tensor-parallel rank, before FSDP sharding (0 unless lora)."""
+    return _adapter_elements(w.model, w.peft, tp, 1, None)
+
+
+def _trained_block_elements(m, peft, tp: int, fsdp: int, fsdp_index: int | None) -> int:
+    """Trained elements of a block that trains: its adapters under lora, all of it otherwise."""
+    if peft.method == "lora":
+        return _adapter_elements(m, peft, tp, fsdp, fsdp_index)
+    return _block_elements(m, tp, fsdp, fsdp_index)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _trained_root_elements(m, method: str, first: bool, last: bool, no_pipeline: bool, tp: int, fsdp: int,
+                           fsdp_index: int | None) -> int:
+    trains = trained_root_parts(m, method)
+    return sum(local_elements(t, tp, fsdp, fsdp_index) for name, t in _root_parts(m, first, last, no_pipeline)
+               if name in trains)
+
+
 def stage_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
                    sharded: bool = True) -> int:
+    """Elements one rank of pipeline rank `stage` holds (frozen ones too)."""
     layers, block, root = unit_elements(w, lay, stage, fsdp_index, sharded)
     return layers * block + root
+
+
+def stage_trained_elements(w: Workload, lay: Layout, stage: int, fsdp_index: int | None = None,
+                           sharded: bool = True) -> int:
+    """Elements one rank of pipeline rank `stage` trains: those with gradients and AdamW moments."""
+    trained, block, root = trained_unit_elements(w, lay, stage, fsdp_index, sharded)
+    return trained * block + root
 
 
 def state_bytes_per_rank(w: Workload, lay: Layout, rank: int) -> dict[str, int]:
@@ -163,8 +282,9 @@ def state_bytes_per_rank(w: Workload, lay: Layout, rank: int) -> dict[str, int]:
     `raydist.metrics.memory.state_bytes` reports): exact chunk sizes, no padding."""
     coords = lay.spec.coordinates(rank)
     fsdp_index = coords["dp_shard"] * lay.cp + coords["cp"] if lay.fsdp_size > 1 else None
-    n = stage_elements(w, lay, coords["pp"], fsdp_index)
-    out = {k: v * n for k, v in STATE_BYTES_PER_ELEMENT.items()}
+    held = stage_elements(w, lay, coords["pp"], fsdp_index)
+    trained = stage_trained_elements(w, lay, coords["pp"], fsdp_index)
+    out = {k: v * (held if k == "params" else trained) for k, v in STATE_BYTES_PER_ELEMENT.items()}
     out["total"] = sum(out.values())
     return out
 
@@ -182,7 +302,7 @@ def block_activation_bytes(w: Workload, lay: Layout, micro_batch: int | None = N
     attention = 4 * a * h / tp + 4 * m.num_heads / tp  # q, k, v (repeated to H heads), output; LSE fp32
     mlp = 4 * a * f / tp
     small = 2 * 4  # two fp32 rsqrt per token
-    return tokens * (2 * norm + attention + mlp + small)
+    return tokens * (2 * norm + attention + mlp + small + lora_activation_bytes(w, lay)[0])
 
 
 def block_selective_bytes(w: Workload, lay: Layout) -> float:
@@ -194,7 +314,26 @@ def block_selective_bytes(w: Workload, lay: Layout) -> float:
     kv = m.num_kv_heads * w.head_dim
     matmuls = a * (h + 2 * kv) / tp + a * h + 2 * a * f / tp + a * h  # wq, wk, wv | wo | w1, w3 | w2 (pre-reduce)
     attention = a * h / tp + 4 * m.num_heads / tp
-    return tokens * (a * h / sp + matmuls + attention)
+    return tokens * (a * h / sp + matmuls + attention + lora_activation_bytes(w, lay)[1])
+
+
+def lora_activation_bytes(w: Workload, lay: Layout) -> tuple[float, float]:
+    """Per token and block, what LoRA changes in the bytes saved for backward: (without recompute,
+    under `selective`); (0, 0) for other methods. See the module doc: frozen norms keep no normalised x,
+    unadapted projections keep no input, each adapter keeps x A^T, selective caches the adapters' outputs."""
+    if w.peft.method != "lora":
+        return 0, 0
+    m, a, r = w.model, w.compute_dtype_bytes, w.peft.lora_rank
+    h, f, tp = m.d_model, m.ffn_hidden, lay.tp
+    sp = tp if (lay.sequence_parallel and tp > 1) else 1
+    adapted = _adapted(m, w.peft.lora_targets)
+    inputs = {(p.group, p.role != "row") for p in adapted}  # (group, an input projection) with an adapter
+    saved = (-2 * a * h / sp  # the normalised x of both norms
+             - a * h * ((("attention", True) not in inputs) + (("mlp", True) not in inputs))  # norms' matmul input
+             - a * f / tp * (("mlp", False) not in inputs)  # the SwiGLU product (w2's input)
+             + a * r * len(adapted))  # x A^T
+    outputs = sum(p.out_features if p.role == "row" else p.out_features / tp for p in adapted)  # (row: pre-reduce)
+    return saved, a * (r * len(adapted) + outputs)
 
 
 def block_input_bytes(w: Workload, lay: Layout) -> float:
@@ -222,7 +361,7 @@ def activation_bytes(w: Workload, lay: Layout, layers: int, num_microbatches: in
     if policy == "full":
         return {"saved": block_input_bytes(w, lay) * layers * flight, "recompute": full}
     if policy == "every_k":
-        k = min(layers, every_k_segment(layers, lay.activation_checkpoint_k))
+        k = max(1, min(layers, every_k_segment(layers, lay.activation_checkpoint_k)))
         return {"saved": block_input_bytes(w, lay) * math.ceil(layers / k) * flight, "recompute": full * k}
     if policy == "selective":
         return {"saved": block_selective_bytes(w, lay) * layers * flight, "recompute": full}
@@ -230,30 +369,33 @@ def activation_bytes(w: Workload, lay: Layout, layers: int, num_microbatches: in
 
 
 def head_bytes(w: Workload, lay: Layout) -> dict:
-    """Final norm + loss on the last stage: 3 norm tensors, the fp32 log-softmax output saved by the loss
+    """Final norm + loss on the last stage: 3 norm tensors (the fp32 input; the normalised x where the norm
+    trains and the head's input where the head does), the fp32 log-softmax output saved by the loss
     (logits split over tp by a vocab-parallel head), and its gradient plus the logits' during backward."""
     tokens = lay.micro_batch * w.seq_len / lay.cp
     logits = tokens * w.model.vocab_size / lay.tp
-    norm = tokens * w.model.d_model * (4 + 2 * w.compute_dtype_bytes)
+    trains = trained_root_parts(w.model, w.peft.method)
+    norm = tokens * w.model.d_model * (4 + (("norm" in trains) + ("head" in trains)) * w.compute_dtype_bytes)
     return {"saved": norm + 4 * logits + 16 * tokens, "transient": (4 + w.compute_dtype_bytes) * logits}
 
 
 # ---- the whole rank ----------------------------------------------------------------------------------
 
 
-def _candidate_stages(lay: Layout, counts: list[int]) -> tuple[int, ...]:
-    """The pipeline ranks that can hold the peak: the first rank of each (layers, holds first, holds last).
-    Everything rank_memory adds up depends on those three and on the micro-batches in flight, which never
-    grow with the rank (`in_flight_microbatches`), and the total only grows with them; so a later rank with
-    the same three never holds more, and the earliest rank with the peak is among these."""
-    return _first_of_each_kind(tuple(counts), holders(lay, "first"), holders(lay, "last"))
+def _candidate_stages(lay: Layout, counts: list[int], trained: list[int]) -> tuple[int, ...]:
+    """The pipeline ranks that can hold the peak: the first rank of each (layers, trained layers, holds
+    first, holds last). Everything rank_memory adds up depends on those four and on the micro-batches in
+    flight, which never grow with the rank (`in_flight_microbatches`), and the total only grows with them; so
+    a later rank with the same four never holds more, and the earliest rank with the peak is among these."""
+    return _first_of_each_kind(tuple(zip(counts, trained)), holders(lay, "first"), holders(lay, "last"))
 
 
 @functools.lru_cache(maxsize=4096)
-def _first_of_each_kind(counts: tuple[int, ...], first: frozenset[int], last: frozenset[int]) -> tuple[int, ...]:
+def _first_of_each_kind(blocks: tuple[tuple[int, int], ...], first: frozenset[int],
+                        last: frozenset[int]) -> tuple[int, ...]:
     seen: dict[tuple, int] = {}
-    for stage, layers in enumerate(counts):
-        seen.setdefault((layers, stage in first, stage in last), stage)
+    for stage, layers_trained in enumerate(blocks):
+        seen.setdefault((layers_trained, stage in first, stage in last), stage)
     return tuple(sorted(seen.values()))
 
 
@@ -261,17 +403,24 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
     """Peak bytes on the worst pipeline stage, by term; 'total' is the estimate that must fit."""
     a = w.compute_dtype_bytes
     worst: dict[str, float] = {}
-    counts = rank_layer_counts(w, lay)
-    m, tp, fsdp = w.model, lay.tp, lay.fsdp_size
-    block_local, block_full = _block_elements(m, tp, fsdp, None), _block_elements(m, tp, 1, None)
-    for stage in _candidate_stages(lay, counts):
-        layers = counts[stage]
+    counts, trained_counts = rank_layer_counts(w, lay), trained_layer_counts(w, lay)
+    m, peft, tp, fsdp = w.model, w.peft, lay.tp, lay.fsdp_size
+    # held (frozen too, LoRA's adapters too) and trained elements of one block, sharded and gathered
+    block_local = _block_elements(m, tp, fsdp, None) + _adapter_elements(m, peft, tp, fsdp, None)
+    block_full = _block_elements(m, tp, 1, None) + _adapter_elements(m, peft, tp, 1, None)
+    block_trained_local = _trained_block_elements(m, peft, tp, fsdp, None)
+    block_trained_full = _trained_block_elements(m, peft, tp, 1, None)
+    for stage in _candidate_stages(lay, counts, trained_counts):
+        layers, trained = counts[stage], trained_counts[stage]
         first, last = holds_stage(lay, stage, "first"), holds_stage(lay, stage, "last")
         root_local = _root_elements(m, first, last, lay.pp == 1, tp, fsdp, None) if first or last else 0
         root_full = _root_elements(m, first, last, lay.pp == 1, tp, 1, None) if first or last else 0
+        root_trained_local = _trained_root_elements(m, peft.method, first, last, lay.pp == 1, tp, fsdp, None)
+        root_trained_full = _trained_root_elements(m, peft.method, first, last, lay.pp == 1, tp, 1, None)
         n_local = layers * block_local + root_local
-        terms = {"params": 4.0 * n_local, "grads": 4.0 * n_local, "optimizer": 8.0 * n_local}
-        acts = activation_bytes(w, lay, layers, num_microbatches, stage)
+        g_local = trained * block_trained_local + root_trained_local  # with gradients and AdamW moments
+        terms = {"params": 4.0 * n_local, "grads": 4.0 * g_local, "optimizer": 8.0 * g_local}
+        acts = activation_bytes(w, lay, trained, num_microbatches, stage)  # (blocks in the autograd graph)
         terms["activations"] = acts["saved"]
         transient = acts["recompute"]
         if last:
@@ -284,19 +433,22 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
             # backward (reshard_after_forward=False in raydist's apply_fsdp);
             # blocks (and an untied input embedding, a unit of its own) are gathered one at a time plus one
             # prefetched, or all kept from forward to backward when not resharding. The unsharded gradient
-            # of a unit (compute dtype + fp32 reduce copy).
+            # of the largest unit that trains (compute dtype + fp32 reduce copy).
             emb = own_embedding_elements(w, lay, stage)
             unit = max(block_full, emb)
             kept = layers * block_full + emb if not lay.fsdp_reshard_after_forward else 2 * unit
-            gathered = a * (root_full - emb + kept) + (a + 4) * unit
+            trained_emb = emb if "embedding" in trained_root_parts(m, peft.method) else 0
+            grad_unit = max(block_trained_full if trained else 0, trained_emb)
+            gathered = a * (root_full - emb + kept) + (a + 4) * grad_unit
             if num_microbatches > 1 and lay.pp == 1:
                 # no-sync accumulation keeps unsharded fp32 gradients
-                gathered += 4.0 * (layers * block_full + root_full)
+                gathered += 4.0 * (trained * block_trained_full + root_trained_full)
         elif a < 4:
-            gathered = a * (layers * block_full + root_full)  # autocast's bf16 weight copies, kept for backward
+            # autocast's bf16 weight copies, kept for backward by the blocks in the graph
+            gathered = a * (trained * block_full + root_full)
         terms["transient"] = transient + gathered
         # The optimizer step runs after activations are freed: foreach AdamW's temporaries (~1 fp32 copy).
-        optimizer_peak = terms["params"] + terms["grads"] + terms["optimizer"] + 4.0 * n_local
+        optimizer_peak = terms["params"] + terms["grads"] + terms["optimizer"] + 4.0 * g_local
         terms["total"] = max(sum(terms.values()), optimizer_peak)
         if not worst or terms["total"] > worst["total"]:
             worst = terms
