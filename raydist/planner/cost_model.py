@@ -6,7 +6,8 @@ Appendix B) define it: the model's own FLOPs against the device's peak, so recom
 count against it).
 
 `layout_problems` says why a layout cannot run a workload: the batch does not split, or the runtime's own
-validator (`raydist.parallel.layout.validate`) refuses it, so the planner and the runtime accept the same layouts.
+validator (`raydist.parallel.layout.validate`, and for peft.method freeze `raydist.models.peft.check_pipeline_stages`)
+refuses it, so the planner and the runtime accept the same layouts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+from raydist.errors import ConfigError
+from raydist.models.peft import check_pipeline_stages
 from raydist.parallel.layout import stage_partition, validate
 from raydist.planner.hardware import Hardware
 from raydist.planner.memory import rank_memory
@@ -93,7 +96,14 @@ def layout_problems(w: Workload, lay: Layout) -> list[str]:
     if not splits(w.global_batch, lay.dp, lay.micro_batch):
         return [f"train.global_batch={w.global_batch} must be divisible by dp ({lay.dp}) x train.micro_batch "
                 f"({lay.micro_batch}); change global_batch, micro_batch or the layout"]
-    return validate(complete(w, lay), w.model, w.seq_len)
+    lay = complete(w, lay)
+    problems = validate(lay, w.model, w.seq_len)
+    if not problems:
+        try:
+            check_pipeline_stages(w.peft.method, w.peft.trainable_last_layers, lay)
+        except ConfigError as exc:
+            problems = [str(exc)]
+    return problems
 
 
 def estimate(w: Workload, lay: Layout, hw: Hardware, memory: dict[str, float] | None = None) -> Estimate:
@@ -115,7 +125,7 @@ def explain(est: Estimate) -> list[str]:
              "activations": mem["activations"], "transient buffers": mem["transient"]}
     top = max(terms, key=terms.get)
     lines = [f"memory {est.memory_gb:.3g} GB of {est.memory_limit_bytes / 1e9:.3g} GB usable, "
-             f"{top} {terms[top] / max(mem['total'], 1):.0%}" + _memory_hint(top, lay)]
+             f"{top} {terms[top] / max(mem['total'], 1):.0%}" + _memory_hint(top, lay, mem["grads"] < mem["params"])]
     total = max(t["total"], 1e-12)
     overheads = {k: t[k] for k in TIME_TERMS}
     worst = max(overheads, key=overheads.get)
@@ -128,8 +138,10 @@ def explain(est: Estimate) -> list[str]:
     return lines
 
 
-def _memory_hint(term: str, lay: Layout) -> str:
+def _memory_hint(term: str, lay: Layout, frozen: bool) -> str:
     if term.startswith("model state"):
+        if frozen:  # peft: gradients and moments for the trained parameters only
+            return " (4 bytes per held parameter, 12 more per trained one; shard with dp_shard/tp/pp to cut it)"
         return " (16 bytes per held parameter; shard with dp_shard/tp/pp to cut it)"
     if term == "activations":
         return (f" ({lay.activation_checkpoint} recompute, micro_batch {lay.micro_batch}; "

@@ -35,8 +35,20 @@ Per step, per rank (the busiest pipeline stage), with m micro-batches of b sampl
   interleaved with v chunks per rank (Huang et al., "GPipe", 2019; Narayanan et al. 2021; an idle share
   p/(p+k) counts the same bubble from the other side), and for the zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
   at F = B = W: (p-1)/(3m+p-1) for ZB-H1, (p-1)/(6m+p-1) for ZB-V (`schedule.timeline`).
-- optimizer: AdamW and the gradient clip read and write ~36 bytes per locally held element, bound by
+- optimizer: AdamW and the gradient clip read and write ~36 bytes per locally trained element, bound by
   memory bandwidth.
+
+Parameter-efficient fine-tuning (the workload's [peft]; what trains: memory.py). A frozen weight the
+gradient still flows through (LoRA's base weights; a head frozen by lora, or tied under freeze) skips its
+weight-gradient GEMM: its matmuls cost 4 FLOPs per element and token instead of 6, so a LoRA block's
+matmuls cost 4 N_block + 6 N_adapters, N_adapters the rank's A and B elements (A replicated under a
+column-parallel W and B under a row-parallel one, so adapters are not divided by tp); attention's QK^T and
+AV keep their backward (the input gradient needs it). Under freeze the blocks before the last k build no
+graph: one forward each (compute, tensor- and context-parallel traffic), no backward and no recompute.
+The DP all-reduce and the FSDP reduce-scatters carry the trained elements only (4 N_trained bytes; the
+all-gathers still carry every held weight), over the units that train. MFU's model FLOPs are the method's
+(`training_flops_per_token`). Not modelled: the zero-bubble schedules' bubbles assume F = B = W, and
+LoRA's W is nearly empty.
 """
 
 from __future__ import annotations
@@ -45,8 +57,9 @@ import math
 
 from raydist.models.gpt import flops_per_token, param_counts
 from raydist.planner.hardware import Hardware, Link
-from raydist.planner.memory import block_activation_bytes, block_selective_bytes, stage_elements
-from raydist.planner.placement import Layout, Workload, holders, rank_layer_counts
+from raydist.planner.memory import (adapter_elements, block_activation_bytes, block_selective_bytes, stage_elements,
+                                    stage_trained_elements, trained_root_parts, trained_unit_elements)
+from raydist.planner.placement import Layout, Workload, holders, rank_layer_counts, trained_layer_counts
 from raydist.schedule.registry import schedule_kind
 from raydist.schedule.timeline import theoretical_bubble
 
@@ -91,33 +104,48 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     h, tp, cp = m_cfg.d_model, lay.tp, lay.cp
     counts = param_counts(m_cfg)
     stage_layers = rank_layer_counts(w, lay)
+    trained_layers = trained_layer_counts(w, lay)  # blocks in the autograd graph (all but freeze's prefix)
     layers = max(stage_layers)
+
+    def busiest(cost) -> float:
+        """The largest cost(blocks, blocks in the graph) over the pipeline ranks."""
+        return max(cost(n, t) for n, t in zip(stage_layers, trained_layers))
     rate = hw.peak_flops * hw.compute_efficiency
     attention_rate = hw.peak_flops * hw.attention_share(w.seq_len)
     bandwidth = hw.memory_bandwidth_bytes_per_s
 
     # ---- compute per micro-batch on the busiest stage ----------------------------------------------------
     # forward seconds of one block and of the head (with the loss); forward + backward is 3x the FLOPs and
-    # the elementwise bytes of elementwise_bytes()
+    # the elementwise bytes of elementwise_bytes(), less the weight-gradient GEMMs of frozen weights
     block_fwd = 2 * tokens * counts["block_matmul"] / tp / rate + 4 * tokens * w.seq_len * h / tp / attention_rate
     head_fwd = 2 * tokens * m_cfg.vocab_size * h / tp / rate
+    adapter_fwd = 2 * tokens * adapter_elements(w, tp) / rate  # LoRA's x A^T and (x A^T) B^T
+    frozen_weight_grads = 2 * tokens * counts["block_matmul"] / tp / rate if w.peft.method == "lora" else 0.0
     block_moved = head_moved = 0.0
     if hw.elementwise:
         block_moved, head_moved = elementwise_bytes(w, lay, tokens)
     # the busiest rank: its blocks, plus the head on the rank holding the last stage (every rank's blocks,
     # and the head's holders' blocks plus the head: the same maximum, without asking each of up to a
     # hundred pipeline ranks whether it holds the head)
-    block_s = 3 * block_fwd + block_moved / bandwidth
-    head_s = 3 * head_fwd + head_moved / bandwidth
-    compute_mb = (max(layers * block_s, *(stage_layers[r] * block_s + head_s for r in holders(lay, "last")))
+    block_s = 3 * block_fwd + (3 * adapter_fwd - frozen_weight_grads) + block_moved / bandwidth
+    forward_only_s = block_fwd + block_moved / 3 / bandwidth  # freeze's frozen prefix
+    head_s = (3 if "head" in trained_root_parts(m_cfg, w.peft.method) else 2) * head_fwd + head_moved / bandwidth
+
+    def blocks_s(n: int, t: int) -> float:
+        return t * block_s + (n - t) * forward_only_s
+
+    compute_mb = (max(busiest(blocks_s), *(blocks_s(stage_layers[r], trained_layers[r]) + head_s
+                                           for r in holders(lay, "last")))
                   + (layers + 1) * hw.block_overhead_s + weight_cast_bytes(w, lay, counts["total"]) / bandwidth)
     recompute_mb = 0.0
     policy = lay.activation_checkpoint
+    recomputed = max(trained_layers)  # (frozen blocks outside the graph are not recomputed)
     if policy in ("full", "every_k"):
-        recompute_mb = layers * (block_fwd + block_moved / 3 / bandwidth)
-    elif policy == "selective":
-        elementwise = block_activation_bytes(w, lay) - block_selective_bytes(w, lay)
-        recompute_mb = layers * 2 * max(0.0, elementwise) / hw.memory_bandwidth_bytes_per_s
+        recompute_mb = recomputed * (block_fwd + adapter_fwd + block_moved / 3 / bandwidth)
+    elif policy == "selective":  # the elementwise ops full training re-runs (LoRA's frozen ones too)
+        base = w.fully_trained()
+        elementwise = block_activation_bytes(base, lay) - block_selective_bytes(base, lay)
+        recompute_mb = recomputed * 2 * max(0.0, elementwise) / hw.memory_bandwidth_bytes_per_s
     if policy != "none" and hw.recompute_factors and policy in hw.recompute_factors:
         # measured on this machine; never below the work the policy must redo (a noisy calibration can
         # time the recomputing model faster than the plain one)
@@ -131,7 +159,8 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
         one = 2 * all_gather_s(act, tp, link) if lay.sequence_parallel else all_reduce_s(act, tp, link)
         per_block_fwd = 2 * one
         refwd = lay.activation_checkpoint != "none"
-        tp_mb = layers * per_block_fwd * (2 + (1 if refwd else 0)) + 2 * one  # + embedding / head
+        tp_mb = busiest(lambda n, t: t * per_block_fwd * (2 + (1 if refwd else 0))
+                        + (n - t) * per_block_fwd) + 2 * one  # + embedding / head
 
     # ---- context parallel ----------------------------------------------------------------------------------
     cp_mb = 0.0
@@ -141,10 +170,11 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
         if lay.cp_impl == "ring":
             ring = 3 * (cp - 1) * p2p_s(kv_bytes, link)
             attention_time = 3 * 4 * tokens * w.seq_len * h / tp / rate
-            cp_mb = layers * max(0.0, ring - attention_time)
+            cp_mb = busiest(lambda n, t: t * max(0.0, ring - attention_time)
+                            + (n - t) * max(0.0, ring / 3 - attention_time / 3))
         else:
             qkvo = a * tokens * (2 * h + 2 * m_cfg.num_kv_heads * w.head_dim) / tp
-            cp_mb = layers * 2 * all_gather_s(qkvo, cp, link)
+            cp_mb = busiest(lambda n, t: t * 2 * all_gather_s(qkvo, cp, link) + (n - t) * all_gather_s(qkvo, cp, link))
 
     # ---- pipeline ------------------------------------------------------------------------------------------
     pp_mb = 0.0
@@ -160,16 +190,20 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     bubble_s = pipeline_total - per_mb * m
 
     # ---- data parallel -------------------------------------------------------------------------------------
-    n_local = stage_elements(w, lay, 0) if lay.pp == 1 else max(stage_elements(w, lay, 0),
-                                                              stage_elements(w, lay, lay.pp - 1))
+    # gathers move every held element, gradient reductions the trained ones, over the units that train
+    trained_local = stage_trained_elements(w, lay, 0) if lay.pp == 1 else max(
+        stage_trained_elements(w, lay, 0), stage_trained_elements(w, lay, lay.pp - 1))
     n_unsharded = stage_elements(w, lay, 0, sharded=False)
+    trained_blocks, trained_block, trained_root = trained_unit_elements(w, lay, 0, sharded=False)
+    trained_unsharded = trained_blocks * trained_block + trained_root
     units = layers + 1
+    grad_units = max(trained_layers) + (trained_root > 0)
     dp_s = 0.0
     kind = lay.data_parallel_kind
     if kind == "ddp":
         p = lay.dp_replicate * cp
         link = hw.link(crosses_nodes(p, tp, hw))
-        grad = 4.0 * n_unsharded
+        grad = 4.0 * trained_unsharded
         buckets = max(1, math.ceil(grad / DDP_BUCKET_BYTES))
         dp_s = all_reduce_s(grad, p, link) + (buckets - 1) * link.alpha_s * _log2(p)
     elif kind in ("fsdp", "hsdp"):
@@ -177,18 +211,19 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
         link = hw.link(crosses_nodes(s, tp, hw))
         reduce_scatters = m if lay.pp > 1 else 1
         per_unit_param = n_unsharded / units
+        per_unit_grad = trained_unsharded / grad_units
         ag = all_gather_s(a * per_unit_param, s, link) * units
-        rs = all_gather_s(4.0 * per_unit_param, s, link) * units
+        rs = all_gather_s(4.0 * per_unit_grad, s, link) * grad_units
         dp_s = ag * fsdp_gathers_per_step(lay, m) + rs * reduce_scatters
         if lay.dp_replicate > 1:
             rlink = hw.link(crosses_nodes(lay.dp_replicate, tp * s, hw))
-            dp_s += all_reduce_s(4.0 * per_unit_param / s, lay.dp_replicate, rlink) * units * reduce_scatters
+            dp_s += all_reduce_s(4.0 * per_unit_grad / s, lay.dp_replicate, rlink) * grad_units * reduce_scatters
     compute_all = (compute_mb + recompute_mb) * m
     dp_exposed = dp_s - hw.comm_overlap * min(dp_s, compute_all)
 
-    optimizer_s = OPTIMIZER_BYTES_PER_ELEMENT * n_local / hw.memory_bandwidth_bytes_per_s
+    optimizer_s = OPTIMIZER_BYTES_PER_ELEMENT * trained_local / hw.memory_bandwidth_bytes_per_s
     total = pipeline_total + dp_exposed + optimizer_s
-    model_flops = flops_per_token(m_cfg, w.seq_len) * w.tokens_per_step / lay.world_size
+    model_flops = training_flops_per_token(w) * w.tokens_per_step / lay.world_size
     return {
         "compute": compute_mb * m, "recompute": recompute_mb * m, "bubble": bubble_s,
         "tp_comm": tp_mb * m, "cp_comm": cp_mb * m, "pp_comm": pp_mb * m,
@@ -228,9 +263,39 @@ def elementwise_bytes(w: Workload, lay: Layout, tokens: float) -> tuple[float, f
 
 def weight_cast_bytes(w: Workload, lay: Layout, params: int) -> float:
     """Bytes of one micro-batch's bf16 casts of this rank's fp32 weights (autocast casts each weight at each
-    use: read 4, write 2) and its gradients' accumulation into fp32 (read 2 + 4, write 4): 16 per held
-    element; none in fp32, and none under FSDP, whose mixed-precision policy casts each shard once per
-    all-gather and keeps the gradients in the compute dtype until the reduction. `params`: the model's total."""
+    use: read 4, write 2) and its gradients' accumulation into fp32 (read 2 + 4, write 4): 6 per held
+    element and 10 more per trained one (16 per element in full training); none in fp32, and none under
+    FSDP, whose mixed-precision policy casts each shard once per all-gather and keeps the gradients in the
+    compute dtype until the reduction. `params`: the model's total (LoRA's adapters not included)."""
     if w.compute_dtype_bytes >= 4 or lay.fsdp_size > 1:
         return 0.0
-    return 16.0 * params / (lay.tp * lay.pp)
+    held = params + w.model.num_layers * adapter_elements(w, 1)
+    return (6.0 * held + 10.0 * (held - frozen_parameters(w))) / (lay.tp * lay.pp)
+
+
+def frozen_parameters(w: Workload) -> int:
+    """Parameters the method freezes (raydist.models.peft): none; every base weight under lora; under freeze
+    the blocks before the last k and the embedding (a tied head with it)."""
+    counts = param_counts(w.model)
+    if w.peft.method == "lora":
+        return counts["total"]
+    if w.peft.method == "freeze":
+        return (w.model.num_layers - w.peft.trainable_last_layers) * counts["per_block"] + counts["embedding"]
+    return 0
+
+
+def training_flops_per_token(w: Workload) -> float:
+    """MFU's model FLOPs per token for the workload's method: `flops_per_token` (6 N_matmul + 12 L H E T)
+    under none. LoRA's frozen base weights and head skip their weight-gradient GEMMs (2 FLOPs per element
+    less) and its adapters add 6 per element; freeze's frozen blocks run forward only (4 per matmul element
+    and 8 H E T of attention less), its head skips the weight gradient when tied."""
+    m, peft = w.model, w.peft
+    full = flops_per_token(m, w.seq_len)
+    if peft.method == "none":
+        return full
+    counts = param_counts(m)
+    frozen_head = 0.0 if "head" in trained_root_parts(m, peft.method) else 2.0 * m.vocab_size * m.d_model
+    if peft.method == "lora":
+        return full - m.num_layers * (2.0 * counts["block_matmul"] - 6.0 * adapter_elements(w, 1)) - frozen_head
+    frozen_blocks = m.num_layers - peft.trainable_last_layers
+    return full - frozen_blocks * (4.0 * counts["block_matmul"] + 8.0 * m.q_width * w.seq_len) - frozen_head

@@ -292,3 +292,109 @@ def test_cli_published_json(capsys):
     assert out["published"]["fits"]
     assert out["best"][0]["step_time_s"] <= out["published"]["step_time_s"]
     assert 60 < out["megatron_accounting_gb"] < 80  # Korthikanti's own count fits an 80 GB A100
+
+
+# ---- parameter-efficient fine-tuning -----------------------------------------------------------------------
+
+# (memory bytes, step seconds) of full training on H100s, as the planner priced them before it knew PEFT
+# (main at f60bbac): pricing LoRA and freeze must leave peft.method = "none" exactly where it was.
+FULL_TRAINING = {
+    "ddp8": (dict(dp_replicate=8, micro_batch=4), 8069236736.0, 0.04174059466490905),
+    "fsdp8_nosync": (dict(dp_shard=8, micro_batch=2), 3836669952.0, 0.03933030056102845),
+    "hsdp2x4_selective": (dict(dp_replicate=2, dp_shard=4, micro_batch=2, activation_checkpoint="selective"),
+                          3318970368.0, 0.04134472451804338),
+    "tp2_sp_full": (dict(dp_replicate=4, tp=2, sequence_parallel=True, micro_batch=4, activation_checkpoint="full"),
+                    2589640704.0, 0.058955479245261455),
+    "pp4_interleaved": (dict(pp=4, dp_replicate=2, micro_batch=1, pp_schedule="interleaved", virtual_stages=2),
+                        2169841664.0, 0.07644575650704935),
+    "cp2_ring_every_k": (dict(cp=2, dp_shard=4, micro_batch=1, activation_checkpoint="every_k"),
+                         1288843264.0, 0.04937178413574237),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FULL_TRAINING))
+def test_full_training_estimates_are_unchanged(name):
+    import dataclasses
+
+    from raydist.config import PeftConfig
+    from raydist.planner.cost_model import complete
+
+    shape, memory_bytes, step_s = FULL_TRAINING[name]
+    w = _workload()
+    est = estimate(w, complete(w, Layout.of(**shape)), DEVICES["h100"])
+    assert (est.memory["total"], est.step_time_s) == (pytest.approx(memory_bytes, rel=1e-12),
+                                                      pytest.approx(step_s, rel=1e-12))
+    # the LoRA and freeze keys mean nothing while the method is none
+    ignored = dataclasses.replace(w, peft=PeftConfig(lora_rank=64, lora_targets="all", trainable_last_layers=2))
+    again = estimate(ignored, complete(w, Layout.of(**shape)), DEVICES["h100"])
+    assert (again.memory, again.time) == (est.memory, est.time)
+
+
+def _adapters_per_block(m: ModelConfig, r: int) -> int:
+    """r (in + out) for each of wq, wk, wv, wo, w1, w3, w2 (peft.lora_targets = "all"), from the shape."""
+    q, kv, h, f = m.num_heads * m.head_size, m.num_kv_heads * m.head_size, m.d_model, m.ffn_hidden
+    return r * ((h + q) + 2 * (h + kv) + (q + h) + 2 * (h + f) + (f + h))
+
+
+# fp32, no latency, nothing memory-bound priced but the optimizer: the terms below are FLOPs and bytes alone
+FLAT = Hardware("t", 1e15, 1e12, 1e12, Link(0.0, 1e9), Link(0.0, 1e9), gpus_per_node=8, compute_dtype_bytes=4)
+
+
+def test_lora_skips_frozen_weight_gradients_and_reduces_only_the_adapters():
+    import dataclasses
+
+    from raydist.config import PeftConfig
+    from raydist.models.gpt import param_counts
+
+    m = _workload(tie_embeddings=False).model
+    full = Workload(m, 2048, global_batch=8, compute_dtype_bytes=4)
+    lora = dataclasses.replace(full, peft=PeftConfig(method="lora", lora_rank=16, lora_targets="all"))
+    adapters = m.num_layers * _adapters_per_block(m, 16)
+    counts, tokens, rate = param_counts(m), 2048, FLAT.peak_flops * FLAT.compute_efficiency
+    ddp = Layout.of(dp_replicate=8, micro_batch=1)
+    t_full, t_lora = step_time(full, ddp, FLAT, 1), step_time(lora, ddp, FLAT, 1)
+    # no weight-gradient GEMM for the frozen blocks' and head's weights (2 FLOPs per element and token);
+    # the adapters' forward, input-gradient and weight-gradient GEMMs (6)
+    saved = m.num_layers * 2 * counts["block_matmul"] + 2 * m.vocab_size * m.d_model - 6 * adapters
+    assert t_lora["compute"] == pytest.approx(t_full["compute"] - tokens * saved / rate, rel=1e-9)
+    assert 0.6 < t_lora["compute"] / t_full["compute"] < 0.8  # a third of the matmuls gone, not of attention
+    # DDP all-reduces the adapters' fp32 gradients alone (2 (p-1)/p x 4 N / beta); AdamW reads 36 B each
+    assert t_lora["dp_comm"] == pytest.approx(2 * 7 / 8 * 4 * adapters / 1e9, rel=1e-9)
+    assert t_lora["optimizer"] == pytest.approx(36 * adapters / 1e12, rel=1e-9)
+    # FSDP all-gathers every held weight (adapters too), twice (resharding after forward), and
+    # reduce-scatters the adapters' gradients
+    fsdp = Layout.of(dp_shard=8, micro_batch=1)
+    held = counts["total"] + adapters
+    assert step_time(lora, fsdp, FLAT, 1)["dp_comm"] == pytest.approx(7 / 8 * (2 * 4 * held + 4 * adapters) / 1e9,
+                                                                      rel=1e-9)
+    assert t_lora["model_flops"] < t_full["model_flops"] and 0 < estimate(lora, ddp, FLAT).mfu < 1
+
+
+def test_freeze_runs_the_frozen_blocks_forward_only():
+    import dataclasses
+
+    from raydist.config import PeftConfig
+    from raydist.models.gpt import param_counts
+
+    m = _workload(tie_embeddings=False).model
+    full = Workload(m, 2048, global_batch=8, compute_dtype_bytes=4)
+    lay = Layout.of(dp_replicate=8, micro_batch=1)
+
+    def frozen(k: int) -> Workload:
+        return dataclasses.replace(full, peft=PeftConfig(method="freeze", trainable_last_layers=k))
+
+    # a block's forward + backward, from full training with one block more
+    one_more = Workload(ModelConfig(**{**m.__dict__, "num_layers": m.num_layers + 1}), 2048, 8, 4)
+    block_s = step_time(one_more, lay, FLAT, 1)["compute"] - step_time(full, lay, FLAT, 1)["compute"]
+    everything = step_time(frozen(m.num_layers), lay, FLAT, 1)
+    assert everything["compute"] == pytest.approx(step_time(full, lay, FLAT, 1)["compute"], rel=1e-12)
+    k = 2
+    t = step_time(frozen(k), lay, FLAT, 1)
+    assert t["compute"] == pytest.approx(everything["compute"] - (m.num_layers - k) * 2 / 3 * block_s, rel=1e-9)
+    # DDP reduces the k blocks, the final norm and the untied head
+    trained = k * param_counts(m)["per_block"] + m.d_model + m.vocab_size * m.d_model
+    assert t["dp_comm"] == pytest.approx(2 * 7 / 8 * 4 * trained / 1e9, rel=1e-9)
+    # and only the trained blocks keep activations: one block's worth per trained block, all of them at k = L
+    acts = {n: rank_memory(frozen(n), lay, 1)["activations"] for n in (1, 2, m.num_layers)}
+    assert acts[m.num_layers] == rank_memory(full, lay, 1)["activations"]
+    assert acts[m.num_layers] - acts[1] == pytest.approx((m.num_layers - 1) * (acts[2] - acts[1]), rel=1e-12)
