@@ -269,7 +269,7 @@ def _estimate(workload: Workload, layout: Layout, layers: int) -> float:
 def test_lora_activation_bytes_match_saved_tensors(policy, targets, monkeypatch):
     """With the adapters applied: frozen norms keep no normalised x, each adapter keeps x A^T, selective
     caches the adapters' matmul outputs too (more than full training keeps)."""
-    peft = PeftConfig(method="lora", lora_rank=8, lora_targets=targets)
+    peft = PeftConfig(method="lora", lora_rank=32, lora_targets=targets)  # (x A^T: a tenth of the bytes)
     model_cfg = ModelConfig(**SHAPE)
     got = _saved_bytes_with(peft, policy, model_cfg, monkeypatch)
     layout = Layout(micro_batch=2, activation_checkpoint=policy)
@@ -278,7 +278,7 @@ def test_lora_activation_bytes_match_saved_tensors(policy, targets, monkeypatch)
     error = abs(want - got) / got
     print(f"lora {targets} {policy}: estimated {want:.0f} B, saved tensors {got} B ({error:.2%}); "
           f"priced as full training {as_full:.0f} B")
-    assert error <= 0.05  # (the first block keeps a little less: nothing before it needs a gradient)
+    assert error <= 0.03  # (the first block keeps a little less: nothing before it needs a gradient)
 
 
 def test_freeze_keeps_activations_of_the_trained_blocks_only(monkeypatch):
