@@ -230,6 +230,7 @@ def _check(results, layout) -> None:
 
 
 @pytest.mark.slow  # each case reads `results`, whose one spawn per world size trains every layout (~36 s)
+@pytest.mark.timeout(400)  # (the first case pays `results`; its spawns have their own 300 s bounds)
 @pytest.mark.parametrize("layout", PP2 + PP4, ids=lambda l: f"{l[0]}-pp{l[1]}-v{l[2]}-m{l[3]}-{l[4]}"
                          + ("" if l[6] else "-untied"))
 def test_pipeline_equals_single_process(results, layout):
@@ -237,6 +238,7 @@ def test_pipeline_equals_single_process(results, layout):
 
 
 @pytest.mark.slow  # reads `results` (every layout trained in one spawn per world size)
+@pytest.mark.timeout(400)  # (as above: the first case to run may pay `results`)
 @pytest.mark.parametrize("layout", [l for l in PP4 if l[4] != "none"], ids=lambda l: f"{l[0]}-{l[4]}")
 def test_data_parallel_reduces_once_per_chunk_per_step(results, layout):
     """DDP: exactly one bucket all-reduce per chunk per step (the tiny chunks fit one bucket), counted by a
