@@ -22,9 +22,10 @@ from raydist.config_sections import (CHOICES, SECTIONS, CheckpointConfig, DataCo
                                      TrainConfig)
 from raydist.errors import ConfigError
 from raydist.schedule.batch import divisors
+from raydist.store.run_store import join
 
-__all__ = ["CHOICES", "RUN_FACTS", "DEFAULT_WORKLOAD", "SECTIONS", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
-           "ElasticConfig", "KernelsConfig", "ModelConfig", "MonitorConfig", "ParallelConfig", "PeftConfig",
+__all__ = ["CHOICES", "DEFAULT_WORKLOAD", "RUN_FACTS", "SECTIONS", "CheckpointConfig", "Config", "ConfigError",
+           "DataConfig", "ElasticConfig", "KernelsConfig", "ModelConfig", "MonitorConfig", "ParallelConfig", "PeftConfig",
            "RayConfig", "RunFacts", "TrackingConfig", "TrainConfig", "dump_toml", "field_docs", "hf_dir_of",
            "parse_override", "read_toml", "reference_markdown"]
 
@@ -225,7 +226,6 @@ class Config:
         return self.model.head_size
 
 
-
 RUN_FACTS = "run.json"  # RUN_DIR/run.json: the run's RunFacts
 
 
@@ -233,21 +233,26 @@ RUN_FACTS = "run.json"  # RUN_DIR/run.json: the run's RunFacts
 class RunFacts:
     """What the driver resolved for one run, kept apart from the user's `Config`, which stays as the user gave
     it (workers receive it and RUN_DIR/config.toml records it unchanged): the run's name (train.run_name, or a
-    new one), the storage it lives under (checkpoint.storage made absolute), the run directory (storage/name),
-    and the prepared data (data.path, or the default corpus's cache directory). The driver writes them to
-    RUN_DIR/run.json and sends them to every worker beside the config."""
+    new one), the storage it lives under (checkpoint.storage made absolute) and the prepared data (data.path,
+    or the default corpus's cache directory); the run directory follows (storage/name). The driver writes them
+    to RUN_DIR/run.json (the run directory with them, for readers) and sends them to every worker beside the
+    config."""
 
     run_name: str
     storage: str
-    run_dir: str
     data_path: str
 
+    @property
+    def run_dir(self) -> str:
+        return join(self.storage, self.run_name)
+
     def to_dict(self) -> dict[str, str]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "run_dir": self.run_dir}
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "RunFacts":
         return cls(**{f.name: str(raw[f.name]) for f in dataclasses.fields(cls)})
+
 
 # ---- helpers ---------------------------------------------------------------------------------------
 

@@ -139,7 +139,7 @@ def plan(cfg: Config, log: Callable[[str], None] = print) -> LaunchPlan:
     check_pipeline_stages(cfg.peft.method, cfg.peft.trainable_last_layers, layout)
     storage = resolve_storage(cfg.checkpoint.storage)
     run_name = cfg.train.run_name or new_run_name()
-    facts = RunFacts(run_name=run_name, storage=storage, run_dir=join(storage, run_name), data_path=data_path)
+    facts = RunFacts(run_name=run_name, storage=storage, data_path=data_path)
     check_storage(storage)  # before anything reads it: an unreachable store is one error line
     check_run_dir(facts.run_dir, cfg, read_manifest(data_path))  # a resumed run's checkpoints must fit
     return LaunchPlan(cfg, facts, num_workers, layout, planned_for)

@@ -18,6 +18,7 @@ from raydist.config import RUN_FACTS, Config, ConfigError, ModelConfig, RunFacts
 from raydist.models import hf
 from raydist.models.gpt import GPT, build_model
 from raydist.models.peft import apply_peft
+from raydist.store.run_store import RunStore
 
 
 @dataclass
@@ -33,9 +34,8 @@ def read_run_config(run_dir: str) -> Config:
     checkpoint holds every weight, the pretrained directory need not exist any more)."""
     import tomllib
 
-    uri = storage.join(run_dir, "config.toml")
     try:
-        text = storage.read_text(uri)
+        text = RunStore(run_dir).read_text("config.toml")
     except FileNotFoundError:
         raise ConfigError(f"{run_dir} has no config.toml: not a raydist run directory (MODEL is a run "
                           "directory or hf:DIR)") from None
@@ -45,12 +45,8 @@ def read_run_config(run_dir: str) -> Config:
 def read_run_facts(run_dir: str) -> RunFacts | None:
     """What the driver resolved for the run (RUN_DIR/run.json: its data path, storage and name), or None for
     a run directory written before run.json existed (its config.toml then held them)."""
-    import json
-
-    try:
-        return RunFacts.from_dict(json.loads(storage.read_text(storage.join(run_dir, RUN_FACTS))))
-    except FileNotFoundError:
-        return None
+    raw = RunStore(run_dir).read_json(RUN_FACTS)
+    return None if raw is None else RunFacts.from_dict(raw)
 
 
 def find_checkpoint(run_dir: str, step: int | None = None) -> tuple[int, str, dict]:

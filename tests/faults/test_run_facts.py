@@ -44,6 +44,6 @@ def test_a_run_directory_without_run_json_reads_its_data_path_from_config_toml(t
     from raydist.inference.load import read_run_facts
 
     assert read_run_facts(str(tmp_path)) is None  # (written before run.json: generate reads config.toml's)
-    facts = RunFacts("r", str(tmp_path), str(tmp_path / "r"), "/data")
+    facts = RunFacts("r", str(tmp_path), "/data")
     (tmp_path / RUN_FACTS).write_text(json.dumps(facts.to_dict()))
     assert read_run_facts(str(tmp_path)) == facts
