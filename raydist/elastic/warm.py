@@ -169,6 +169,28 @@ def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = Fa
     return sorted(found)
 
 
+def settled(pids: list[int], quiet_s: float = 1.0, proc: str = "/proc") -> bool:
+    """Whether the main thread of every process of `pids` used no CPU over `quiet_s`: a spare whose
+    `ray::IDLE` title shows only that it began connecting (Ray names the process before its core worker
+    registers with the raylet and before the setup hook runs) has then registered, preloaded and waits in
+    Ray's main loop (the core worker's own threads keep running). False when one is gone."""
+
+    def cpu_ticks() -> list[int]:
+        ticks = []
+        for pid in pids:
+            with open(f"{proc}/{pid}/task/{pid}/stat") as f:  # the main thread: after the command's ")", field 3 on
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks.append(int(fields[11]) + int(fields[12]))  # utime, stime (fields 14 and 15)
+        return ticks
+
+    try:
+        before = cpu_ticks()
+        time.sleep(quiet_s)
+        return cpu_ticks() == before
+    except OSError:
+        return False
+
+
 def request_spares(workers: int, controller_actors: int = 0, log=print) -> int | None:
     """From a Ray Train worker process: asks this node's raylet for idle processes with this process's
     runtime env until `workers` are idle or starting here, and with the controller's until

@@ -40,6 +40,30 @@ def test_spares_are_this_jobs_marked_processes_that_host_nothing_yet(tmp_path):
     assert warm.spare_pids("01000000", "7", proc=str(tmp_path / "none")) == []
 
 
+def test_a_spare_has_settled_when_its_main_thread_used_no_cpu(tmp_path):
+    """warm.settled reads the main thread's utime + stime (fields 14 and 15 of /proc/PID/task/PID/stat, the
+    command name may hold spaces and parentheses); the core worker's other threads do not count."""
+    def stat(pid, tid, utime, stime):
+        path = tmp_path / str(pid) / "task" / str(tid) / "stat"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{pid} (ray::IDLE (x) y) S 1 2 3 4 5 6 7 8 9 10 {utime} {stime} 0 0 20 0 3\n")
+
+    stat(5, 5, 100, 20)
+    stat(5, 6, 0, 0)
+    stat(9, 9, 7, 3)
+    proc = str(tmp_path)
+    assert warm.settled([5, 9], quiet_s=0.01, proc=proc)
+    assert not warm.settled([5, 10], quiet_s=0.01, proc=proc)  # one is gone
+
+    import threading  # the main thread still preloading: its ticks move during the wait; another thread's do not
+    for tid, want in ((5, False), (6, True)):
+        stat(5, tid, 0, 0)
+        timer = threading.Timer(0.05, stat, (5, tid, 1, 0))
+        timer.start()
+        assert warm.settled([5], quiet_s=0.3, proc=proc) is want, tid
+        timer.join()
+
+
 def test_the_controllers_runtime_env_is_a_workers_without_the_marker():
     controller = '{"env_vars":{"A":"1","RAY_TRAIN_X":"0"},"worker_process_setup_hook":"h"}'
     for worker in ('{"env_vars":{"A":"1","RAYDIST_SPARE_WORKER":"1","RAY_TRAIN_X":"0"},"worker_process_setup_hook":"h"}',
