@@ -38,6 +38,38 @@ def test_train_two_workers_writes_the_run_directory(local_ray, tiny_data, tmp_pa
     assert summary["final_val_loss"] < summary["first_val_loss"]
 
 
+def test_a_qwen3_directory_trains_through_ray_train_and_generates_from_its_run(local_ray, tiny_data, tmp_path,
+                                                                                 capsys):
+    """Another family through the whole job: a Qwen3 `save_pretrained` directory (untied, heads of 32 on a
+    64-wide model, per-head q/k norms) trained by Ray Train workers under FSDP 2 from `model.init_from`, its
+    checkpoint then read by `raydist generate` with the run's tokenizer and the family from the checkpoint."""
+    from raydist.cli import main
+    from raydist.inference.generate import generate_ids
+    from raydist.inference.load import load_model
+    from raydist.testing import save_tiny_hf
+
+    save_tiny_hf(tmp_path / "qwen3", family="qwen3", tied=False, seed=3, head_dim=32)
+    cfg = small(tiny_data, tmp_path, f"model.init_from=hf:{tmp_path / 'qwen3'}", "parallel.dp_replicate=1",
+                "parallel.dp_shard=2", "train.lr=1e-3", "train.steps=6", "train.eval_every=6")
+    summary = launch(cfg, log=lambda *_: None)
+    run = tmp_path / "runs" / "r1"
+    assert summary["status"] == "completed" and summary["steps"] == 6
+    assert summary["final_val_loss"] < summary["first_val_loss"]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["world_size"] == 2 and records[-1]["mesh"]["dp_shard"] == 2
+    loaded = load_model(str(run), 32)
+    assert loaded.model.cfg.family == "qwen3" and loaded.model.cfg.head_dim == 32
+    assert any(name.endswith("q_norm.weight") for name, _ in loaded.model.named_parameters())
+
+    capsys.readouterr()
+    code = main(["generate", str(run), "--prompt", "import os\n", "--max-new-tokens", "8", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["step"] == 6 and got["prompt_ids"] == list(b"import os\n")  # the data's byte tokenizer
+    assert got["completion_ids"] == generate_ids(loaded.model, list(b"import os\n"), 8, eos_ids=(256,))
+
+
 def test_more_workers_than_the_cluster_can_hold_fails_in_bounded_time(local_ray, tiny_data, tmp_path):
     cfg = small(tiny_data, tmp_path, "ray.num_workers=8", "ray.max_pending_s=3", "train.global_batch=16")
     start = time.monotonic()
