@@ -259,7 +259,7 @@ class PeftConfig:
     lora_alpha: float = 16.0
     """LoRA scale numerator: the update is (lora_alpha / lora_rank) B A x."""
     lora_targets: str = "attention"
-    """Which projections get adapters: `attention` (wq, wk, wv, wo), `mlp` (w1, w2, w3), `all`."""
+    """Which projections get adapters: `attention` (q, k, v, o projections), `mlp` (gate, up, down), `all`."""
     trainable_last_layers: int = 1
     """For `freeze`: the last this many blocks (and the final norm; the head too when untied) train."""
 

@@ -3,7 +3,7 @@
 A checkpoint is a dict of parts (DCP's `Stateful` protocol, as TorchTitan's checkpointer uses it):
 
     model_optim   the model's and AdamW's state, keyed by the unsharded parameter names
-                  (`model.layers.3.attention.wq.weight`, `optim.state.layers.3.attention.wq.weight.exp_avg`),
+                  (`model.layers.3.<name>.weight`, `optim.state.layers.3.<name>.weight.exp_avg`),
                   so any layout loads any other layout's checkpoint
     schedule      the LR schedule's position
     data          optimizer steps done and the data position (global sample index of the next sample)
@@ -33,7 +33,7 @@ class Stateful(Protocol):
 
 
 class ModelOptimizerState:
-    """The model and its optimizer. `aliases` ({"output.weight": "tok_embeddings.weight"} on a pipeline's
+    """The model and its optimizer. `aliases` (the head's weight named as the tied embedding's, on a pipeline's
     last stage holding a tied output copy) stores that parameter's optimizer state under the unsplit
     model's name, where the two are one parameter, so pipeline and non-pipeline checkpoints load into
     each other."""

@@ -41,7 +41,7 @@ def save_peft_adapter(model: GPT, cfg: Config, out_dir: str) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
             base = hf.raydist_to_hf_name(f"{name}.weight").removesuffix(".weight")
-            b = hf.to_hf(f"{name}.weight", module.lora_b.detach(), model.cfg)  # rows of wq/wk: HF's order
+            b = hf.to_hf(f"{name}.weight", module.lora_b.detach(), model.cfg)  # q/k rows: HF's order
             tensors[f"base_model.model.{base}.lora_A.weight"] = module.lora_a.detach().contiguous()
             tensors[f"base_model.model.{base}.lora_B.weight"] = b.contiguous()
     out = Path(out_dir)

@@ -3,10 +3,10 @@
 Shoeybi et al.'s split ("Megatron-LM", 2019), per block (tp ranks, B batch, T sequence, D d_model, H/K
 query/kv heads, F ffn):
 
-    attention:  wq, wk, wv column-parallel (each rank holds H/tp query heads and K/tp kv heads)
-                wo row-parallel: partial sums (B, T, D) that are all-reduced ("g" in Shoeybi et al.)
-    MLP:        w1 (gate), w3 (up) column-parallel: silu(x W1_r^T) * (x W3_r^T) needs no communication
-                w2 (down) row-parallel: partial sums, all-reduced
+    attention:  q, k, v projections column-parallel (each rank holds H/tp query heads and K/tp kv heads)
+                o projection row-parallel: partial sums (B, T, D) that are all-reduced ("g" in Shoeybi et al.)
+    MLP:        gate and up column-parallel: silu(x Wgate_r^T) * (x Wup_r^T) needs no communication
+                down row-parallel: partial sums, all-reduced
     embedding:  vocabulary-parallel (rows V/tp per rank; a token outside a rank's rows contributes zero,
                 the partial embeddings are all-reduced; `VocabParallelEmbedding`)
     head:       column-parallel over the vocabulary: logits stay sharded (B, T, V/tp) and the loss is
@@ -16,7 +16,7 @@ The residual stream between these regions is a plain local tensor:
 - without SP it is the whole (B, T, D) on every rank; the input of attention and of the MLP is marked
   Replicate, so backward all-reduces its gradient ("f"): 2 all-reduces forward + 2 backward per block;
 - with SP (Korthikanti et al. 2022) it is this rank's (B, T/tp, D) slice of the sequence; norms run on the
-  slice, the input of attention and of the MLP is all-gathered over T, and wo/w2 reduce-scatter their
+  slice, the input of attention and of the MLP is all-gathered over T, and o/down reduce-scatter their
   partial sums back to slices instead of all-reducing: the same bytes (an all-reduce is a
   reduce-scatter plus an all-gather), a tp-th of the norm/residual activations and their compute.
 
@@ -80,7 +80,7 @@ class ReplicatedKVHeads(ParallelStyle):
 
     The local result's gradient is non-zero only in that head's columns and only for this rank's query
     heads, so it is declared Partial: summed over tp it is the full gradient (of the weight and, joined
-    with the column-parallel wq's Partial gradient, of the input)."""
+    with the column-parallel q projection's Partial gradient, of the input)."""
 
     def __init__(self, num_kv_heads: int, head_dim: int):
         super().__init__()

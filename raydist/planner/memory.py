@@ -8,8 +8,9 @@ master weights, fp32 gradients (FSDP reduces in fp32) and fp32 AdamW moments und
 is 16 bytes per locally held element in every precision; what bf16 adds is transient (gathered bf16
 parameters, autocast weight copies). Locally held elements are counted per parameter tensor the way the
 layouts shard them:
-- tensor parallel (Megatron/TorchTitan plan): wq, wk, wv, w1, w3 and the vocab rows of the embedding and
-  output are split on dim 0 (column-parallel), wo and w2 on dim 1 (row-parallel), norms replicated;
+- tensor parallel (Megatron/TorchTitan plan): the q, k, v, gate and up projections and the vocab rows of
+  the embedding and output are split on dim 0 (column-parallel), o and down on dim 1 (row-parallel), norms
+  replicated;
 - FSDP2 shards dim 0 of each (TP-local) tensor over dp_shard x cp ranks in `torch.chunk` pieces:
   ceil(rows / S) rows on the first ranks, fewer (or none) on the last. FSDP2 allocates the padded
   ceil size on every rank, so the worst rank's estimate is the padded one, and `state_bytes_per_rank`
@@ -23,7 +24,7 @@ F = ffn_hidden, a = bytes of the compute dtype:
     each RMSNorm: its fp32 input (4h), the normalised x (a h), the weighted output the matmul reads (a h)
     attention: q, repeated k, repeated v (GQA repeats to H heads before sdpa), the output (4 a h)
                + log-sum-exp (4 H bytes)
-    SwiGLU:    w1 x, silu(w1 x), w3 x, their product (4 a F)
+    SwiGLU:    gate x, silu(gate x), up x, their product (4 a F)
 i.e. 10h + 4F elements in fp32 (Korthikanti et al.'s 34 s b h for GPT-3 counts the same way for a GeLU
 MLP with dropout masks). Tensor parallel divides the attention and MLP tensors by tp; sequence parallel
 also divides the norms' inputs, but the gathered matmul input stays whole (torch's SP saves the gathered
@@ -31,7 +32,7 @@ tensor). Context parallel divides the sequence by cp.
 
 Recompute policies (raydist.parallel.checkpointing): `full` keeps each block's input; `every_k` keeps one
 input per k-block segment; `selective` keeps the block input and the outputs of matmuls and attention
-(q, k, v, wo, w1, w3, w2 outputs and the attention output + LSE); all three re-materialise one region's
+(q, k, v, o, gate, up, down outputs and the attention output + LSE); all three re-materialise one region's
 full activations during its backward. Pipelines keep several micro-batches in flight on a stage: 1F1B
 min(m, p) on the first stage, GPipe all m, interleaved 1F1B Megatron's warm-up count per chunk.
 
@@ -46,8 +47,9 @@ element under none, the adapters under lora, and under freeze the last k blocks,
 untied head. Activations (measured as above, with the adapters applied):
     lora:   a frozen norm saves no normalised x (a h / sp less, each); a norm whose projections are all
             unadapted saves no matmul input either (a h less), nor does the SwiGLU product stay for an
-            unadapted w2 (a F / tp less); each adapted projection saves x A^T (a r). `selective` caches every
-            matmul output, the adapters' too: a r + the projection's own output size per adapted projection.
+            unadapted down projection (a F / tp less); each adapted projection saves x A^T (a r).
+            `selective` caches every matmul output, the adapters' too: a r + the projection's own output size
+            per adapted projection.
             The head saves its norm's normalised x and its own input only where they train.
     freeze: only the trained blocks keep activations (the frozen ones before them build no graph).
 Not modelled (an upper bound by it): the first block in the graph saves less again, since nothing before
@@ -312,7 +314,7 @@ def block_selective_bytes(w: Workload, lay: Layout) -> float:
     h, f, tp = m.d_model, m.ffn_hidden, lay.tp
     sp = tp if (lay.sequence_parallel and tp > 1) else 1
     kv = m.num_kv_heads * w.head_dim
-    matmuls = a * (h + 2 * kv) / tp + a * h + 2 * a * f / tp + a * h  # wq, wk, wv | wo | w1, w3 | w2 (pre-reduce)
+    matmuls = a * (h + 2 * kv) / tp + a * h + 2 * a * f / tp + a * h  # q, k, v | o | gate, up | down (pre-reduce)
     attention = a * h / tp + 4 * m.num_heads / tp
     return tokens * (a * h / sp + matmuls + attention + lora_activation_bytes(w, lay)[1])
 
@@ -330,7 +332,7 @@ def lora_activation_bytes(w: Workload, lay: Layout) -> tuple[float, float]:
     inputs = {(p.group, p.role != "row") for p in adapted}  # (group, an input projection) with an adapter
     saved = (-2 * a * h / sp  # the normalised x of both norms
              - a * h * ((("attention", True) not in inputs) + (("mlp", True) not in inputs))  # norms' matmul input
-             - a * f / tp * (("mlp", False) not in inputs)  # the SwiGLU product (w2's input)
+             - a * f / tp * (("mlp", False) not in inputs)  # the SwiGLU product (down's input)
              + a * r * len(adapted))  # x A^T
     outputs = sum(p.out_features if p.role == "row" else p.out_features / tp for p in adapted)  # (row: pre-reduce)
     return saved, a * (r * len(adapted) + outputs)
