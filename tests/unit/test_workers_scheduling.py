@@ -29,3 +29,33 @@ def test_ray_files_share_one_scope_and_the_rest_go_by_file():
 def test_a_test_whose_mark_disagrees_with_its_file_fails_the_collection(item):
     with pytest.raises(pytest.UsageError, match="mark every test of a file `ray`"):
         check_ray_files([item])
+
+
+class _Config:
+    def getini(self, name):
+        assert name == "timeout"
+        return "180"
+
+
+def test_under_xdist_the_niced_tests_get_three_times_their_timeout(monkeypatch):
+    from workers import STARVED_FACTOR, allow_for_low_priority
+
+    def item(nodeid, ray=False, timeout=None):
+        fake = _Item(nodeid, ray)  # (a stand-in with the calls allow_for_low_priority makes)
+        fake.markers = [pytest.mark.timeout(timeout).mark] if timeout else []
+        fake.get_closest_marker = lambda name: (object() if name == "ray" and ray else
+                                               next((m for m in fake.markers if m.name == name), None))
+        fake.add_marker = lambda marker, append=True: fake.markers.insert(0 if not append else len(fake.markers),
+                                                                          marker.mark)
+        return fake
+
+    plain, slow, ray = item("tests/unit/a.py::t"), item("tests/unit/b.py::t", timeout=400), \
+        item("tests/ray/c.py::t", ray=True, timeout=600)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    allow_for_low_priority(_Config(), [plain, slow, ray])
+    assert (plain.markers, slow.markers[0].args, ray.markers[0].args) == ([], (400,), (600,))  # no xdist: as given
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    allow_for_low_priority(_Config(), [plain, slow, ray])
+    assert plain.get_closest_marker("timeout").args == (STARVED_FACTOR * 180.0,)
+    assert slow.get_closest_marker("timeout").args == (STARVED_FACTOR * 400.0,)
+    assert ray.get_closest_marker("timeout").args == (600,)  # the Ray tests keep their pace and their limits
