@@ -247,6 +247,11 @@ class KernelsConfig:
     suite), `triton`, `sdpa`, `eager`."""
     matmul: str = "auto"
     """`auto` (torch: cuBLAS on CUDA, faster than the Triton matmul on an H100), `triton`, `torch`."""
+    loss: str = "auto"
+    """`auto`: the head's matmul and the cross-entropy run together, a chunk of tokens at a time, never
+    holding the whole (B, T, V) logits or their gradient (one more head matmul in backward), where the
+    layout holds whole logit rows: no tensor or pipeline parallelism yet (those compute the logits, then
+    the loss). `plain`: always the logits, then the loss."""
 
 
 @dataclass(frozen=True)
@@ -310,6 +315,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.fsdp_reshard_after_forward": ("auto", "true", "false"),
     "kernels.attention": ("auto", "triton", "sdpa", "eager"),
     "kernels.matmul": ("auto", "triton", "torch"),
+    "kernels.loss": ("auto", "plain"),
     "tracking.wandb_mode": ("online", "offline"),
 }
 

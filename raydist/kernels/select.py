@@ -18,6 +18,10 @@ still holds). Where a parallel plan has turned a weight or input into a DTensor,
 the torch path (counted as `matmul.torch_fallback` / `swiglu.torch_fallback` in `runtime.kernel_calls()`),
 since the kernel works on local tensors only. On the torch path plain `nn.Linear`s become `TorchLinear`
 (F.linear, counted as `matmul.torch`) in the same way, so the metrics can report what ran on every path.
+
+Either class, as the model's head, also computes the loss with its matmul when given the targets
+(`forward(x, targets)`, counted as `loss.fused`): models.loss.linear_cross_entropy, chunk by chunk of
+tokens, never the whole logits (`ParallelModel.loss`, where the layout allows it; `kernels.loss`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from raydist.kernels import runtime
 from raydist.kernels.attention import SUPPORTED_HEAD_DIMS, triton_causal_attention
 from raydist.kernels.matmul import linear, swiglu
 from raydist.models.gpt import FeedForward, eager_attention, sdpa_attention
+from raydist.models.loss import linear_cross_entropy
 
 ATTENTION_FNS = {"triton": triton_causal_attention, "sdpa": sdpa_attention, "eager": eager_attention}
 
@@ -39,19 +44,39 @@ def _is_dtensor(*tensors) -> bool:
     return any(t is not None and type(t).__name__ == "DTensor" for t in tensors)
 
 
+def fused_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+               ) -> torch.Tensor:
+    """A head's loss with its matmul, chunk by chunk of tokens (models.loss.linear_cross_entropy): what
+    `ParallelModel.loss` asks of the head where the layout holds whole logits rows (no tensor or pipeline
+    parallelism)."""
+    if bias is not None or _is_dtensor(x, weight):
+        raise ValueError("the fused loss takes a head without bias whose weight is a plain tensor")
+    runtime.count_call("loss.fused")
+    return linear_cross_entropy(x, weight, targets)
+
+
 class TorchLinear(nn.Linear):
     """nn.Linear (F.linear) that counts its calls as `matmul.torch`: the torch path, installed so that the
     run's metrics can report what ran on every path (`raydist.metrics.kernels`)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    fuses_loss = True  # a head of this class computes the loss with its matmul (`forward(x, targets)`)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         runtime.count_call("matmul.torch")
+        if targets is not None:
+            return fused_loss(x, self.weight, self.bias, targets)
         return F.linear(x, self.weight, self.bias)
 
 
 class TritonLinear(nn.Linear):
     """nn.Linear whose forward runs the Triton matmul (bias fused in the epilogue)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    fuses_loss = True  # (as TorchLinear's; the loss's chunked matmuls are torch's: counted as the fallback)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        if targets is not None:
+            runtime.count_call("matmul.torch_fallback")
+            return fused_loss(x, self.weight, self.bias, targets)
         if _is_dtensor(x, self.weight, self.bias):
             runtime.count_call("matmul.torch_fallback")
             return F.linear(x, self.weight, self.bias)

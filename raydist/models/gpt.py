@@ -224,12 +224,13 @@ class GPT(nn.Module):
         self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+                cache: KVCache | None = None, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, V); on a middle pipeline stage (B, T, D) -> (B, T, D).
 
         positions (T,) gives each token's place in the full sequence (context parallelism shards T);
         by default 0..T-1, or cache.length..cache.length+T-1 when decoding with a KV cache (which this
-        call extends by T).
+        call extends by T). With `targets` (B, T) the head computes the loss (models.loss.cross_entropy's
+        value) with its matmul and returns it: a head whose class `fuses_loss` (raydist.kernels.select).
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, D)
         t = h.shape[1]
@@ -251,6 +252,8 @@ class GPT(nn.Module):
                 for layer in self.layers.values():
                     h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
+        if targets is not None:
+            return self.output(h, targets=targets)  # the loss, never the whole (B, T, V) logits
         return self.output(h) if self.output is not None else h  # (B, T, V)
 
     def set_attention(self, fn: AttentionFn) -> None:

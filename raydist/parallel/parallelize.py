@@ -50,6 +50,17 @@ class ParallelModel:
     # of parameters the unsplit model knows by another name (a tied output copy)
     chunks: list[nn.Module] | None = None
     aliases: dict[str, str] = field(default_factory=dict)
+    # The head computes the loss with its matmul, chunk by chunk of tokens (`loss`): where the layout holds
+    # whole rows of logits (no tensor parallelism, whose vocabulary-parallel loss needs its shards, and no
+    # pipeline, whose last stage hands logits to the executor's loss) and kernels.loss allows it
+    fused_loss: bool = False
+
+    def loss(self, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
+        """The mean loss over this rank's tokens of one micro-batch (`loss_fn`'s value): without the logits
+        where `fused_loss`, else `loss_fn` of the logits."""
+        if self.fused_loss:
+            return self.module(inputs, positions, targets=targets)
+        return self.loss_fn(self.module(inputs, positions), targets)
 
     @property
     def module(self) -> nn.Module:
@@ -98,15 +109,19 @@ def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_paral
 
 
 def parallelize(model: nn.Module, mesh: Mesh, layout: Layout, device: torch.device,
-                compute_dtype: torch.dtype = torch.float32, materialize: Materialize | None = None
-                ) -> ParallelModel:
-    """`materialize(module)`: required when `model` is on the meta device (see the module docstring)."""
+                compute_dtype: torch.dtype = torch.float32, materialize: Materialize | None = None,
+                fused_loss: bool = False) -> ParallelModel:
+    """`materialize(module)`: required when `model` is on the meta device (see the module docstring).
+    `fused_loss`: the head computes the loss with its matmul where the layout allows (`ParallelModel`)."""
     data_parallel = make_data_parallel(layout.data_parallel_kind, mesh, device, compute_dtype,
                                        reshard_after_forward=layout.fsdp_reshard_after_forward,
                                        forward_prefetch=layout.fsdp_forward_prefetch)
     if layout.pp == 1:
+        head = model.head
+        fused = (fused_loss and layout.tp == 1 and getattr(head, "fuses_loss", False)
+                 and getattr(head, "bias", None) is None)
         module, loss_fn = _parallelize_module(model, mesh, layout, data_parallel, device, materialize)
-        return ParallelModel(model, [module], data_parallel, loss_fn)
+        return ParallelModel(model, [module], data_parallel, loss_fn, fused_loss=fused)
     return _parallelize_pipeline(model, mesh, layout, data_parallel, device, materialize)
 
 

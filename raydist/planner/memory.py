@@ -65,6 +65,7 @@ from dataclasses import dataclass
 import torch
 
 from raydist.models.gpt import TransformerBlock, block_roles
+from raydist.models.loss import chunk_rows
 from raydist.models.peft import GROUPS, lora_targets
 from raydist.planner.placement import (Layout, Workload, every_k_segment, holders, holds_stage, rank_layer_counts,
                                        trained_layer_counts)
@@ -373,11 +374,16 @@ def activation_bytes(w: Workload, lay: Layout, layers: int, num_microbatches: in
 def head_bytes(w: Workload, lay: Layout) -> dict:
     """Final norm + loss on the last stage: 3 norm tensors (the fp32 input; the normalised x where the norm
     trains and the head's input where the head does), the fp32 log-softmax output saved by the loss
-    (logits split over tp by a vocab-parallel head), and its gradient plus the logits' during backward."""
+    (logits split over tp by a vocab-parallel head), and its gradient plus the logits' during backward.
+    The fused loss (`Workload.fused_loss`) saves each token's log-sum-exp instead of the log-softmax and
+    holds about three chunks of fp32 logits at a time (models.loss.chunk_rows; benchmarks/fused_loss.py)."""
     tokens = lay.micro_batch * w.seq_len / lay.cp
     logits = tokens * w.model.vocab_size / lay.tp
     trains = trained_root_parts(w.model, w.peft.method)
     norm = tokens * w.model.d_model * (4 + (("norm" in trains) + ("head" in trains)) * w.compute_dtype_bytes)
+    if w.fused_loss(lay):
+        chunk = min(chunk_rows(w.model.vocab_size), tokens) * w.model.vocab_size
+        return {"saved": norm + 4 * tokens + 16 * tokens, "transient": 3 * 4 * chunk}
     return {"saved": norm + 4 * logits + 16 * tokens, "transient": (4 + w.compute_dtype_bytes) * logits}
 
 

@@ -37,6 +37,12 @@ class Workload:
     name: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     peft: PeftConfig = PeftConfig()  # what trains: everything, LoRA's adapters, or the last blocks
+    loss: str = "auto"  # kernels.loss: `auto` fuses the head's matmul and the loss where the layout allows
+
+    def fused_loss(self, lay) -> bool:
+        """Whether the loss runs fused in `lay` (raydist.parallel.parallelize: no tensor or pipeline
+        parallelism) and so never holds the logits."""
+        return self.loss == "auto" and lay.tp == 1 and lay.pp == 1
 
     @classmethod
     def from_config(cls, cfg: Config, compute_dtype_bytes: int, name: str = "") -> "Workload":
@@ -44,7 +50,8 @@ class Workload:
             compute_dtype_bytes = 4
         elif cfg.train.dtype == "bf16":
             compute_dtype_bytes = 2
-        return cls(cfg.model, cfg.data.seq_len, cfg.train.global_batch, compute_dtype_bytes, name, peft=cfg.peft)
+        return cls(cfg.model, cfg.data.seq_len, cfg.train.global_batch, compute_dtype_bytes, name, peft=cfg.peft,
+                   loss=cfg.kernels.loss)
 
     def fully_trained(self) -> "Workload":
         """This workload with every parameter trained (peft.method none)."""

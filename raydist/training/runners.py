@@ -120,9 +120,10 @@ class AccumulationRunner:
 
     def forward_loss(self, micro: MicroBatch) -> torch.Tensor:
         """The mean loss over this rank's tokens of one micro-batch (the one place a parallel plan may
-        change how logits become a loss: `pm.loss_fn`, e.g. a vocabulary-parallel cross-entropy)."""
+        change how logits become a loss: `pm.loss`, the head's fused loss or `pm.loss_fn` of the logits, e.g.
+        a vocabulary-parallel cross-entropy)."""
         with self.autocast():
-            loss = self.pm.loss_fn(self.pm.module(micro.inputs, micro.positions), micro.targets)
+            loss = self.pm.loss(micro.inputs, micro.positions, micro.targets)
             return loss * self.mask_scale.value if self.masked else loss
 
     def step(self, tokens: torch.Tensor | LocalBatch, record_timeline: bool = False,

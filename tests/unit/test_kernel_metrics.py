@@ -43,10 +43,12 @@ def test_cpu_run_reports_the_torch_paths(tiny_data, tmp_path):
     lines, summary = records(tmp_path)
     assert summary["kernels_selected"] == {"attention": "sdpa", "matmul": "torch"}
     ran = summary["kernels"]
-    assert set(ran) == {"attention", "matmul"} and set(ran["attention"]) == {"sdpa"} and set(ran["matmul"]) == {"torch"}
-    # one forward: 2 blocks of attention, and 2 x 7 linears (q, k, v, o, w1, w2, w3) plus the head
+    assert set(ran) == {"attention", "matmul", "loss"} and set(ran["attention"]) == {"sdpa"}
+    assert set(ran["matmul"]) == {"torch"}
+    # one forward: 2 blocks of attention, and 2 x 7 linears (the projections of attention and the MLP) plus
+    # the head, which computes the loss with its matmul (kernels.loss = auto: fused in this layout)
     forwards = ran["attention"]["sdpa"] / 2
-    assert ran["matmul"]["torch"] == forwards * 15
+    assert ran["matmul"]["torch"] == forwards * 15 and ran["loss"] == {"fused": forwards}
     assert forwards >= 2 * 2 + 1  # 2 steps x 2 micro-batches, and step 0's loss on the first batch
     assert lines[-1]["kernels"] == ran  # the last logged step is the last step: the same totals
     assert [line["step"] for line in lines] == [0, 1, 2]

@@ -22,7 +22,7 @@ GPT_TINY = "workloads/gpt_tiny.toml"
 def _workload(**model) -> Workload:
     cfg = dict(num_layers=8, d_model=1024, num_heads=16, num_kv_heads=8, ffn_hidden=2816, vocab_size=32000)
     cfg.update(model)
-    return Workload(ModelConfig(**cfg), seq_len=2048, global_batch=64, compute_dtype_bytes=2)
+    return Workload(ModelConfig(**cfg), seq_len=2048, global_batch=64, compute_dtype_bytes=2, loss="plain")
 
 
 # ---- the published formulas ---------------------------------------------------------------------

@@ -102,9 +102,10 @@ def test_sharding_cuts_the_estimate_as_measured(measured):
 # ---- activations ------------------------------------------------------------------------------------
 
 
-def _saved_bytes(policy: str, model_cfg: ModelConfig, batch: int, seq_len: int) -> int:
+def _saved_bytes(policy: str, model_cfg: ModelConfig, batch: int, seq_len: int, fused: bool = False) -> int:
     """Bytes of distinct storages autograd keeps for backward (parameters and buffers excluded), including
-    the outputs a selective-checkpoint region caches."""
+    the outputs a selective-checkpoint region caches; with `fused`, the head computes the loss with its
+    matmul (kernels.loss = auto in a layout without tensor or pipeline parallelism)."""
     import raydist.parallel.checkpointing as ckpt
     from raydist.models.gpt import build_model
     from raydist.models.loss import cross_entropy
@@ -132,8 +133,15 @@ def _saved_bytes(policy: str, model_cfg: ModelConfig, batch: int, seq_len: int) 
             return t
 
         tokens = torch.randint(0, model_cfg.vocab_size, (batch, seq_len + 1))
+        if fused:
+            from raydist.kernels.select import install_torch_matmul
+
+            install_torch_matmul(model)
         with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
-            loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+            if fused:
+                loss = model(tokens[:, :-1], targets=tokens[:, 1:])
+            else:
+                loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
         for cache in caches:
             for entries in cache.values():
                 for value in (entries.values() if isinstance(entries, dict) else entries):
@@ -145,18 +153,32 @@ def _saved_bytes(policy: str, model_cfg: ModelConfig, batch: int, seq_len: int) 
         ckpt._selective_context = original
 
 
+@pytest.mark.parametrize("loss", ["plain", "auto"])
 @pytest.mark.parametrize("policy", ["none", "full", "every_k", "selective"])
 @pytest.mark.parametrize("shape", [dict(TINY_MODEL), dict(TINY_MODEL, num_kv_heads=4, ffn_hidden=256, num_layers=4)])
-def test_activation_bytes_match_saved_tensors(policy, shape):
+def test_activation_bytes_match_saved_tensors(policy, shape, loss):
+    """kernels.loss = auto: the fused loss keeps each token's log-sum-exp, not the log-softmax."""
     model_cfg = ModelConfig(**shape)
     batch, seq_len = 2, 32
-    got = _saved_bytes(policy, model_cfg, batch, seq_len)
-    workload = Workload(model_cfg, seq_len, global_batch=batch, compute_dtype_bytes=4)
+    got = _saved_bytes(policy, model_cfg, batch, seq_len, fused=loss == "auto")
+    workload = Workload(model_cfg, seq_len, global_batch=batch, compute_dtype_bytes=4, loss=loss)
     layout = Layout(micro_batch=batch, activation_checkpoint=policy)
     want = activation_bytes(workload, layout, model_cfg.num_layers, 1)["saved"] + head_bytes(workload, layout)["saved"]
     error = abs(want - got) / got
-    print(f"{policy} {shape}: estimated {want:.0f} B, saved tensors {got} B ({error:.2%})")
+    print(f"{policy} {shape} {loss}: estimated {want:.0f} B, saved tensors {got} B ({error:.2%})")
     assert error <= 0.10
+
+
+def test_the_fused_loss_is_priced_only_where_it_runs():
+    """No tensor or pipeline parallelism: the fused head saves 4 bytes a token instead of 4 V; under tp 2 or
+    pp 2 (logits, then the loss) and with kernels.loss = plain the estimate is the logits'."""
+    m = ModelConfig(**TINY_MODEL)
+    auto, plain = (Workload(m, 32, global_batch=8, compute_dtype_bytes=4, loss=loss) for loss in ("auto", "plain"))
+    one = Layout(micro_batch=2)
+    saved = {w.loss: head_bytes(w, one)["saved"] for w in (auto, plain)}
+    assert saved["plain"] - saved["auto"] == 2 * 32 * 4 * (m.vocab_size - 1)
+    for lay in (Layout.of(tp=2, micro_batch=2), Layout.of(pp=2, micro_batch=2)):
+        assert head_bytes(auto, lay) == head_bytes(plain, lay)
 
 
 # ---- parameter-efficient fine-tuning ---------------------------------------------------------------------
@@ -273,8 +295,8 @@ def test_lora_activation_bytes_match_saved_tensors(policy, targets, monkeypatch)
     model_cfg = ModelConfig(**SHAPE)
     got = _saved_bytes_with(peft, policy, model_cfg, monkeypatch)
     layout = Layout(micro_batch=2, activation_checkpoint=policy)
-    want = _estimate(Workload(model_cfg, 32, global_batch=2, compute_dtype_bytes=4, peft=peft), layout, 4)
-    as_full = _estimate(Workload(model_cfg, 32, global_batch=2, compute_dtype_bytes=4), layout, 4)
+    want = _estimate(Workload(model_cfg, 32, global_batch=2, compute_dtype_bytes=4, peft=peft, loss="plain"), layout, 4)
+    as_full = _estimate(Workload(model_cfg, 32, global_batch=2, compute_dtype_bytes=4, loss="plain"), layout, 4)
     error = abs(want - got) / got
     print(f"lora {targets} {policy}: estimated {want:.0f} B, saved tensors {got} B ({error:.2%}); "
           f"priced as full training {as_full:.0f} B")
@@ -286,7 +308,7 @@ def test_freeze_keeps_activations_of_the_trained_blocks_only(monkeypatch):
     peft = PeftConfig(method="freeze", trainable_last_layers=1)
     model_cfg = ModelConfig(**SHAPE)
     got = _saved_bytes_with(peft, "none", model_cfg, monkeypatch)
-    workload = Workload(model_cfg, 32, global_batch=2, compute_dtype_bytes=4, peft=peft)
+    workload = Workload(model_cfg, 32, global_batch=2, compute_dtype_bytes=4, peft=peft, loss="plain")
     layout = Layout(micro_batch=2)
     [trained] = trained_layer_counts(workload, layout)
     want = _estimate(workload, layout, trained)

@@ -1,0 +1,162 @@
+"""The fused loss (models.loss.linear_cross_entropy): the head's matmul and the cross-entropy chunk by chunk of
+tokens. Against the plain path (F.linear, then loss.cross_entropy) in fp32: the same loss and the same
+gradients of the hidden states and of the head's weight (1e-5), with chunks that do not divide the tokens,
+IGNORE targets, a frozen weight and bf16 autocast; without the (N, V) logits (peak memory); and in the
+training step where the layout allows it, to which the plain path stays equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raydist.metrics.memory import LiveActivations
+from raydist.models.loss import IGNORE, _LinearCrossEntropy, cross_entropy, linear_cross_entropy
+
+
+def inputs(b=3, t=7, d=16, v=50, seed=0, ignore=True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(b, t, d, generator=g, dtype=torch.float64).float().requires_grad_()
+    w = (torch.randn(v, d, generator=g) / d ** 0.5).requires_grad_()
+    targets = torch.randint(0, v, (b, t), generator=g)
+    if ignore:
+        targets[0, :3] = IGNORE  # a prompt's tokens
+        targets[2, -1] = IGNORE
+    return h, w, targets
+
+
+def plain(h, w, targets):
+    return cross_entropy(F.linear(h, w), targets)
+
+
+def grads(loss_fn, h, w, targets):
+    h, w = h.detach().clone().requires_grad_(h.requires_grad), w.detach().clone().requires_grad_(w.requires_grad)
+    loss = loss_fn(h, w, targets)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def close(a, b, rtol=1e-5):
+    assert (a - b).abs().max().item() <= rtol * b.abs().max().item(), (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 21, 1000])  # one token, dividing, not dividing 21, one chunk
+def test_equals_the_plain_loss_and_its_gradients(rows):
+    h, w, targets = inputs()
+    want, got = grads(plain, h, w, targets), grads(lambda *a: linear_cross_entropy(*a, rows=rows), h, w, targets)
+    for a, b in zip(got, want):
+        close(a, b)
+    assert got[1][0, :3].abs().max() == 0  # an IGNORE target's token gets no gradient
+
+
+def test_a_frozen_head_and_every_target_ignored():
+    h, w, targets = inputs()
+    w.requires_grad_(False)
+    loss, dh, dw = grads(lambda *a: linear_cross_entropy(*a, rows=4), h, w, targets)
+    _, want_dh, _ = grads(plain, h, w, targets)
+    assert dw is None
+    close(dh, want_dh)
+    none = torch.full_like(targets, IGNORE)
+    loss, dh, _ = grads(lambda *a: linear_cross_entropy(*a, rows=4), h, w, none)
+    assert loss.item() == 0 and dh.abs().max() == 0
+
+
+def test_under_bf16_autocast_the_matmuls_run_as_f_linears_would():
+    h, w, targets = inputs(d=32, v=64, ignore=False)
+
+    def under_autocast(fn):
+        def run(*a):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(*a)
+        return run
+
+    want = grads(under_autocast(plain), h, w, targets)
+    got = grads(under_autocast(lambda *a: linear_cross_entropy(*a, rows=5)), h, w, targets)
+    assert got[1].dtype == torch.float32 and got[2].dtype == torch.float32  # (the fp32 master weight's)
+    for a, b in zip(got, want):
+        close(a, b, rtol=2e-2)  # bf16 products; the plain loss's own gap to fp32 is of this size
+    fp32 = grads(plain, h, w, targets)
+    assert (got[0] - fp32[0]).abs() > 0  # the matmul did run in bf16
+
+
+def test_a_planted_chunk_bug_is_caught():
+    """The same comparison fails when the backward skips the last partial chunk (one token of 21)."""
+    h, w, targets = inputs(ignore=False)
+
+    class Skipping(_LinearCrossEntropy):
+        @staticmethod
+        def backward(ctx, grad):
+            dh, dw, *_ = _LinearCrossEntropy.backward(ctx, grad)
+            dh[-(dh.shape[0] % ctx.rows):] = 0
+            return dh, dw, None, None
+
+    want = grads(plain, h, w, targets)
+    got = grads(lambda h, w, t: Skipping.apply(h.flatten(0, 1), w, t.flatten(0, 1), 5), h, w, targets)
+    with pytest.raises(AssertionError):
+        close(got[1].view_as(want[1]), want[1])
+
+
+def test_peak_memory_holds_a_chunk_not_the_logits():
+    """V = 8192, 1024 tokens: fp32 logits of 32 MiB. The plain loss holds them and more; the fused one a
+    chunk of 64 tokens (2 MiB) at a time, besides the weight's gradient (V x D) and dh (N x D)."""
+    h, w, targets = inputs(b=1, t=1024, d=64, v=8192, ignore=False)
+    logits_mib = 1024 * 8192 * 4 / 2**20
+    peaks = {}
+    for name, fn in (("plain", plain), ("fused", lambda *a: linear_cross_entropy(*a, rows=64))):
+        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with LiveActivations(track_peak=True) as live:
+            fn(hh, ww, targets).backward()
+        peaks[name] = live.peak_bytes / 2**20
+    assert peaks["plain"] > 2 * logits_mib, peaks
+    grads_mib = (8192 * 64 + 1024 * 64) * 4 / 2**20
+    assert peaks["fused"] < grads_mib + logits_mib / 4, peaks
+
+
+# ---- in training ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parallel, world, tied", [
+    ({}, 1, True),
+    ({"dp_shard": 2}, 2, False),  # the untied head is an FSDP unit of its own: its weight gathered in its forward
+    ({"dp_replicate": 2}, 2, True),  # DDP
+    ({"cp": 2}, 2, False),
+], ids=["single", "fsdp2-untied", "ddp2", "cp2-untied"])
+def test_training_with_the_fused_loss_equals_the_plain_loss(tiny_data, parallel, world, tied):
+    """kernels.loss = auto (fused in these layouts) against plain: losses and gradient norms every step,
+    gradients before clipping and parameters after the last step (raydist.testing.assert_equivalent)."""
+    from raydist.testing import assert_equivalent, run_layout, tiny_config
+
+    def run(loss):
+        raw = tiny_config(tiny_data, model={"tie_embeddings": tied}, kernels={"loss": loss},
+                          parallel={"dp_replicate": 1, **parallel}, train={"steps": 4})
+        return run_layout(raw, world, steps=4)
+
+    for fused, plain_rank in zip(run("auto"), run("plain")):
+        assert_equivalent(plain_rank, fused)
+
+
+def test_the_fused_loss_is_what_runs_where_the_layout_allows_it():
+    """ParallelModel.fused_loss: the default head (TorchLinear) without tensor or pipeline parallelism, not
+    with kernels.loss = plain or a head of another class; the model's forward with targets is its loss."""
+    from raydist.kernels.select import install_torch_matmul
+    from raydist.models.gpt import build_model
+    from raydist.parallel.layout import Layout
+    from raydist.parallel.parallelize import parallelize
+    from raydist.config_sections import ModelConfig
+
+    class Mesh:  # (a single process's: parallelize asks the mesh nothing without TP, CP or a data-parallel wrap)
+        pass
+
+    def pm(fused, install=True):
+        model = build_model(ModelConfig(num_layers=1, d_model=32, num_heads=2, num_kv_heads=1, ffn_hidden=64,
+                                        vocab_size=64), 16, seed=0)
+        if install:
+            install_torch_matmul(model)
+        return parallelize(model, Mesh(), Layout.of(), torch.device("cpu"), fused_loss=fused)
+
+    assert pm(True).fused_loss and not pm(False).fused_loss and not pm(True, install=False).fused_loss
+    model = pm(True)
+    tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    want = cross_entropy(model.module(tokens[:, :-1]), tokens[:, 1:])
+    got = model.loss(tokens[:, :-1], None, tokens[:, 1:])
+    close(got, want)
