@@ -30,7 +30,7 @@ def chunk_rows(vocab: int, chunk_bytes: int = LOGITS_CHUNK_BYTES) -> int:
     return max(1, chunk_bytes // (4 * vocab))
 
 
-def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+def matmul_dtype(h: torch.Tensor) -> torch.dtype:
     """What F.linear would compute in here: autocast's dtype where autocast is on, else the input's."""
     device = h.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
@@ -45,7 +45,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
-        cd = _compute_dtype(h)
+        cd = matmul_dtype(h)
         n = h.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
         total = torch.zeros((), dtype=torch.float32, device=h.device)

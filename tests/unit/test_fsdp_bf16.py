@@ -59,11 +59,13 @@ def _run_noting_matmul_dtypes(*args) -> tuple[LayoutResult, list[str]]:
     (bf16 must really be on: FSDP2 in fp32 would pass the bf16 tolerances too)."""
     from torch import nn
 
+    from raydist.models.loss import matmul_dtype
+
     seen = set()
 
     def note(module, inputs, output):
-        if isinstance(module, nn.Linear):
-            seen.add(str(output.dtype))
+        if isinstance(module, nn.Linear):  # the head's fused loss returns a scalar: the dtype its matmuls ran in
+            seen.add(str(matmul_dtype(inputs[0]) if output.dim() == 0 else output.dtype))
 
     hook = nn.modules.module.register_module_forward_hook(note)
     try:
