@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: Layout, device: torch.devi
                                        forward_prefetch=layout.fsdp_forward_prefetch)
     if layout.pp == 1:
         head = model.head
-        fused = (fused_loss and layout.tp == 1 and getattr(head, "fuses_loss", False)
+        fused = (fused_loss and layout.loss_fuses and getattr(head, "fuses_loss", False)
                  and getattr(head, "bias", None) is None)
         module, loss_fn = _parallelize_module(model, mesh, layout, data_parallel, device, materialize)
         return ParallelModel(model, [module], data_parallel, loss_fn, fused_loss=fused)

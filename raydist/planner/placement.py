@@ -39,10 +39,10 @@ class Workload:
     peft: PeftConfig = PeftConfig()  # what trains: everything, LoRA's adapters, or the last blocks
     loss: str = "auto"  # kernels.loss: `auto` fuses the head's matmul and the loss where the layout allows
 
-    def fused_loss(self, lay) -> bool:
-        """Whether the loss runs fused in `lay` (raydist.parallel.parallelize: no tensor or pipeline
-        parallelism) and so never holds the logits."""
-        return self.loss == "auto" and lay.tp == 1 and lay.pp == 1
+    def fused_loss(self, lay: Layout) -> bool:
+        """Whether the loss runs fused in `lay` (`Layout.loss_fuses`, as the runtime decides it) and so never
+        holds the logits."""
+        return self.loss == "auto" and lay.loss_fuses
 
     @classmethod
     def from_config(cls, cfg: Config, compute_dtype_bytes: int, name: str = "") -> "Workload":
