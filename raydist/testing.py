@@ -53,6 +53,7 @@ class LayoutResult:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # full parameters after the last step
     covered: frozenset[str] = frozenset()  # parameter names held by any rank of the layout
     clipped_norms: list[float] = field(default_factory=list)  # per step, the gradient norm after clipping
+    kernels: dict[str, dict[str, int]] = field(default_factory=dict)  # what ran on this rank (kernels_ran)
 
 
 def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> LayoutResult:
@@ -81,7 +82,7 @@ def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> La
     names: list = [None] * dist.get_world_size()
     dist.all_gather_object(names, sorted(params))
     return LayoutResult(losses, norms, grads, trainer.sample_log, params, frozenset(n for part in names for n in part),
-                        clipped)
+                        clipped, trainer.kernels_ran())
 
 
 # Six steps: the warmup (2) and the decay of the LR schedule, four steps under the tiny config's clipping

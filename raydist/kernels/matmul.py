@@ -5,8 +5,8 @@
     swiglu(x, w_gate, w_up)                       silu(x W_gate^T) * (x W_up^T), one kernel, both products
 
 The backward uses the same kernel (no epilogue) for dX = dZ W and dW = dZ^T X, each only when this backward
-asks for it (`_wanted`: a zero-bubble schedule's B asks for dX alone and its W for dW alone, so neither
-computes the other's GEMMs; `GEMMS` counts the launches); the activation's derivative
+asks for it (`raydist.schedule.split_backward.wanted`: a zero-bubble schedule's B asks for dX alone and its
+W for dW alone, so neither computes the other's GEMMs; `GEMMS` counts the launches); the activation's derivative
 is applied in torch from the pre-activation the forward kernel stored alongside its output (SAVE_PRE), so
 no matmul is recomputed. Supported: fp32, fp16, bf16 (all operands one dtype); activation none, gelu
 (exact erf), silu. Any strides (a transposed weight is just a stride view, never copied). Under
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from raydist.kernels import runtime
 from raydist.kernels.reference import ACTIVATIONS
+from raydist.schedule.split_backward import wanted
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 GEMMS: collections.Counter = collections.Counter()  # kernel launches in this process, "matmul" / "swiglu"
@@ -135,32 +136,15 @@ def _plain(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _matmul_op(a, b, None, "none", False)[0]
 
 
-def _wanted(ctx, i: int) -> bool:
-    """Whether this backward must compute the gradient of forward input `i`. `ctx.needs_input_grad` is fixed
-    at forward time; which gradients a backward asks for is not: a split backward's B
-    (`torch.autograd.grad(out, [x])`) runs this node for dX alone, its W (`torch.autograd.backward(...,
-    inputs=weights)`) for dW alone (raydist.schedule.split_backward). So an input's gradient is computed
-    when the autograd engine will run the node it flows to, as aten's own matmul backward decides."""
-    if not ctx.needs_input_grad[i]:
-        return False
-    node = ctx.next_functions[i][0]
-    if node is None:
-        return False
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # autograd.grad() with this leaf among its inputs: torch cannot say; compute it
-        return True
-
-
 def _matmul_backward(ctx, grad, _grad_pre):
     if grad is None:
         return None, None, None, None, None
     a, b, pre = ctx.saved_tensors
     grad = grad if pre is None else _activation_grad(grad, pre, ctx.activation)
-    grad_a = _plain(grad, b.t()) if _wanted(ctx, 0) else None  # (..., N) @ (N, D)
+    grad_a = _plain(grad, b.t()) if wanted(ctx, 0) else None  # (..., N) @ (N, D)
     grad2 = _rows(grad)  # (M, N)
-    grad_b = _plain(_rows(a).t(), grad2) if _wanted(ctx, 1) else None  # (D, M) @ (M, N)
-    grad_bias = grad2.float().sum(0).to(grad.dtype) if ctx.has_bias and _wanted(ctx, 2) else None
+    grad_b = _plain(_rows(a).t(), grad2) if wanted(ctx, 1) else None  # (D, M) @ (M, N)
+    grad_bias = grad2.float().sum(0).to(grad.dtype) if ctx.has_bias and wanted(ctx, 2) else None
     return grad_a, grad_b, grad_bias, None, None
 
 
@@ -203,10 +187,10 @@ def _swiglu_backward(ctx, grad, _grad_h1, _grad_h2):
     s = torch.sigmoid(z1)
     grad_up = (g * z1 * s).to(grad.dtype)  # d/dz2 [silu(z1) z2] = silu(z1)
     grad_gate = (g * z2 * s * (1.0 + z1 * (1.0 - s))).to(grad.dtype)  # z2 silu'(z1)
-    grad_x = _plain(grad_gate, w_gate_t.t()) + _plain(grad_up, w_up_t.t()) if _wanted(ctx, 0) else None
+    grad_x = _plain(grad_gate, w_gate_t.t()) + _plain(grad_up, w_up_t.t()) if wanted(ctx, 0) else None
     x_t = _rows(x).t()  # (D, M)
-    grad_w_gate = _plain(x_t, _rows(grad_gate)) if _wanted(ctx, 1) else None
-    grad_w_up = _plain(x_t, _rows(grad_up)) if _wanted(ctx, 2) else None
+    grad_w_gate = _plain(x_t, _rows(grad_gate)) if wanted(ctx, 1) else None
+    grad_w_up = _plain(x_t, _rows(grad_up)) if wanted(ctx, 2) else None
     return grad_x, grad_w_gate, grad_w_up, None
 
 

@@ -21,7 +21,7 @@ since the kernel works on local tensors only. On the torch path plain `nn.Linear
 
 Either class, as the model's head, also computes the loss with its matmul when given the targets
 (`forward(x, targets)`, counted as `loss.fused`): models.loss.linear_cross_entropy, chunk by chunk of
-tokens, never the whole logits (`ParallelModel.loss`, where the layout allows it; `kernels.loss`).
+tokens, never the whole logits, vocabulary-parallel on a tensor-parallel head (`ParallelModel.loss`; `kernels.loss`).
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ def _is_dtensor(*tensors) -> bool:
 
 def fused_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
                ) -> torch.Tensor:
-    """A head's loss with its matmul, chunk by chunk of tokens (models.loss.linear_cross_entropy): what
-    `ParallelModel.loss` asks of the head where the layout holds whole logits rows (no tensor or pipeline
-    parallelism)."""
-    if bias is not None or _is_dtensor(x, weight):
-        raise ValueError("the fused loss takes a head without bias whose weight is a plain tensor")
+    """A head's loss with its matmul, chunk by chunk of tokens (models.loss.linear_cross_entropy;
+    vocabulary-parallel when tensor parallelism split the head): what `ParallelModel.loss` asks of the head."""
+    if bias is not None:
+        raise ValueError("the fused loss takes a head without bias")
     runtime.count_call("loss.fused")
     return linear_cross_entropy(x, weight, targets)
 

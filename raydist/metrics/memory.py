@@ -98,11 +98,25 @@ class _Holder:
         self.tensor = tensor
 
 
+def _plain_tensors(leaves):
+    """The tensors that hold storage among `leaves`: a tensor subclass that wraps others (DTensor) stands for
+    its inner tensors (`__tensor_flatten__`; the wrapper itself has no storage)."""
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            yield from _plain_tensors([getattr(t, name) for name in names])
+        else:
+            yield t
+
+
 class LiveActivations(torch.utils._python_dispatch.TorchDispatchMode):
     """Tracks every tensor produced by an op inside the block; `live_bytes()` is the bytes of those still
     referenced (by autograd's saved tensors, checkpoint inputs, selective checkpointing's cache, or the
     caller). At the end of forward, minus the output, that is the activation memory held for backward,
-    whatever mechanism holds it. Counted once per storage."""
+    whatever mechanism holds it. Counted once per storage; a DTensor by its local tensor (what DTensor's op
+    computes inside itself is not seen, only what it returns)."""
 
     def __init__(self, track_peak: bool = False):
         super().__init__()
@@ -115,8 +129,8 @@ class LiveActivations(torch.utils._python_dispatch.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t.is_sparse:
+        for t in _plain_tensors(torch.utils._pytree.tree_leaves(out)):
+            if not t.is_sparse:
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
                 known = self._storages.get(key)

@@ -307,8 +307,11 @@ class GPT(nn.Module):
 
     def give_head(self, weight: nn.Parameter, copy: bool) -> None:
         """A head on a stage that holds none of its own (a tied model's last stage): `weight` itself (the
-        same rank holds the embedding), or a copy of it that the pipeline keeps equal."""
-        self.output = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        same rank holds the embedding), or a copy of it that the pipeline keeps equal. Of the class of the
+        head it replaces (the installed kernel's, whose forward may also compute the loss)."""
+        head_class = type(self.output) if self.output is not None else nn.Linear
+        self.output = head_class(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                 dtype=weight.dtype)
         if not copy:
             self.output.weight = weight
             return

@@ -1,11 +1,17 @@
 """The training loss, apart from any one model: next-token cross-entropy over logits (B, T, V) in fp32,
-with IGNORE targets (prompt tokens of prompt/response data) counting as zero. Tensor parallelism's
-vocabulary-parallel form is raydist.parallel.vocab_loss; both divide by the same count."""
+with IGNORE targets (prompt tokens of prompt/response data) counting as zero; and the head's matmul and
+that loss together, a chunk of tokens at a time (`linear_cross_entropy`, vocabulary-parallel under tensor
+parallelism). The vocabulary-parallel loss of given logits is raydist.parallel.vocab_loss; all divide by
+the same count."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from raydist.schedule.split_backward import wanted
 
 IGNORE = -100  # target id of a token that does not count (prompt tokens of prompt/response data)
 
@@ -41,43 +47,61 @@ class _LinearCrossEntropy(torch.autograd.Function):
     (N floats), the backward recomputes one chunk's logits at a time, turns them into the softmax minus the
     one-hot target (the gradient of the logits) and multiplies it straight into dh and dW. One more matmul
     than the plain loss (the logits twice), for (rows, V) fp32 at a time instead of (N, V) and its gradient
-    (the chunked loss of Liger-Kernel, Hsu et al. 2024, with the recompute of FlashAttention's backward)."""
+    (the chunked loss of Liger-Kernel, Hsu et al. 2024, with the recompute of FlashAttention's backward).
+
+    Vocabulary-parallel with `group` (tensor parallelism): `weight` is this rank's rows [vocab_start,
+    vocab_start + V_r) of the head and `h` every token's hidden state. Each rank keeps its columns'
+    log-sum-exp of every token and the target's logit where it holds the target; two all-reduces of N
+    floats combine them (the max, then the sums of exp(lse - max) and of the target logits), the 3N floats
+    of Megatron-LM's vocabulary-parallel cross-entropy, never its (N, V_r) logits. The backward needs no
+    communication: dW is this rank's rows' own, dh this rank's term of a sum over the group (the caller
+    declares it partial). Each backward computes only the gradients the autograd engine will use
+    (`split_backward.wanted`: a zero-bubble B asks for dh alone, its W for dW alone)."""
 
     @staticmethod
-    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int) -> torch.Tensor:
+    def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int, vocab_start: int,
+                group) -> torch.Tensor:
         cd = matmul_dtype(h)
-        n = h.shape[0]
+        n, v_local = h.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        picked = torch.empty(n, dtype=torch.float32, device=h.device)
+        local = targets - vocab_start
+        counted = targets != IGNORE
+        hit = counted & (local >= 0) & (local < v_local)  # this rank holds the (counted) target's column
+        index = local.clamp(0, v_local - 1)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(cd)
             for s in range(0, n, rows):
-                z = (h[s:s + rows].to(cd) @ w.t()).float()  # (rows, V), as F.linear + .float() give them
-                t = targets[s:s + rows]
-                lse_c = torch.logsumexp(z, dim=-1)
-                picked = z.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
-                total += torch.where(t != IGNORE, lse_c - picked, 0.0).sum()
-                lse[s:s + rows] = lse_c
-        ctx.save_for_backward(h, weight, targets, lse)
+                z = (h[s:s + rows].to(cd) @ w.t()).float()  # (rows, V_r), as F.linear + .float() give them
+                lse[s:s + rows] = torch.logsumexp(z, dim=-1)
+                picked[s:s + rows] = z.gather(1, index[s:s + rows, None]).squeeze(1)
+        picked = torch.where(hit, picked, 0.0)
+        if group is not None:  # the whole vocabulary's log-sum-exp and target logit, on every rank
+            top = lse.clone()
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+            sums = torch.stack([(lse - top).exp(), picked])
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            lse, picked = top + sums[0].log(), sums[1]
+        ctx.save_for_backward(h, weight, index, hit, counted, lse)
         ctx.rows, ctx.cd = rows, cd
-        return total / n
+        return torch.where(counted, lse - picked, 0.0).sum() / n
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        h, weight, targets, lse = ctx.saved_tensors
+        h, weight, index, hit, counted, lse = ctx.saved_tensors
         rows, cd, n = ctx.rows, ctx.cd, h.shape[0]
-        want_h, want_w = ctx.needs_input_grad[:2]
+        want_h, want_w = wanted(ctx, 0), wanted(ctx, 1)
         dh = torch.empty_like(h) if want_h else None
         dw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        scale = grad.float() / n
+        scale = torch.where(counted, grad.float() / n, 0.0)
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(cd)
-            for s in range(0, n, rows):
-                hc, t = h[s:s + rows].to(cd), targets[s:s + rows]
-                # in place from here: one (rows, V) fp32 buffer (and its cast under bf16)
+            for s in range(0, n, rows) if want_h or want_w else ():
+                hc = h[s:s + rows].to(cd)
+                # in place from here: one (rows, V_r) fp32 buffer (and its cast under bf16)
                 dz = (hc @ w.t()).float().sub_(lse[s:s + rows, None]).exp_()  # the softmax
-                dz.scatter_add_(1, t.clamp(min=0)[:, None], -torch.ones_like(dz[:, :1]))  # minus the one-hot
-                dz.mul_(torch.where(t != IGNORE, scale, 0.0)[:, None])
+                dz.scatter_add_(1, index[s:s + rows, None], -hit[s:s + rows, None].float())  # minus the one-hot
+                dz.mul_(scale[s:s + rows, None])
                 dz = dz.to(cd)  # the logits' gradient in the logits' dtype, as the plain loss hands it on
                 if want_h:
                     dh[s:s + rows] = (dz @ w).to(h.dtype)
@@ -85,7 +109,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     dw.addmm_(dz.t(), hc)
                 elif want_w:
                     dw += (dz.t() @ hc).float()
-        return dh, None if dw is None else dw.to(weight.dtype), None, None
+        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -93,6 +117,24 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     """`cross_entropy(F.linear(h, weight), targets)` for h (B, T, D), weight (V, D), targets (B, T), with
     at most `rows` tokens' logits (default: `chunk_rows(V)`, 32 MiB of fp32) alive at once, in the forward
     and in the backward: the same loss and gradients (to fp32 rounding) without the (B, T, V) logits and
-    their gradient. Under autocast the matmuls run in autocast's dtype, as F.linear's would."""
-    flat_h, flat_t = h.flatten(0, 1), targets.flatten(0, 1)
-    return _LinearCrossEntropy.apply(flat_h, weight, flat_t, rows or chunk_rows(weight.shape[0]))
+    their gradient. Under autocast the matmuls run in autocast's dtype, as F.linear's would.
+
+    Tensor parallelism's column-parallel head: `weight` a DTensor split over the vocabulary (Shard(0)) on a
+    1-D mesh, `h` a DTensor replicated on it (what the head's input becomes); the loss is then
+    vocabulary-parallel (`_LinearCrossEntropy`), the same value on every rank, and `h`'s gradient the sum of
+    the ranks' parts (declared Partial, so the head's input layout reduces it: an all-reduce, or a
+    reduce-scatter under sequence parallelism). Chunks are `rows` tokens of this rank's V / tp columns."""
+    flat_t = targets.flatten(0, 1)
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),) or not isinstance(h, DTensor) \
+                or tuple(h.placements) != (Replicate(),):
+            raise ValueError(f"the vocabulary-parallel fused loss takes a head weight split over the vocabulary "
+                             f"(Shard(0)) on a 1-D mesh and a replicated input, got {weight.placements} on a "
+                             f"{mesh.ndim}-D mesh and {getattr(h, 'placements', 'a plain tensor')}")
+        local_w = weight.to_local()
+        local_h = h.to_local(grad_placements=(Partial(),)).flatten(0, 1)
+        vocab_start = mesh.get_local_rank() * local_w.shape[0]  # an even split (validate.check_tensor_parallel)
+        return _LinearCrossEntropy.apply(local_h, local_w, flat_t, rows or chunk_rows(local_w.shape[0]),
+                                         vocab_start, mesh.get_group())
+    return _LinearCrossEntropy.apply(h.flatten(0, 1), weight, flat_t, rows or chunk_rows(weight.shape[0]), 0, None)

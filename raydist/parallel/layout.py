@@ -131,13 +131,6 @@ class Layout:
             return DataParallelKind.HSDP if self.dp_replicate > 1 else DataParallelKind.FSDP
         return DataParallelKind.DDP if self.dp_replicate > 1 else DataParallelKind.NONE
 
-    @property
-    def loss_fuses(self) -> bool:
-        """Whether the head can compute the loss with its matmul (kernels.loss = auto): no tensor parallelism
-        (the vocabulary-parallel loss needs the logits' shards) and no pipeline (the last stage hands its
-        logits to the executor's loss). What the runtime (`parallelize`) and the planner read."""
-        return self.tp == 1 and self.pp == 1
-
     # ---- text and data -----------------------------------------------------------------------------
     def mesh(self) -> dict[str, int]:
         return self.degrees()

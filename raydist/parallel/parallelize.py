@@ -50,17 +50,19 @@ class ParallelModel:
     # of parameters the unsplit model knows by another name (a tied output copy)
     chunks: list[nn.Module] | None = None
     aliases: dict[str, str] = field(default_factory=dict)
-    # The head computes the loss with its matmul, chunk by chunk of tokens (`loss`): where the layout holds
-    # whole rows of logits (no tensor parallelism, whose vocabulary-parallel loss needs its shards, and no
-    # pipeline, whose last stage hands logits to the executor's loss) and kernels.loss allows it
+    # The head computes the loss with its matmul, chunk by chunk of tokens (`loss`; vocabulary-parallel
+    # under TP), where kernels.loss allows it and the head can (models.loss.linear_cross_entropy)
     fused_loss: bool = False
 
-    def loss(self, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
-        """The mean loss over this rank's tokens of one micro-batch (`loss_fn`'s value): without the logits
+    def loss(self, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor,
+             module: nn.Module | None = None) -> torch.Tensor:
+        """The mean loss over this rank's tokens of one micro-batch (`loss_fn`'s value) through `module`
+        (default `self.module`; under a pipeline the chunk holding the last stage): without the logits
         where `fused_loss`, else `loss_fn` of the logits."""
+        module = self.module if module is None else module
         if self.fused_loss:
-            return self.module(inputs, positions, targets=targets)
-        return self.loss_fn(self.module(inputs, positions), targets)
+            return module(inputs, positions, targets=targets)
+        return self.loss_fn(module(inputs, positions), targets)
 
     @property
     def module(self) -> nn.Module:
@@ -116,17 +118,17 @@ def parallelize(model: nn.Module, mesh: Mesh, layout: Layout, device: torch.devi
     data_parallel = make_data_parallel(layout.data_parallel_kind, mesh, device, compute_dtype,
                                        reshard_after_forward=layout.fsdp_reshard_after_forward,
                                        forward_prefetch=layout.fsdp_forward_prefetch)
+    head = model.head
+    fused = fused_loss and getattr(head, "fuses_loss", False) and getattr(head, "bias", None) is None
     if layout.pp == 1:
-        head = model.head
-        fused = (fused_loss and layout.loss_fuses and getattr(head, "fuses_loss", False)
-                 and getattr(head, "bias", None) is None)
         module, loss_fn = _parallelize_module(model, mesh, layout, data_parallel, device, materialize)
         return ParallelModel(model, [module], data_parallel, loss_fn, fused_loss=fused)
-    return _parallelize_pipeline(model, mesh, layout, data_parallel, device, materialize)
+    return _parallelize_pipeline(model, mesh, layout, data_parallel, device, materialize, fused)
 
 
 def _parallelize_pipeline(model: nn.Module, mesh: Mesh, layout: Layout, data_parallel: NoDataParallel,
-                          device: torch.device, materialize: Materialize | None = None) -> ParallelModel:
+                          device: torch.device, materialize: Materialize | None = None,
+                          fused_loss: bool = False) -> ParallelModel:
     """Split into this pipeline rank's chunks (pp is the outer mesh axis; the schedule's placement), then
     parallelize each chunk on the rest of the mesh; `model` becomes a view over the chunks with the
     unsharded names. The loss function is the last stage's (vocabulary-parallel under TP)."""
@@ -141,4 +143,4 @@ def _parallelize_pipeline(model: nn.Module, mesh: Mesh, layout: Layout, data_par
         if chunk.head is not None:
             loss_fn = chunk_loss
     return ParallelModel(stage_view(model, chunks), wrapped, data_parallel, loss_fn, chunks=chunks,
-                         aliases=tied_aliases(chunks))
+                         aliases=tied_aliases(chunks), fused_loss=fused_loss)

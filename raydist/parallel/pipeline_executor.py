@@ -4,7 +4,8 @@ One `step()` executes `schedule.actions[pp_rank]` in order, in this process, wit
 
     for each action a_i:
         wait for the tensor a_i receives (posted earlier)       -> idle time
-        F: out = chunk(x, positions); last stage: loss_m = loss_fn(out, y_m) / M
+        F: out = chunk(x, positions); last stage: loss_m = stage_loss(chunk, x, positions, y_m) / M
+           (by default loss_fn(chunk(x, positions), y_m); the trainer's asks the head for the fused loss)
         B: the backward of (out, received gradient) -> dL/dx     -> busy time
            (split schedules, zbh1/zbv: dL/dx only, the weight gradient deferred; `split_backward`)
         W: the deferred weight gradient, accumulated into the chunk's parameters
@@ -57,6 +58,15 @@ from raydist.schedule.transfers import StepTransfers, TransferPlan
 from raydist.schedule.validate import validate
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits (B, T, V), targets (B, T)) -> scalar
+# (the last stage's chunk, its input, positions or None, targets (B, T)) -> the micro-batch's mean loss
+StageLoss = Callable[[nn.Module, torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
+
+
+def _logits_then(loss_fn: LossFn) -> StageLoss:
+    """The last stage's loss as `loss_fn` of the chunk's logits."""
+    def stage_loss(chunk, x, positions, targets):
+        return loss_fn(chunk(x) if positions is None else chunk(x, positions), targets)
+    return stage_loss
 # (chunk index on this rank, whether this is its last weight-gradient action this step) -> None
 BackwardHook = Callable[[int, bool], None]
 BeforeBackward = BackwardHook
@@ -120,13 +130,15 @@ class PipelineExecutor:
 
     chunks[c] holds virtual stage `schedule.stages_of(pp_rank)[c]`. The first stage's chunk takes token
     ids (B_micro, T_local); the others take activations of `activation_shape` = (B_micro, T_local, D) in
-    `activation_dtype`; the last stage's chunk returns logits for `loss_fn(logits, targets)`. Chunks are
+    `activation_dtype`; the last stage's chunk returns logits for `loss_fn(logits, targets)`, or
+    `stage_loss(chunk, x, positions, targets)` gives its loss however it likes (one of the two). Chunks are
     called `chunk(x)`, or `chunk(x, positions)` when the step is given positions.
     """
 
     def __init__(self, chunks: Sequence[nn.Module], schedule: Schedule, pp_rank: int,
                  pp_group: dist.ProcessGroup | None, *, activation_shape: tuple[int, ...],
-                 loss_fn: LossFn, device: torch.device | str = "cpu",
+                 loss_fn: LossFn | None = None, stage_loss: StageLoss | None = None,
+                 device: torch.device | str = "cpu",
                  activation_dtype: torch.dtype = torch.float32,
                  before_backward: BackwardHook | None = None, after_backward: BackwardHook | None = None):
         validate(schedule)
@@ -144,7 +156,9 @@ class PipelineExecutor:
         self.activation_shape = tuple(activation_shape)
         self.activation_dtype = activation_dtype
         self.device = torch.device(device)
-        self.loss_fn = loss_fn
+        if (loss_fn is None) == (stage_loss is None):
+            raise ValueError("give the executor one of loss_fn (of the last stage's logits) or stage_loss")
+        self.stage_loss = stage_loss or _logits_then(loss_fn)
         self.before_backward, self.after_backward = before_backward, after_backward
         self.split = schedule.split_backward
         self.last_weight_gradient = set(schedule.last_weight_gradient(pp_rank).values())
@@ -161,10 +175,11 @@ class PipelineExecutor:
         if x.is_floating_point():
             x = x.detach().requires_grad_(torch.is_grad_enabled())
         chunk = self.chunks[chunk_index]
-        out = chunk(x) if positions is None else chunk(x, positions)
         if action.stage == self.schedule.num_stages - 1:
-            out = self.loss_fn(out, targets[action.microbatch]) / self.schedule.num_microbatches
+            out = self.stage_loss(chunk, x, positions, targets[action.microbatch]) / self.schedule.num_microbatches
             self._loss_sum += out.detach().float()
+        else:
+            out = chunk(x) if positions is None else chunk(x, positions)
         if torch.is_grad_enabled():
             self._saved[(action.stage, action.microbatch)] = (x, out)
         return None if action.stage == self.schedule.num_stages - 1 else out.detach()

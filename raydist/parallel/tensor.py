@@ -10,7 +10,9 @@ query/kv heads, F ffn):
     embedding:  vocabulary-parallel (rows V/tp per rank; a token outside a rank's rows contributes zero,
                 the partial embeddings are all-reduced; `VocabParallelEmbedding`)
     head:       column-parallel over the vocabulary: logits stay sharded (B, T, V/tp) and the loss is
-                `vocab_loss.vocab_parallel_cross_entropy`, which never gathers them
+                `vocab_loss.vocab_parallel_cross_entropy`, which never gathers them; or the head computes
+                the loss itself, vocabulary-parallel, a chunk of tokens at a time (the fused loss,
+                models.loss.linear_cross_entropy), and never holds the logits at all
 
 The residual stream between these regions is a plain local tensor:
 - without SP it is the whole (B, T, D) on every rank; the input of attention and of the MLP is marked
@@ -164,12 +166,24 @@ def block_plan(roles: dict[str, str], cfg, tp: int, layout: Placement) -> dict[s
     return {name: _block_style(role, cfg, tp, layout) for name, role in roles.items()}
 
 
+class VocabParallelHead(ColwiseParallel):
+    """The head split over the vocabulary (column-parallel): its logits stay Shard(-1), and its loss, where the
+    model asks the head for it (`forward(x, targets)`: the fused, vocabulary-parallel loss of
+    models.loss.linear_cross_entropy), passes out as it is: a plain scalar, the same on every tp rank."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if not isinstance(outputs, DTensor):
+            return outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+
 def root_plan(roles: dict[str, str], layout: Placement) -> dict[str, ParallelStyle]:
     """The root's plan (embedding, final norm and head, each absent on some pipeline stages) from its roles."""
     styles = {"vocab_embedding": lambda: VocabParallelEmbedding(layout), "norm": lambda: NormParallel(layout),
               # logits (B, T, V) stay Shard(-1): a DTensor, so the loss finds the mesh and its vocabulary slice
-              "vocab_head": lambda: ColwiseParallel(input_layouts=layout, output_layouts=Shard(-1),
-                                                    use_local_output=False)}
+              "vocab_head": lambda: VocabParallelHead(input_layouts=layout, output_layouts=Shard(-1),
+                                                      use_local_output=False)}
     return {name: styles[role]() for name, role in roles.items()}
 
 
@@ -183,7 +197,8 @@ def _fill_positions(tp: int, first_stage: bool):
         if (args[1] if len(args) > 1 else kwargs.get("positions")) is not None:
             return None
         length = tokens.shape[1] if first_stage else tokens.shape[1] * tp
-        return (tokens, torch.arange(length, device=tokens.device)), {}
+        rest = {k: v for k, v in kwargs.items() if k not in ("tokens", "positions")}  # targets, cache
+        return (tokens, torch.arange(length, device=tokens.device)), rest
 
     return hook
 

@@ -376,13 +376,15 @@ def head_bytes(w: Workload, lay: Layout) -> dict:
     trains and the head's input where the head does), the fp32 log-softmax output saved by the loss
     (logits split over tp by a vocab-parallel head), and its gradient plus the logits' during backward.
     The fused loss (`Workload.fused_loss`) saves each token's log-sum-exp instead of the log-softmax and
-    holds about three chunks of fp32 logits at a time (models.loss.chunk_rows; benchmarks/fused_loss.py)."""
+    holds about three chunks of fp32 logits at a time (models.loss.chunk_rows of the V / tp columns a rank
+    holds; benchmarks/fused_loss.py)."""
     tokens = lay.micro_batch * w.seq_len / lay.cp
     logits = tokens * w.model.vocab_size / lay.tp
     trains = trained_root_parts(w.model, w.peft.method)
     norm = tokens * w.model.d_model * (4 + (("norm" in trains) + ("head" in trains)) * w.compute_dtype_bytes)
-    if w.fused_loss(lay):
-        chunk = min(chunk_rows(w.model.vocab_size), tokens) * w.model.vocab_size
+    if w.fused_loss:
+        columns = w.model.vocab_size / lay.tp
+        chunk = min(chunk_rows(int(columns)), tokens) * columns
         return {"saved": norm + 4 * tokens + 16 * tokens, "transient": 3 * 4 * chunk}
     return {"saved": norm + 4 * logits + 16 * tokens, "transient": (4 + w.compute_dtype_bytes) * logits}
 

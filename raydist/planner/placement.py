@@ -37,12 +37,13 @@ class Workload:
     name: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     peft: PeftConfig = PeftConfig()  # what trains: everything, LoRA's adapters, or the last blocks
-    loss: str = "auto"  # kernels.loss: `auto` fuses the head's matmul and the loss where the layout allows
+    loss: str = "auto"  # kernels.loss: `auto` fuses the head's matmul and the loss (every layout)
 
-    def fused_loss(self, lay: Layout) -> bool:
-        """Whether the loss runs fused in `lay` (`Layout.loss_fuses`, as the runtime decides it) and so never
-        holds the logits."""
-        return self.loss == "auto" and lay.loss_fuses
+    @property
+    def fused_loss(self) -> bool:
+        """Whether the loss runs fused (the head's matmul and the loss a chunk of tokens at a time, in every
+        layout, vocabulary-parallel under TP) and so never holds the logits."""
+        return self.loss == "auto"
 
     @classmethod
     def from_config(cls, cfg: Config, compute_dtype_bytes: int, name: str = "") -> "Workload":

@@ -160,3 +160,21 @@ def backward_weight(pending: PendingWeightGradient) -> None:
             for handle in clamps:
                 handle.remove()
     pending.groups = []
+
+
+def wanted(ctx, i: int) -> bool:
+    """Whether this backward must compute the gradient of forward input `i`. `ctx.needs_input_grad` is fixed
+    at forward time; which gradients a backward asks for is not: a split backward's B
+    (`torch.autograd.grad(out, [x])`) runs this node for dX alone, its W (`torch.autograd.backward(...,
+    inputs=weights)`) for dW alone (above). So an input's gradient is computed when the autograd engine will
+    run the node it flows to, as aten's own matmul backward decides. For custom autograd functions (the
+    Triton matmul, the fused loss); `ctx` is the function's backward node."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # autograd.grad() with this leaf among its inputs: torch cannot say; compute it
+        return True

@@ -204,13 +204,16 @@ class PipelineRunner:
             self._executors[key] = PipelineExecutor(
                 pm.modules, schedule, self.pp_rank, self.group,
                 activation_shape=(micro_batch, self.seq_len, pm.model.cfg.d_model),
-                loss_fn=self._loss if self.masked else pm.loss_fn, device=self.device,
+                stage_loss=self._stage_loss, device=self.device,
                 activation_dtype=pm.data_parallel.activation_dtype, before_backward=before, after_backward=after)
         return self._executors[key]
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss of one micro-batch of masked data (the executor divides it by M)."""
-        return self.pm.loss_fn(logits, targets) * self.mask_scale.value
+    def _stage_loss(self, chunk: torch.nn.Module, x: torch.Tensor, positions: torch.Tensor | None,
+                    targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss of one micro-batch (the executor divides it by M): `pm.loss` through the
+        chunk, the head's fused loss or `pm.loss_fn` of its logits, rescaled for masked data."""
+        loss = self.pm.loss(x, positions, targets, module=chunk)
+        return loss * self.mask_scale.value if self.masked else loss
 
     def _split(self, tokens: torch.Tensor | LocalBatch, micro_batch: int | None = None
                ) -> tuple["PipelineExecutor", list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor | None]:

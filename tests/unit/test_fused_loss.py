@@ -88,10 +88,10 @@ def test_a_planted_chunk_bug_is_caught():
         def backward(ctx, grad):
             dh, dw, *_ = _LinearCrossEntropy.backward(ctx, grad)
             dh[-(dh.shape[0] % ctx.rows):] = 0
-            return dh, dw, None, None
+            return dh, dw, None, None, None, None
 
     want = grads(plain, h, w, targets)
-    got = grads(lambda h, w, t: Skipping.apply(h.flatten(0, 1), w, t.flatten(0, 1), 5), h, w, targets)
+    got = grads(lambda h, w, t: Skipping.apply(h.flatten(0, 1), w, t.flatten(0, 1), 5, 0, None), h, w, targets)
     with pytest.raises(AssertionError):
         close(got[1].view_as(want[1]), want[1])
 
@@ -120,24 +120,35 @@ def test_peak_memory_holds_a_chunk_not_the_logits():
     ({"dp_shard": 2}, 2, False),  # the untied head is an FSDP unit of its own: its weight gathered in its forward
     ({"dp_replicate": 2}, 2, True),  # DDP
     ({"cp": 2}, 2, False),
-], ids=["single", "fsdp2-untied", "ddp2", "cp2-untied"])
+    ({"tp": 2}, 2, True),  # vocabulary-parallel: the tied head shares the embedding's Shard(0) rows
+    ({"tp": 2, "sequence_parallel": True}, 2, False),  # dh reduce-scattered back to the sequence shards
+    ({"pp": 2, "pp_schedule": "1f1b"}, 2, True),  # the last stage's head: a copy of the embedding
+    ({"pp": 2, "pp_schedule": "zbh1", "tp": 2, "sequence_parallel": True}, 4, False),  # B: dh, W: dW
+], ids=["single", "fsdp2-untied", "ddp2", "cp2-untied", "tp2", "tp2-sp-untied", "pp2-1f1b", "pp2xtp2-sp-zbh1"])
 def test_training_with_the_fused_loss_equals_the_plain_loss(tiny_data, parallel, world, tied):
-    """kernels.loss = auto (fused in these layouts) against plain: losses and gradient norms every step,
-    gradients before clipping and parameters after the last step (raydist.testing.assert_equivalent)."""
+    """kernels.loss = auto (fused) in each layout against the single process with the plain loss: losses
+    and gradient norms every step, gradients before clipping and parameters after the last step on every
+    rank (raydist.testing.assert_equivalent); the ranks holding the head ran the fused loss, every time."""
     from raydist.testing import assert_equivalent, run_layout, tiny_config
 
-    def run(loss):
+    def run(loss, parallel, world):
         raw = tiny_config(tiny_data, model={"tie_embeddings": tied}, kernels={"loss": loss},
                           parallel={"dp_replicate": 1, **parallel}, train={"steps": 4})
         return run_layout(raw, world, steps=4)
 
-    for fused, plain_rank in zip(run("auto"), run("plain")):
-        assert_equivalent(plain_rank, fused)
+    [plain_single] = run("plain", {}, 1)
+    assert "loss" not in plain_single.kernels
+    ranks = run("auto", parallel, world)
+    for rank in ranks:
+        assert_equivalent(plain_single, rank)
+    heads = [rank.kernels["loss"] for rank in ranks if "loss" in rank.kernels]
+    assert heads and all(set(ran) == {"fused"} for ran in heads), [rank.kernels for rank in ranks]
+    assert len(heads) == world // parallel.get("pp", 1)  # the last stage's ranks, every one of them
 
 
 def test_the_fused_loss_is_what_runs_where_the_layout_allows_it():
-    """ParallelModel.fused_loss: the default head (TorchLinear) without tensor or pipeline parallelism, not
-    with kernels.loss = plain or a head of another class; the model's forward with targets is its loss."""
+    """ParallelModel.fused_loss: the default head (TorchLinear), not with kernels.loss = plain or a head of
+    another class; the model's forward with targets is its loss."""
     from raydist.kernels.select import install_torch_matmul
     from raydist.models.gpt import build_model
     from raydist.parallel.layout import Layout
@@ -160,3 +171,46 @@ def test_the_fused_loss_is_what_runs_where_the_layout_allows_it():
     want = cross_entropy(model.module(tokens[:, :-1]), tokens[:, 1:])
     got = model.loss(tokens[:, :-1], None, tokens[:, 1:])
     close(got, want)
+
+
+def test_a_split_backward_computes_each_gradient_once():
+    """Zero-bubble's B (the input's gradient) and W (the weights') through the fused loss: B computes dh and
+    not dW, W dW and not dh (`split_backward.wanted`); together one matmul more per chunk than a plain
+    backward (the chunk's logits, recomputed by each), not the two wasted products of a backward that
+    computes every gradient each time. The gradients equal the plain backward's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from raydist.schedule.split_backward import backward_input, backward_weight
+
+    class CountMatmuls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(1)
+    a0, w0 = torch.randn(8, 16, generator=g), torch.randn(50, 16, generator=g)
+    x = torch.randn(21, 8, generator=g)
+    targets = torch.randint(0, 50, (1, 21), generator=g)
+
+    def forward():
+        a, w = a0.clone().requires_grad_(), w0.clone().requires_grad_()
+        xi = x.clone().requires_grad_()
+        return a, w, xi, linear_cross_entropy((xi @ a)[None], w, targets, rows=5)  # 5 chunks
+
+    a, w, xi, loss = forward()
+    with CountMatmuls() as plain_count:
+        loss.backward()
+    want = (xi.grad, a.grad, w.grad)
+    a, w, xi, loss = forward()
+    with CountMatmuls() as b_count:
+        dx, pending = backward_input(loss, None, xi)
+    assert a.grad is None and w.grad is None
+    with CountMatmuls() as w_count:
+        backward_weight(pending)
+    for got, expected in zip((dx, a.grad, w.grad), want):
+        close(got, expected)
+    assert b_count.count + w_count.count == plain_count.count + 5, (plain_count.count, b_count.count, w_count.count)

@@ -69,6 +69,8 @@ def test_tensor_parallel_run_reports_the_triton_linear_fallback(tiny_data, tmp_p
     assert ran["swiglu"].get("torch_fallback", 0) > 0 and "triton" not in ran["swiglu"], ran
     # attention sees each rank's local heads as plain tensors: the Triton kernel does run
     assert ran["attention"].get("triton", 0) > 0 and set(ran["attention"]) == {"triton"}, ran
+    # the head's loss: fused and vocabulary-parallel (its chunked matmuls are torch's)
+    assert set(ran["loss"]) == {"fused"}, ran
     assert lines[-1]["kernels"] == ran
 
 

@@ -105,7 +105,7 @@ def test_sharding_cuts_the_estimate_as_measured(measured):
 def _saved_bytes(policy: str, model_cfg: ModelConfig, batch: int, seq_len: int, fused: bool = False) -> int:
     """Bytes of distinct storages autograd keeps for backward (parameters and buffers excluded), including
     the outputs a selective-checkpoint region caches; with `fused`, the head computes the loss with its
-    matmul (kernels.loss = auto in a layout without tensor or pipeline parallelism)."""
+    matmul (kernels.loss = auto)."""
     import raydist.parallel.checkpointing as ckpt
     from raydist.models.gpt import build_model
     from raydist.models.loss import cross_entropy
@@ -169,16 +169,15 @@ def test_activation_bytes_match_saved_tensors(policy, shape, loss):
     assert error <= 0.10
 
 
-def test_the_fused_loss_is_priced_only_where_it_runs():
-    """No tensor or pipeline parallelism: the fused head saves 4 bytes a token instead of 4 V; under tp 2 or
-    pp 2 (logits, then the loss) and with kernels.loss = plain the estimate is the logits'."""
+def test_the_fused_loss_is_priced_in_every_layout():
+    """The fused head saves 4 bytes a token instead of 4 V (V / tp of them under tensor parallelism's
+    vocabulary-parallel head), alone, under tp 2 and on pp 2's last stage; kernels.loss = plain keeps the
+    logits' price."""
     m = ModelConfig(**TINY_MODEL)
     auto, plain = (Workload(m, 32, global_batch=8, compute_dtype_bytes=4, loss=loss) for loss in ("auto", "plain"))
-    one = Layout(micro_batch=2)
-    saved = {w.loss: head_bytes(w, one)["saved"] for w in (auto, plain)}
-    assert saved["plain"] - saved["auto"] == 2 * 32 * 4 * (m.vocab_size - 1)
-    for lay in (Layout.of(tp=2, micro_batch=2), Layout.of(pp=2, micro_batch=2)):
-        assert head_bytes(auto, lay) == head_bytes(plain, lay)
+    for lay in (Layout(micro_batch=2), Layout.of(tp=2, micro_batch=2), Layout.of(pp=2, micro_batch=2)):
+        saved = {w.loss: head_bytes(w, lay)["saved"] for w in (auto, plain)}
+        assert saved["plain"] - saved["auto"] == 2 * 32 * 4 * (m.vocab_size / lay.tp - 1), lay.describe()
 
 
 # ---- parameter-efficient fine-tuning ---------------------------------------------------------------------

@@ -2,9 +2,9 @@
 plain output's slice for this rank, and backward gives the slices of the plain input and weight gradients.
 
 Layers are parallelized with the plan's own styles (`tensor.block_plan`, `tensor.root_plan`), with and
-without sequence parallelism; then `apply_tensor_parallel` on a whole GPT (tied and untied head, with the
-plan's vocabulary-parallel loss) and on two pipeline stages of one. All cases run in one `spawn`; each
-test reads its case's outcome."""
+without sequence parallelism; the head's fused vocabulary-parallel loss; then `apply_tensor_parallel` on a
+whole GPT (tied and untied head, with the plan's vocabulary-parallel loss) and on two pipeline stages of
+one. All cases run in one `spawn`; each test reads its case's outcome."""
 
 from __future__ import annotations
 
@@ -171,6 +171,48 @@ def _cross_entropy_case(mesh, ignored: bool = False):
     torch.testing.assert_close(local.grad, _local(logits.grad, Shard(-1), rank), rtol=1e-5, atol=1e-7)
 
 
+def _fused_head_case(mesh, sequence_parallel: bool, rows: int | None = None):
+    """The head's fused loss (`forward(x, targets)`) under the plan's column-parallel head style, against
+    F.linear + cross_entropy of the whole logits: the loss (a plain scalar out of the style, the same on both
+    ranks), the input's gradient in its layout (summed over tp: all-reduced, or reduce-scattered back to
+    the sequence shards) and each rank's rows of the weight's gradient. With `rows`, the loss is called
+    directly in chunks of `rows` tokens (not dividing B T) and a third of the targets are IGNORE."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from raydist.kernels.select import TorchLinear
+    from raydist.models.loss import IGNORE, cross_entropy, linear_cross_entropy
+    from raydist.parallel.tensor import root_plan
+
+    rank = torch.distributed.get_rank()
+    gen = torch.Generator().manual_seed(9)
+    plain = TorchLinear(D, V, bias=False)
+    with torch.no_grad():
+        plain.weight.copy_(torch.randn(V, D, generator=gen) / D ** 0.5)
+    x = torch.randn(B, T, D, generator=gen)
+    targets = torch.randint(0, V, (B, T), generator=gen)
+    if rows:
+        targets[torch.rand(B, T, generator=gen) < 1 / 3] = IGNORE
+    xr = x.clone().requires_grad_()
+    expected = cross_entropy(F.linear(xr, plain.weight), targets)
+    expected.backward()
+    layout = Shard(1) if sequence_parallel else Replicate()
+    head = copy.deepcopy(plain)
+    head.weight.grad = None
+    parallelize_module(head, mesh, root_plan({"": "vocab_head"}, layout)[""])
+    local = _local(x, layout, rank).clone().requires_grad_()
+    if rows:
+        h = DTensor.from_local(local, mesh, (layout,)).redistribute(placements=(Replicate(),))
+        got = linear_cross_entropy(h, head.weight, targets, rows=rows)
+    else:
+        got = head(local, targets=targets)
+    assert not isinstance(got, DTensor) and got.ndim == 0
+    got.backward()
+    _close(got, expected.detach(), "loss")
+    _close(local.grad, _local(xr.grad, layout, rank), "input gradient")
+    _close(head.weight.grad.to_local(), _local(plain.weight.grad, Shard(0), rank), "weight gradient rows")
+
+
 def _model_config(tied: bool, sequence_parallel: bool):
     from raydist.config import Config
     from raydist.testing import tiny_config
@@ -258,7 +300,10 @@ def _run_cases() -> dict[str, str | None]:
             except Exception:
                 outcome[key] = traceback.format_exc()
     extra = [("cross_entropy", lambda: _cross_entropy_case(mesh)),
-             ("cross_entropy_ignored", lambda: _cross_entropy_case(mesh, ignored=True))] + [
+             ("cross_entropy_ignored", lambda: _cross_entropy_case(mesh, ignored=True)),
+             ("fused_head_chunked_ignored", lambda: _fused_head_case(mesh, False, rows=5))] + [
+        (f"fused_head-{layout_name}", lambda sp=layout_name == "sequence": _fused_head_case(mesh, sp))
+        for layout_name in LAYOUTS] + [
         (f"model-{'tied' if tied else 'untied'}-{layout_name}",
          lambda tied=tied, sp=layout_name == "sequence": _whole_model_case(tied, sp))
         for tied in (True, False) for layout_name in LAYOUTS] + [
@@ -280,7 +325,9 @@ def outcomes():
 
 CASES = ["wq_column-replicate"] + [f"{n}-{lay}" for lay in LAYOUTS for n in (
     "attention_norm", "wo_row", "mlp", "attention_gqa", "attention_kv_replicated", "block", "embedding")] + [
-    "cross_entropy", "cross_entropy_ignored"] + [f"model-{tie}-{lay}" for tie in ("tied", "untied") for lay in LAYOUTS] + [
+    "cross_entropy", "cross_entropy_ignored", "fused_head_chunked_ignored"] + [
+    f"fused_head-{lay}" for lay in LAYOUTS] + [
+    f"model-{tie}-{lay}" for tie in ("tied", "untied") for lay in LAYOUTS] + [
     f"pipeline_stages-{lay}" for lay in LAYOUTS]
 
 

@@ -1,7 +1,8 @@
 """A zero-bubble schedule with the Triton matmul launches as many GEMMs per step as 1F1B (Qi et al.'s split
 backward: B computes dX, W computes dW, neither the other's). The custom op's backward decides what to
-compute from what the autograd engine will run (kernels/matmul.py `_wanted`), not from `needs_input_grad`,
-which is fixed at forward time and made B and W each launch both. Triton runs under TRITON_INTERPRET=1."""
+compute from what the autograd engine will run (`raydist.schedule.split_backward.wanted`), not from
+`needs_input_grad`, which is fixed at forward time and made B and W each launch both. Triton runs under
+TRITON_INTERPRET=1."""
 
 import os
 
