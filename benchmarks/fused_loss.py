@@ -111,6 +111,48 @@ def main() -> None:
         print(json.dumps(out))
 
 
+def gpu_rows(tokens: int = 8192, vocab: int = 128256, d_model: int = 4096, repeats: int = 5) -> list[dict]:
+    """On CUDA (the GPU suite's `loss` part): the plain loss, the fused one with torch's chunk work and with
+    the Triton kernels' (kernels.loss = plain / auto / triton), under bf16 autocast with an fp32 head
+    weight and bf16 hidden states, as training runs them: forward + backward seconds (median of `repeats`
+    after a warm-up that compiles the kernels) and the peak bytes allocated beyond what was held before
+    (the gradients included: dW in fp32, V x D x 4 bytes)."""
+    from raydist.kernels.cross_entropy import TRITON_CHUNKS
+
+    device = torch.device("cuda")
+    g = torch.Generator(device=device).manual_seed(0)
+    h0 = torch.randn(1, tokens, d_model, device=device, generator=g).to(torch.bfloat16)
+    w0 = torch.randn(vocab, d_model, device=device, generator=g) / d_model ** 0.5
+    targets = torch.randint(0, vocab, (1, tokens), device=device, generator=g)
+    paths = {"plain": PATHS["plain"], "fused": linear_cross_entropy,
+             "fused_triton": lambda h, w, t: linear_cross_entropy(h, w, t, ops=TRITON_CHUNKS)}
+    rows = []
+    for name, fn in paths.items():
+        def once():
+            h, w = h0.clone().requires_grad_(), w0.clone().requires_grad_()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fn(h, w, targets)
+            loss.backward()
+            return float(loss)
+
+        loss = once()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            once()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        rows.append({"path": name, "tokens": tokens, "vocab": vocab, "d_model": d_model, "loss": loss,
+                     "seconds": statistics.median(times),
+                     "peak_mib": (torch.cuda.max_memory_allocated() - held) / 2**20,
+                     "logits_fp32_mib": tokens * vocab * 4 / 2**20})
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _tp_rows(tokens: int, vocab: int, d_model: int) -> dict:
     """On each of the TP ranks: both paths, side by side."""
     return {path: measure(path, tokens, vocab, d_model, tp=True) for path in TP_PATHS}

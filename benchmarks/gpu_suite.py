@@ -19,9 +19,12 @@ each part in its own process under its own time budget:
    Triton vs `F.scaled_dot_product_attention`, T = 2k, 4k, 8k (4k with --quick), bf16;
 3. gemm: the MLP GEMMs of 4096 x 14336 and 8192 x 28672 over 8192 tokens, Triton vs `torch.matmul`, bf16;
 4. mfu: the MFU of a Llama-3-8B-shaped stack of 4 blocks at T = 8192 (benchmarks/mfu.py), Triton kernels
-   and torch's, 10 timed steps (3 with --quick).
+   and torch's, 10 timed steps (3 with --quick);
+5. loss: the loss of 8,192 tokens (4,096 with --quick) at V = 128256, D = 4096 under bf16 autocast, plain,
+   fused (torch's chunk work) and fused with the Triton chunk kernels (benchmarks/fused_loss.py): seconds and
+   peak memory of forward + backward.
 
-Budgets (seconds): tests 400, attention 50, gemm 40, mfu 60, and all together at most --budget-s (550):
+Budgets (seconds): tests 400, attention 50, gemm 40, mfu 60, loss 40, and all together at most --budget-s (550):
 a part that runs out is killed with its processes and recorded as timed out (with the outcomes of the
 tests that finished), and a part with under 15 s of the total left is not started. The JSON is rewritten
 after every part, so a failure or a kill leaves what was measured. So the command ends within about 9.5
@@ -59,11 +62,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_RAY = ROOT / "tests" / "gpu" / "no_ray"  # a sitecustomize that blocks `import ray` and logs each attempt
-BUDGET_S = {"tests": 400.0, "attention": 50.0, "gemm": 40.0, "mfu": 60.0}
+BUDGET_S = {"tests": 400.0, "attention": 50.0, "gemm": 40.0, "mfu": 60.0, "loss": 40.0}
 TOTAL_BUDGET_S = 550.0
 MIN_PART_S = 15.0  # a part is not started with less of the total budget left
 PER_TEST_TIMEOUT_S = 150.0  # pytest-timeout, where installed: one hung test does not eat the whole budget
-BENCHMARKS = ("attention", "gemm", "mfu")
+BENCHMARKS = ("attention", "gemm", "mfu", "loss")
 
 
 def test_paths() -> list[str]:
@@ -230,6 +233,7 @@ def benchmark(name: str, quick: bool) -> list[dict]:
     import torch
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fused_loss as loss_bench
     import kernels as kernel_bench
     import mfu as mfu_bench
 
@@ -239,6 +243,8 @@ def benchmark(name: str, quick: bool) -> list[dict]:
         return kernel_bench.llama_gemm_rows(8192, torch.bfloat16)
     if name == "mfu":
         return mfu_bench.mfu_rows(layers=4, seq_len=8192, batch=1, steps=3 if quick else 10)
+    if name == "loss":
+        return loss_bench.gpu_rows(tokens=4096 if quick else 8192)
     raise ValueError(f"no benchmark part {name!r}")
 
 

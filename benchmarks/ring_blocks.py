@@ -1,5 +1,7 @@
 """Ring attention's torch blocks: peak memory and time of one block's forward + backward, tiled against
-materialised, side by side in one run.
+materialised, side by side in one run; and the time of the `aten` blocks (the CPU's fused flash attention,
+what the ring runs on the CPU and, as CUDA's memory-efficient attention, for head dims the Triton kernel
+lacks), whose buffers live inside one op: their peak here counts only the tensors the ops return.
 
     python benchmarks/ring_blocks.py [--lengths 1024 2048 4096] [--heads 4] [--kv-heads 2] [--head-dim 80] [--json]
 
@@ -24,22 +26,30 @@ import time
 import torch
 
 from raydist.metrics.memory import LiveActivations
-from raydist.parallel.attention_blocks import KEY_TILE, torch_backward, torch_forward
+from raydist.parallel.attention_blocks import KEY_TILE, aten_backward, aten_forward, torch_backward, torch_forward
 
 
-def measure(seq_len: int, heads: int, kv_heads: int, head_dim: int, tile: int) -> dict:
+def measure(seq_len: int, heads: int, kv_heads: int, head_dim: int, tile: int | None) -> dict:
+    """tile None: the aten blocks."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, heads, seq_len, head_dim, generator=g)
     k, v = (torch.randn(1, kv_heads, seq_len, head_dim, generator=g) for _ in range(2))
     dout = torch.randn(1, heads, seq_len, head_dim, generator=g)
+
+    def once():
+        if tile is None:
+            out, lse = aten_forward(q, k, v, True)
+            aten_backward(dout, q, k, v, out, lse, True)
+        else:
+            out, lse = torch_forward(q, k, v, True, tile=tile)
+            torch_backward(dout, q, k, v, out, lse, True, tile=tile)
+
     with LiveActivations(track_peak=True) as live:
-        out, lse = torch_forward(q, k, v, True, tile=tile)
-        torch_backward(dout, q, k, v, out, lse, True, tile=tile)
+        once()
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        out, lse = torch_forward(q, k, v, True, tile=tile)
-        torch_backward(dout, q, k, v, out, lse, True, tile=tile)
+        once()
         times.append(time.perf_counter() - start)
     return {"peak_mib": live.peak_bytes / 2**20, "seconds": statistics.median(times)}
 
@@ -58,12 +68,15 @@ def main() -> None:
     for t in args.lengths:
         tiled = measure(t, args.heads, args.kv_heads, args.head_dim, KEY_TILE)
         whole = measure(t, args.heads, args.kv_heads, args.head_dim, t)
-        rows.append({"seq_len": t, "tiled": tiled, "materialised": whole,
+        fused = measure(t, args.heads, args.kv_heads, args.head_dim, None)
+        rows.append({"seq_len": t, "tiled": tiled, "materialised": whole, "aten": fused,
                      "memory_ratio": tiled["peak_mib"] / whole["peak_mib"],
-                     "time_ratio": tiled["seconds"] / whole["seconds"]})
+                     "time_ratio": tiled["seconds"] / whole["seconds"],
+                     "aten_time_ratio": fused["seconds"] / tiled["seconds"]})
         print(f"T={t:6d}  peak {tiled['peak_mib']:8.1f} MiB tiled, {whole['peak_mib']:8.1f} materialised "
               f"(x{rows[-1]['memory_ratio']:.2f});  time {tiled['seconds']:.3f} s against {whole['seconds']:.3f} s "
-              f"(x{rows[-1]['time_ratio']:.2f})")
+              f"(x{rows[-1]['time_ratio']:.2f}); aten {fused['seconds']:.3f} s (x{rows[-1]['aten_time_ratio']:.2f} "
+              f"the tiled), {fused['peak_mib']:.1f} MiB returned by its ops")
     if args.json:
         print(json.dumps({"benchmark": "ring_blocks", "key_tile": KEY_TILE, "head_dim": args.head_dim, "rows": rows}))
 

@@ -249,9 +249,9 @@ class KernelsConfig:
     """`auto` (torch: cuBLAS on CUDA, faster than the Triton matmul on an H100), `triton`, `torch`."""
     loss: str = "auto"
     """`auto`: the head's matmul and the cross-entropy run together, a chunk of tokens at a time, never
-    holding the whole (B, T, V) logits or their gradient (one more head matmul in backward), where the
-    layout holds whole logit rows: no tensor or pipeline parallelism yet (those compute the logits, then
-    the loss). `plain`: always the logits, then the loss."""
+    holding the whole (B, T, V) logits or their gradient (one more head matmul in backward), in every
+    layout (vocabulary-parallel under tensor parallelism). `triton`: the same, each chunk's elementwise
+    work in Triton kernels (CUDA, or CPU under TRITON_INTERPRET=1). `plain`: the logits, then the loss."""
 
 
 @dataclass(frozen=True)
@@ -315,7 +315,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.fsdp_reshard_after_forward": ("auto", "true", "false"),
     "kernels.attention": ("auto", "triton", "sdpa", "eager"),
     "kernels.matmul": ("auto", "triton", "torch"),
-    "kernels.loss": ("auto", "plain"),
+    "kernels.loss": ("auto", "triton", "plain"),
     "tracking.wandb_mode": ("online", "offline"),
 }
 

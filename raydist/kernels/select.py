@@ -4,6 +4,9 @@
 
 attention: `auto` -> sdpa; `triton` | `sdpa` | `eager` as asked, or a ConfigError with the fix.
 matmul:    `auto` -> torch (cuBLAS on CUDA); `triton` | `torch`.
+loss:      `auto` -> fused (the head's matmul and the loss a chunk of tokens at a time, the chunks'
+           elementwise work in torch); `triton` (the same, that work in raydist.kernels.cross_entropy's
+           kernels) | `plain` (the logits, then the loss).
 
 Why `auto` is torch's kernels on CUDA too: measured on one H100 (torch 2.11, Triton 3.6, the GPU suite of
 2026-11-27, figures in benchmarks/results/gpu_suite_h100.json), the Triton attention's forward+backward ran at
@@ -33,9 +36,10 @@ from torch import nn
 from raydist.errors import ConfigError
 from raydist.kernels import runtime
 from raydist.kernels.attention import SUPPORTED_HEAD_DIMS, triton_causal_attention
+from raydist.kernels.cross_entropy import TRITON_CHUNKS
 from raydist.kernels.matmul import linear, swiglu
 from raydist.models.gpt import FeedForward, eager_attention, sdpa_attention
-from raydist.models.loss import linear_cross_entropy
+from raydist.models.loss import TORCH_CHUNKS, linear_cross_entropy
 
 ATTENTION_FNS = {"triton": triton_causal_attention, "sdpa": sdpa_attention, "eager": eager_attention}
 
@@ -44,14 +48,16 @@ def _is_dtensor(*tensors) -> bool:
     return any(t is not None and type(t).__name__ == "DTensor" for t in tensors)
 
 
-def fused_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
-               ) -> torch.Tensor:
+def fused_loss(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+               kernel: str = "fused") -> torch.Tensor:
     """A head's loss with its matmul, chunk by chunk of tokens (models.loss.linear_cross_entropy;
-    vocabulary-parallel when tensor parallelism split the head): what `ParallelModel.loss` asks of the head."""
+    vocabulary-parallel when tensor parallelism split the head): what `ParallelModel.loss` asks of the head.
+    `kernel`: the head's `loss_kernel`, "fused" (torch's elementwise work on each chunk) or "triton"
+    (raydist.kernels.cross_entropy's kernels); counted as `loss.<kernel>`."""
     if bias is not None:
         raise ValueError("the fused loss takes a head without bias")
-    runtime.count_call("loss.fused")
-    return linear_cross_entropy(x, weight, targets)
+    runtime.count_call(f"loss.{kernel}")
+    return linear_cross_entropy(x, weight, targets, ops=TRITON_CHUNKS if kernel == "triton" else TORCH_CHUNKS)
 
 
 class TorchLinear(nn.Linear):
@@ -59,11 +65,12 @@ class TorchLinear(nn.Linear):
     run's metrics can report what ran on every path (`raydist.metrics.kernels`)."""
 
     fuses_loss = True  # a head of this class computes the loss with its matmul (`forward(x, targets)`)
+    loss_kernel = "fused"  # the chunks' elementwise work: "fused" (torch) or "triton" (`apply_kernels` sets it)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         runtime.count_call("matmul.torch")
         if targets is not None:
-            return fused_loss(x, self.weight, self.bias, targets)
+            return fused_loss(x, self.weight, self.bias, targets, self.loss_kernel)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -71,11 +78,12 @@ class TritonLinear(nn.Linear):
     """nn.Linear whose forward runs the Triton matmul (bias fused in the epilogue)."""
 
     fuses_loss = True  # (as TorchLinear's; the loss's chunked matmuls are torch's: counted as the fallback)
+    loss_kernel = "fused"
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         if targets is not None:
             runtime.count_call("matmul.torch_fallback")
-            return fused_loss(x, self.weight, self.bias, targets)
+            return fused_loss(x, self.weight, self.bias, targets, self.loss_kernel)
         if _is_dtensor(x, self.weight, self.bias):
             runtime.count_call("matmul.torch_fallback")
             return F.linear(x, self.weight, self.bias)
@@ -94,8 +102,8 @@ class TritonFeedForward(FeedForward):
 
 
 def resolve_kernels(cfg, device: torch.device | str, head_dim: int) -> dict[str, str]:
-    """{"attention": ..., "matmul": ...}: what will run, or a ConfigError naming the setting and the fix.
-    `cfg` holds the choices (`.attention`, `.matmul`: the `[kernels]` section)."""
+    """{"attention": ..., "matmul": ..., "loss": ...}: what will run, or a ConfigError naming the setting and
+    the fix. `cfg` holds the choices (`.attention`, `.matmul`, `.loss`: the `[kernels]` section)."""
     device = torch.device(device)
     attention = cfg.attention
     if attention == "auto":
@@ -115,7 +123,14 @@ def resolve_kernels(cfg, device: torch.device | str, head_dim: int) -> dict[str,
         runtime.require_triton(device, "kernels.matmul=triton")
     elif matmul != "torch":
         raise ConfigError(f"kernels.matmul={matmul!r} is not one of auto, triton, torch")
-    return {"attention": attention, "matmul": matmul}
+    loss = cfg.loss
+    if loss == "auto":
+        loss = "fused"  # torch's elementwise work: the Triton loss kernels have not been timed on a GPU
+    elif loss == "triton":
+        runtime.require_triton(device, "kernels.loss=triton")
+    elif loss != "plain":
+        raise ConfigError(f"kernels.loss={loss!r} is not one of auto, triton, plain")
+    return {"attention": attention, "matmul": matmul, "loss": loss}
 
 
 def install_triton_matmul(model: nn.Module) -> int:
@@ -155,4 +170,6 @@ def apply_kernels(model: nn.Module, cfg, device: torch.device | str) -> dict[str
         install_triton_matmul(model)
     else:
         install_torch_matmul(model)
+    if chosen["loss"] == "triton" and model.head is not None:
+        model.head.loss_kernel = "triton"  # (a pipeline's copy of a tied head keeps it: GPT.give_head)
     return chosen

@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from raydist.kernels import runtime
+
 INTERPRETED = bool(knobs.runtime.interpret)
 # Inside the kernels log2(e) = 1.4426950408889634 and ln(2) = 0.6931471805599453 appear as literals.
 
@@ -62,14 +64,8 @@ KEY = ["T_Q", "T_K", "HEAD_DIM", "CAUSAL", "stride_qt", "stride_kt"]  # (strides
 # Only Triton *builtins* below, plus our own @triton.jit helpers: Triton's standard-library functions
 # (tl.max, tl.sum, tl.zeros, tl.sigmoid, tl.cdiv) are @jit functions fixed to the interpreted-or-compiled
 # mode of the process's first `import triton`, which would tie these kernels to it (see runtime.py).
-@triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _sum_combine(a, b):
-    return a + b
+_reduce = runtime.load_kernel_module("triton_reduce")  # built in this module's mode
+_max_combine, _sum_combine = _reduce.max_combine, _reduce.sum_combine
 
 
 @triton.jit

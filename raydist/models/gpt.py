@@ -307,17 +307,18 @@ class GPT(nn.Module):
 
     def give_head(self, weight: nn.Parameter, copy: bool) -> None:
         """A head on a stage that holds none of its own (a tied model's last stage): `weight` itself (the
-        same rank holds the embedding), or a copy of it that the pipeline keeps equal. Of the class of the
-        head it replaces (the installed kernel's, whose forward may also compute the loss)."""
-        head_class = type(self.output) if self.output is not None else nn.Linear
-        self.output = head_class(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
-                                 dtype=weight.dtype)
-        if not copy:
-            self.output.weight = weight
-            return
-        with torch.no_grad():
-            self.output.weight.copy_(weight)
-        self.output.weight.requires_grad_(weight.requires_grad)  # frozen by peft: the copy too
+        same rank holds the embedding), or a copy of it that the pipeline keeps equal. Like the head it
+        replaces (a stage keeps the unsplit model's, whose weight is the embedding's): its class and settings
+        (the installed kernel's, whose forward may also compute the loss), with its own containers."""
+        head = self.output.__class__.__new__(self.output.__class__)
+        head.__dict__ = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in self.output.__dict__.items()}
+        if copy:
+            own = nn.Parameter(torch.empty_like(weight), requires_grad=weight.requires_grad)  # frozen by peft: too
+            with torch.no_grad():
+                own.copy_(weight)
+            weight = own
+        head.weight = weight
+        self.output = head
 
     def view_of(self, chunks: list["GPT"]) -> "GPT":
         """One module over a rank's stages with the unsharded model's names: what the optimizer,

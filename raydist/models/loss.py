@@ -6,6 +6,8 @@ the same count."""
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,6 +44,31 @@ def matmul_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
 
 
+class ChunkOps(NamedTuple):
+    """The elementwise work on one chunk of logits z (rows, V_r), in the head matmul's dtype:
+    `stats(z, index)` -> (log-sum-exp of each row, z at column index[row]), fp32; `grad_(z, lse, index, hit,
+    scale)` -> (exp(z - lse) - one_hot(index) where hit) * scale per row, in z's dtype (may overwrite z).
+    TORCH_CHUNKS here; Triton kernels in raydist.kernels.cross_entropy (`kernels.loss = triton`)."""
+
+    stats: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    grad_: Callable[..., torch.Tensor]
+
+
+def _torch_stats(z: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    z = z.float()  # as F.linear + .float() give the plain loss its logits
+    return torch.logsumexp(z, dim=-1), z.gather(1, index[:, None]).squeeze(1)
+
+
+def _torch_grad(z: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, hit: torch.Tensor,
+                scale: torch.Tensor) -> torch.Tensor:
+    dz = z.float().sub_(lse[:, None]).exp_()  # the softmax, in place from here: one (rows, V_r) fp32 buffer
+    dz.scatter_add_(1, index[:, None], -hit[:, None].float())  # minus the one-hot where this rank holds it
+    return dz.mul_(scale[:, None]).to(z.dtype)  # in the logits' dtype, as the plain loss hands it on
+
+
+TORCH_CHUNKS = ChunkOps(_torch_stats, _torch_grad)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """cross_entropy(h W^T, targets) without the (N, V) logits: the forward keeps each token's log-sum-exp
     (N floats), the backward recomputes one chunk's logits at a time, turns them into the softmax minus the
@@ -60,7 +87,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: int, vocab_start: int,
-                group) -> torch.Tensor:
+                group, ops: ChunkOps) -> torch.Tensor:
         cd = matmul_dtype(h)
         n, v_local = h.shape[0], weight.shape[0]
         lse = torch.empty(n, dtype=torch.float32, device=h.device)
@@ -72,9 +99,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(cd)
             for s in range(0, n, rows):
-                z = (h[s:s + rows].to(cd) @ w.t()).float()  # (rows, V_r), as F.linear + .float() give them
-                lse[s:s + rows] = torch.logsumexp(z, dim=-1)
-                picked[s:s + rows] = z.gather(1, index[s:s + rows, None]).squeeze(1)
+                z = h[s:s + rows].to(cd) @ w.t()  # (rows, V_r), as F.linear gives them
+                lse[s:s + rows], picked[s:s + rows] = ops.stats(z, index[s:s + rows])
         picked = torch.where(hit, picked, 0.0)
         if group is not None:  # the whole vocabulary's log-sum-exp and target logit, on every rank
             top = lse.clone()
@@ -83,7 +109,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
             lse, picked = top + sums[0].log(), sums[1]
         ctx.save_for_backward(h, weight, index, hit, counted, lse)
-        ctx.rows, ctx.cd = rows, cd
+        ctx.rows, ctx.cd, ctx.ops = rows, cd, ops
         return torch.where(counted, lse - picked, 0.0).sum() / n
 
     @staticmethod
@@ -97,27 +123,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(h.device.type, enabled=False):
             w = weight.to(cd)
             for s in range(0, n, rows) if want_h or want_w else ():
-                hc = h[s:s + rows].to(cd)
-                # in place from here: one (rows, V_r) fp32 buffer (and its cast under bf16)
-                dz = (hc @ w.t()).float().sub_(lse[s:s + rows, None]).exp_()  # the softmax
-                dz.scatter_add_(1, index[s:s + rows, None], -hit[s:s + rows, None].float())  # minus the one-hot
-                dz.mul_(scale[s:s + rows, None])
-                dz = dz.to(cd)  # the logits' gradient in the logits' dtype, as the plain loss hands it on
+                hc, part = h[s:s + rows].to(cd), slice(s, s + rows)
+                dz = ctx.ops.grad_(hc @ w.t(), lse[part], index[part], hit[part], scale[part])  # (rows, V_r)
                 if want_h:
-                    dh[s:s + rows] = (dz @ w).to(h.dtype)
+                    dh[part] = (dz @ w).to(h.dtype)
                 if want_w and dz.dtype == dw.dtype:
                     dw.addmm_(dz.t(), hc)
                 elif want_w:
                     dw += (dz.t() @ hc).float()
-        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None
+        return dh, None if dw is None else dw.to(weight.dtype), None, None, None, None, None
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         rows: int | None = None) -> torch.Tensor:
+                         rows: int | None = None, ops: ChunkOps = TORCH_CHUNKS) -> torch.Tensor:
     """`cross_entropy(F.linear(h, weight), targets)` for h (B, T, D), weight (V, D), targets (B, T), with
     at most `rows` tokens' logits (default: `chunk_rows(V)`, 32 MiB of fp32) alive at once, in the forward
     and in the backward: the same loss and gradients (to fp32 rounding) without the (B, T, V) logits and
-    their gradient. Under autocast the matmuls run in autocast's dtype, as F.linear's would.
+    their gradient. Under autocast the matmuls run in autocast's dtype, as F.linear's would. `ops`: the
+    elementwise work on each chunk (`ChunkOps`: torch's, or the Triton kernels').
 
     Tensor parallelism's column-parallel head: `weight` a DTensor split over the vocabulary (Shard(0)) on a
     1-D mesh, `h` a DTensor replicated on it (what the head's input becomes); the loss is then
@@ -136,5 +159,6 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
         local_h = h.to_local(grad_placements=(Partial(),)).flatten(0, 1)
         vocab_start = mesh.get_local_rank() * local_w.shape[0]  # an even split (validate.check_tensor_parallel)
         return _LinearCrossEntropy.apply(local_h, local_w, flat_t, rows or chunk_rows(local_w.shape[0]),
-                                         vocab_start, mesh.get_group())
-    return _LinearCrossEntropy.apply(h.flatten(0, 1), weight, flat_t, rows or chunk_rows(weight.shape[0]), 0, None)
+                                         vocab_start, mesh.get_group(), ops)
+    return _LinearCrossEntropy.apply(h.flatten(0, 1), weight, flat_t, rows or chunk_rows(weight.shape[0]), 0, None,
+                                     ops)

@@ -6,9 +6,16 @@ attention runs at each ring step. Two backends with one signature:
 
 - `triton`: raydist.kernels' flash attention (`attention_forward` / `attention_backward`), on CUDA or on CPU
   under TRITON_INTERPRET=1;
+- `aten`: torch's own fused attention kernels that return the log-sum-exp and tile internally (memory
+  linear in T, never a (T, S) matrix): CUDA's memory-efficient attention (`_scaled_dot_product_efficient_
+  attention`, any head dim, fp32 too) and the CPU's flash attention (`_scaled_dot_product_flash_attention_
+  for_cpu`); grouped kv heads are expanded (`repeat_kv`, O(S) copies) and their gradients summed back. Their
+  backward takes the merged out and lse as the flash backward does, but has no dlse term: a backward given
+  one (a caller differentiating through the returned lse) runs the torch blocks. Where the Triton kernel
+  cannot run (context.ring_backend_for): the CPU, and head dims the kernel lacks on CUDA;
 - `torch`: plain torch in fp32 (fp64 for fp64 input), one tile of KEY_TILE keys at a time (online softmax
-  forward, tiled backward), so memory grows linearly with the block's length, never with T x S: the CPU path,
-  and the one on CUDA for head dims the Triton kernel lacks (context.ring_backend_for).
+  forward, tiled backward), so memory grows linearly with the block's length, never with T x S: the
+  reference the others are tested against, and `aten`'s backward with a dlse term.
 
 q (B, H, T, E), k/v (B, K, S, E), H a multiple of K. `backward` takes the *merged* out and lse of the query
 rows (over every key block, not just this one): with them P_ij = exp(scale q_i.k_j - lse_i) is already the
@@ -25,7 +32,7 @@ import torch
 from raydist.kernels.reference import repeat_kv
 from raydist.metrics.kernels import count_call
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton", "aten")
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -115,10 +122,61 @@ def triton_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None =
     return attention_backward(dout, q, k, v, out, lse, causal, scale, grad_lse)
 
 
+def _expand(q, k, v):
+    """q, k, v contiguous, k and v with a head per query head (the fused kernels take no grouped heads)."""
+    h = q.shape[1]
+    return q.contiguous(), repeat_kv(k, h).contiguous(), repeat_kv(v, h).contiguous()
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def aten_forward(q, k, v, causal: bool, scale: float | None = None):
+    count_call("attention.aten")
+    scale = _scale(q, scale)
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"a causal block is square, got {q.shape[2]} queries and {k.shape[2]} keys")
+    q, k, v = _expand(q, k, v)
+    if q.device.type == "cuda":
+        # (out, lse (B, H, T rounded up to a multiple of 32), philox seed, offset); dropout 0
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)
+        lse = lse[..., :q.shape[2]]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.to(_lse_dtype(q))
+
+
+def aten_backward(dout, q, k, v, out, lse, causal: bool, scale: float | None = None, grad_lse=None):
+    if grad_lse is not None:  # the fused kernels' backward has no dlse term
+        return torch_backward(dout, q, k, v, out, lse, causal, scale, grad_lse)
+    scale = _scale(q, scale)
+    (b, h, _, e), kv_heads, s = q.shape, k.shape[1], k.shape[2]
+    q_, k_, v_ = _expand(q, k, v)
+    dout, out = dout.to(q.dtype).contiguous(), out.to(q.dtype).contiguous()
+    if q.device.type == "cuda":
+        padded = -(-q.shape[2] // 32) * 32  # the forward's lse length (its kernel's row blocks)
+        lse_ = torch.nn.functional.pad(lse.float(), (0, padded - q.shape[2])).contiguous()
+        unused = torch.empty((), dtype=torch.long, device=q.device)  # philox seed and offset: no dropout
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q_, k_, v_, None, out, lse_, unused, unused, 0.0, [True, True, True, False], causal,
+            scale=scale)
+    else:
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q_, k_, v_, out, lse.to(_lse_dtype(q)).contiguous(), 0.0, causal, scale=scale)
+    if kv_heads != h:  # each kv head's gradient: the sum over the query heads that read it
+        dk = dk.view(b, kv_heads, h // kv_heads, s, e).sum(2)
+        dv = dv.view(b, kv_heads, h // kv_heads, s, e).sum(2)
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
 def block_functions(backend: str):
-    """(forward, backward) of `backend` ('torch' or 'triton')."""
+    """(forward, backward) of `backend` ('torch', 'triton' or 'aten')."""
     if backend == "torch":
         return torch_forward, torch_backward
     if backend == "triton":
         return triton_forward, triton_backward
+    if backend == "aten":
+        return aten_forward, aten_backward
     raise ValueError(f"attention block backend {backend!r} is not one of {', '.join(BACKENDS)}")

@@ -86,18 +86,18 @@ def context_attention(impl: str, group, inner: Callable, backend: str) -> Callab
 
 def ring_backend_for(attention_fn: Callable, device_type: str, head_dim: int) -> str:
     """'triton' when the model runs the Triton attention kernel (kernels.select installed it, CUDA or the CPU
-    interpreter), or on CUDA wherever that kernel can run this head dim; else 'torch'. Ring attention needs
-    per-block attention that returns the log-sum-exp: SDPA's public call (the model's attention under
-    `kernels.attention = auto`) does not, and the torch blocks materialise (B, H, T, S) scores, the memory
-    context parallelism exists to save, so on CUDA the ring keeps the flash blocks whatever the model's
-    attention is."""
+    interpreter), or on CUDA wherever that kernel can run this head dim; else 'aten'. Ring attention needs
+    per-block attention that returns the log-sum-exp, which SDPA's public call (the model's attention under
+    `kernels.attention = auto`) does not: the blocks are the Triton flash kernel, or torch's own fused
+    kernels that return it (CUDA's memory-efficient attention for any head dim, the CPU's flash attention;
+    attention_blocks.py). Never a (T, S) score matrix, the memory context parallelism exists to save."""
     from raydist.kernels import runtime
     from raydist.kernels.attention import SUPPORTED_HEAD_DIMS, triton_causal_attention
 
     if attention_fn is triton_causal_attention:
         return "triton"
     cuda_flash = device_type == "cuda" and head_dim in SUPPORTED_HEAD_DIMS
-    return "triton" if cuda_flash and runtime.triton_unusable_reason("cuda") is None else "torch"
+    return "triton" if cuda_flash and runtime.triton_unusable_reason("cuda") is None else "aten"
 
 
 def apply_context_parallel(model, mesh: Mesh, impl: str) -> None:

@@ -37,13 +37,13 @@ class Workload:
     name: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
     peft: PeftConfig = PeftConfig()  # what trains: everything, LoRA's adapters, or the last blocks
-    loss: str = "auto"  # kernels.loss: `auto` fuses the head's matmul and the loss (every layout)
+    loss: str = "auto"  # kernels.loss: `auto` (and `triton`) fuse the head's matmul and the loss (every layout)
 
     @property
     def fused_loss(self) -> bool:
         """Whether the loss runs fused (the head's matmul and the loss a chunk of tokens at a time, in every
         layout, vocabulary-parallel under TP) and so never holds the logits."""
-        return self.loss == "auto"
+        return self.loss != "plain"
 
     @classmethod
     def from_config(cls, cfg: Config, compute_dtype_bytes: int, name: str = "") -> "Workload":

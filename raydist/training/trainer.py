@@ -181,7 +181,7 @@ class Trainer:
             self._materialized.append(module)
 
         self.pm: ParallelModel = parallelize(model, self.mesh, self.layout, device, self.compute_dtype,
-                                             materialize=materialize_module, fused_loss=cfg.kernels.loss == "auto")
+                                             materialize=materialize_module, fused_loss=cfg.kernels.loss != "plain")
         if not self.options.defer_init:
             self.init_weights()
         masked = bool(read_manifest(self.data_path).get("loss_mask"))  # prompt/response: response tokens count

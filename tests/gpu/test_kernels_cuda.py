@@ -183,7 +183,7 @@ def test_model_trains_on_cuda_with_triton_like_torch(device):
         _, torch_ran, torch_losses = losses(KernelsConfig("sdpa", "torch"))
     finally:
         torch.set_float32_matmul_precision(precision)
-    assert chosen == {"attention": "triton", "matmul": "triton"}
+    assert chosen == {"attention": "triton", "matmul": "triton", "loss": "fused"}
     assert set(ran["attention"]) == {"triton"} and set(ran["matmul"]) == {"triton"}, ran  # no fallback
     assert set(torch_ran["matmul"]) == {"torch"}, torch_ran
     for a, b in zip(triton_losses, torch_losses, strict=True):
@@ -215,3 +215,70 @@ def test_bf16_autocast_training_step_runs(device):
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
     assert abs(loss.item() - math.log(cfg.vocab_size)) < 0.5  # near-uniform at init
+
+
+@pytest.mark.parametrize("device,rows,vocab,dtype", [
+    ("cuda", 130, 128256, torch.bfloat16),  # a chunk of Llama 3's vocabulary, as the fused loss holds it
+    ("cuda", 65, 50000, torch.float32),  # a vocabulary no multiple of the kernel's column block
+    ("cpu", 5, 200, torch.bfloat16),
+])
+def test_loss_chunk_kernels_match_torch(device, rows, vocab, dtype):
+    """kernels.loss = triton's chunk work (raydist.kernels.cross_entropy) against models.loss's torch chunk
+    ops on the same logits: the log-sum-exp and target logit of each row (fp32), and the gradient
+    (softmax - one-hot) * scale written over the logits in their dtype."""
+    from raydist.kernels.cross_entropy import TRITON_CHUNKS
+    from raydist.models.loss import TORCH_CHUNKS
+
+    g = torch.Generator(device=device).manual_seed(4)
+    z = (4 * torch.randn(rows, vocab, device=device, generator=g)).to(dtype)
+    index = torch.randint(0, vocab, (rows,), device=device, generator=g)
+    hit = torch.rand(rows, device=device, generator=g) < 0.8
+    scale = torch.rand(rows, device=device, generator=g) / rows
+    lse, picked = TRITON_CHUNKS.stats(z, index)
+    want_lse, want_picked = TORCH_CHUNKS.stats(z, index)
+    assert rel_err(lse, want_lse) < 1e-5 and rel_err(picked, want_picked) < 1e-6
+    got = TRITON_CHUNKS.grad_(z.clone(), want_lse, index, hit, scale)
+    want = TORCH_CHUNKS.grad_(z.clone(), want_lse, index, hit, scale)
+    assert got.dtype == dtype and rel_err(got, want) < (1e-5 if dtype == torch.float32 else TOL[dtype])
+
+
+@pytest.mark.parametrize("device,t,dtype", [("cuda", 1000, torch.bfloat16), ("cuda", 333, torch.float32),
+                                            ("cpu", 33, torch.float32)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_aten_ring_blocks_match_the_torch_blocks(device, t, dtype, causal):
+    """Ring attention's `aten` blocks (CUDA's memory-efficient attention; the CPU's flash attention) at head
+    dim 80, which the Triton kernel lacks, 8 query heads on 2 kv heads, against the tiled torch blocks in
+    fp32 on the same inputs: out and lse, and the backward from a merged out and lse (dq, dk, dv)."""
+    from raydist.parallel.attention_blocks import aten_backward, aten_forward, torch_backward, torch_forward
+
+    q, k, v, dout = (make(shape, dtype, seed, device).detach() for seed, shape in enumerate(
+        [(2, 8, t, 80), (2, 2, t, 80), (2, 2, t, 80), (2, 8, t, 80)]))
+    out, lse = aten_forward(q, k, v, causal)
+    ref_out, ref_lse = torch_forward(*(x.float() for x in (q, k, v)), causal)
+    assert out.dtype == dtype and lse.shape == ref_lse.shape
+    assert rel_err(out, ref_out) < TOL[dtype] and rel_err(lse, ref_lse) < 1e-4
+    grads = aten_backward(dout, q, k, v, ref_out.to(dtype), ref_lse, causal)
+    want = torch_backward(dout.float(), *(x.float() for x in (q, k, v)), ref_out, ref_lse, causal)
+    for got, expected in zip(grads, want):
+        assert got.shape == expected.shape and rel_err(got, expected) < 2 * TOL[dtype]
+
+
+@pytest.mark.parametrize("device", ["cuda"])  # CUDA's memory statistics: no CPU counterpart
+def test_aten_ring_blocks_hold_memory_linear_in_the_sequence(device):
+    """The fused blocks never hold a (T, S) matrix: doubling T at most about doubles the peak bytes allocated
+    by a forward and backward (a (B, H, T, T) score matrix would quadruple them)."""
+    from raydist.parallel.attention_blocks import aten_backward, aten_forward
+
+    def peak(t):
+        q, k, v, dout = (make(shape, torch.bfloat16, seed, device).detach() for seed, shape in enumerate(
+            [(1, 8, t, 80), (1, 2, t, 80), (1, 2, t, 80), (1, 8, t, 80)]))  # (on `device`: cuda)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        out, lse = aten_forward(q, k, v, True)
+        aten_backward(dout, q, k, v, out, lse, True)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - held
+
+    small, large = peak(4096), peak(8192)
+    assert large < 2.5 * small, (small, large)

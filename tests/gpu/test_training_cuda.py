@@ -21,7 +21,8 @@ from raydist.testing import run_fit, tiny_config
 
 SMALL = dict(num_layers=2, d_model=128, num_heads=2, num_kv_heads=1, ffn_hidden=352, vocab_size=320)  # head dim 64
 # what `kernels = auto` runs on each device
-AUTO_KERNELS = {"cuda": {"attention": "sdpa", "matmul": "torch"}, "cpu": {"attention": "sdpa", "matmul": "torch"}}
+AUTO_KERNELS = {"cuda": {"attention": "sdpa", "matmul": "torch", "loss": "fused"},
+                "cpu": {"attention": "sdpa", "matmul": "torch", "loss": "fused"}}
 
 
 def cuda_config(data: str, **sections) -> dict:

@@ -69,7 +69,7 @@ def run(policy: str, monkeypatch) -> tuple[float, dict, int, dict]:
     monkeypatch.setattr(matmul, "_plain", counted_plain)
     model = build_model(TINY, 16, seed=0)
     assert apply_kernels(model, KernelsConfig("triton", "triton"), "cpu") == {"attention": "triton",
-                                                                              "matmul": "triton"}
+                                                                              "matmul": "triton", "loss": "fused"}
     apply_activation_checkpointing(model, policy)
     tokens = torch.randint(0, TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
     with LiveActivations() as live:

@@ -57,9 +57,10 @@ def test_ring_on_triton_blocks_equals_single_process(tiny_data, monkeypatch):
         assert calls.get("attention.triton") == 2 * 2 * 2, calls
 
 
-def test_ring_on_tiled_torch_blocks_at_head_dim_80_equals_single_process(tiny_data):
-    # kernels.attention = sdpa (auto's choice) and a head dim the Triton kernel lacks: the ring runs the
-    # tiled torch blocks (memory linear in T: test_context_parallel_attention.py), and equals one process
+def test_ring_on_aten_blocks_at_head_dim_80_equals_single_process(tiny_data):
+    # kernels.attention = sdpa (auto's choice) and a head dim the Triton kernel lacks: the ring runs torch's
+    # fused blocks that return the log-sum-exp (the CPU's flash attention here; attention_blocks.py), and
+    # equals one process
     small = {"global_batch": 4, "micro_batch": 4}
     model = {"d_model": 160, "num_heads": 2, "num_kv_heads": 1, "ffn_hidden": 256}
     kernels = {"attention": "sdpa", "matmul": "torch"}
@@ -67,19 +68,20 @@ def test_ring_on_tiled_torch_blocks_at_head_dim_80_equals_single_process(tiny_da
     raw = tiny_config(tiny_data, kernels=kernels, train=small, model=model, parallel={"cp": 2})
     for rank, calls in spawn(_run_counting_kernels, 2, raw, 2):
         assert_equivalent(ref, rank)
-        assert calls.get("attention.torch") == 2 * 2 * 2, calls  # steps x layers x ring steps (forward)
+        assert calls.get("attention.aten") == 2 * 2 * 2, calls  # steps x layers x ring steps (forward)
 
 
 def test_the_ring_keeps_flash_blocks_on_cuda_whatever_the_models_attention():
     # `kernels.attention = auto` is SDPA on CUDA, whose public call returns no log-sum-exp: the ring must still
-    # run flash blocks there, not the torch blocks that build (B, H, T, S) scores. Looks at names only: no GPU.
+    # run fused blocks there that return it: the Triton kernel where it takes the head dim, else torch's own
+    # (memory-efficient attention; the CPU's flash attention). Looks at names only: no GPU.
     from raydist.kernels.attention import triton_causal_attention
     from raydist.models.gpt import sdpa_attention
     from raydist.parallel.context import ring_backend_for
 
     assert ring_backend_for(sdpa_attention, "cuda", 128) == "triton"
-    assert ring_backend_for(sdpa_attention, "cuda", 80) == "torch"  # a head dim the kernel lacks
-    assert ring_backend_for(sdpa_attention, "cpu", 64) == "torch"
+    assert ring_backend_for(sdpa_attention, "cuda", 80) == "aten"  # a head dim the kernel lacks
+    assert ring_backend_for(sdpa_attention, "cpu", 64) == "aten"
     assert ring_backend_for(triton_causal_attention, "cpu", 64) == "triton"  # asked for, interpreted
 
 

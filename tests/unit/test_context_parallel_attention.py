@@ -24,9 +24,10 @@ def _inputs(seq_len, heads, kv_heads, head_dim, dtype, seed=0):
     return q, k, v, w_out, w_lse
 
 
-def _compare_ring(seq_len, heads, kv_heads, head_dim, backend, dtype_name):
+def _compare_ring(seq_len, heads, kv_heads, head_dim, backend, dtype_name, through_lse=True):
     """Max |difference| of out, lse, dq, dk, dv between ring attention on this rank's tokens and full
-    attention computed on the whole sequence here."""
+    attention computed on the whole sequence here; the loss reads the lse too unless not `through_lse` (as a
+    model's: then the backward gets no lse gradient)."""
     if backend == "triton":
         os.environ["TRITON_INTERPRET"] = "1"
     from raydist.parallel.ring_attention import Ring, ring_attention
@@ -35,13 +36,15 @@ def _compare_ring(seq_len, heads, kv_heads, head_dim, backend, dtype_name):
     q, k, v, w_out, w_lse = _inputs(seq_len, heads, kv_heads, head_dim, dtype)
     full = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = attention_reference(*full, causal=True, return_lse=True)
+    w_lse = w_lse if through_lse else torch.zeros_like(w_lse)
     ((out * w_out).sum() + (lse * w_lse.to(lse.dtype)).sum()).backward()
 
     ring = Ring(dist.group.WORLD)
     pos = zigzag_positions(seq_len, ring.size, ring.rank)
     local = [x[:, :, pos].clone().requires_grad_() for x in (q, k, v)]
     out_l, lse_l = ring_attention(*local, ring=ring, backend=backend, return_lse=True)
-    ((out_l * w_out[:, :, pos]).sum() + (lse_l * w_lse[:, :, pos].to(lse_l.dtype)).sum()).backward()
+    loss = (out_l * w_out[:, :, pos]).sum()
+    (loss + (lse_l * w_lse[:, :, pos].to(lse_l.dtype)).sum() if through_lse else loss).backward()
     # k/v gradients of this rank's tokens collect every rank's queries: compare them token by token
     pairs = {"out": (out_l, out[:, :, pos]), "lse": (lse_l, lse[:, :, pos])}
     for name, a, b in zip(("dq", "dk", "dv"), local, full):
@@ -54,6 +57,17 @@ def test_ring_attention_equals_full_attention_on_odd_blocks(cp, chunk):
     # 6 query heads on 2 kv heads (grouped-query); chunks of odd length, so blocks are 3 x 6, 5 x 10, ...
     for errors in spawn(_compare_ring, cp, 2 * cp * chunk, 6, 2, 8, "torch", "float64"):
         assert max(errors.values()) < 1e-10, errors
+
+
+@pytest.mark.parametrize("cp,chunk,dtype,tolerance", [(2, 3, "float64", 1e-10), (3, 5, "float32", 2e-5)],
+                         ids=["cp2-fp64", "cp3-fp32"])
+def test_ring_attention_on_aten_blocks_equals_full_attention(cp, chunk, dtype, tolerance):
+    # torch's fused blocks (the CPU's flash attention), head dim 80, grouped-query, odd chunks; the loss reads
+    # the lse too, so the backward runs with a dlse term (the torch blocks then: see `_compare_ring`)
+    for errors in spawn(_compare_ring, cp, 2 * cp * chunk, 6, 2, 80, "aten", dtype):
+        assert max(errors.values()) < tolerance, errors
+    for errors in spawn(_compare_ring, cp, 2 * cp * chunk, 6, 2, 80, "aten", dtype, False):
+        assert max(errors.values()) < tolerance, errors
 
 
 @pytest.mark.skipif(runtime.triton_import_error() is not None, reason="triton is not importable here")
@@ -88,7 +102,7 @@ def _full_noncausal(q, k, v):
 
 
 def test_torch_block_memory_grows_linearly_with_the_sequence():
-    # head dim 80 (no Triton kernel: context.ring_backend_for picks these blocks, on CUDA too). Doubling T
+    # head dim 80 (the reference blocks, and the ring's backward when the lse has a gradient). Doubling T
     # doubles the peak (B, H, T, KEY_TILE) tiles; the (B, H, T, T) scores of a materialising block would
     # quadruple it, which the second check plants and sees caught
     from raydist.metrics.memory import LiveActivations

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from raydist.metrics.memory import LiveActivations
-from raydist.models.loss import IGNORE, _LinearCrossEntropy, cross_entropy, linear_cross_entropy
+from raydist.models.loss import IGNORE, TORCH_CHUNKS, _LinearCrossEntropy, cross_entropy, linear_cross_entropy
 
 
 def inputs(b=3, t=7, d=16, v=50, seed=0, ignore=True):
@@ -88,10 +88,11 @@ def test_a_planted_chunk_bug_is_caught():
         def backward(ctx, grad):
             dh, dw, *_ = _LinearCrossEntropy.backward(ctx, grad)
             dh[-(dh.shape[0] % ctx.rows):] = 0
-            return dh, dw, None, None, None, None
+            return dh, dw, None, None, None, None, None
 
     want = grads(plain, h, w, targets)
-    got = grads(lambda h, w, t: Skipping.apply(h.flatten(0, 1), w, t.flatten(0, 1), 5, 0, None), h, w, targets)
+    got = grads(lambda h, w, t: Skipping.apply(h.flatten(0, 1), w, t.flatten(0, 1), 5, 0, None, TORCH_CHUNKS),
+                h, w, targets)
     with pytest.raises(AssertionError):
         close(got[1].view_as(want[1]), want[1])
 
@@ -214,3 +215,65 @@ def test_a_split_backward_computes_each_gradient_once():
     for got, expected in zip((dx, a.grad, w.grad), want):
         close(got, expected)
     assert b_count.count + w_count.count == plain_count.count + 5, (plain_count.count, b_count.count, w_count.count)
+
+
+# ---- the chunks' elementwise work in Triton (kernels.loss = triton; the interpreter on CPU) ---------------
+
+needs_triton = pytest.mark.skipif(__import__("raydist.kernels.runtime", fromlist=["x"]).triton_import_error()
+                                  is not None, reason="triton is not importable here")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_chunk_kernels_equal_torchs(monkeypatch, dtype):
+    """row_stats and softmax_grad_ against models.loss's torch chunk ops on 7 rows of V = 200 (not a multiple
+    of the kernel's column block), targets held and not held, a row that does not count (scale 0)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from raydist.kernels.cross_entropy import TRITON_CHUNKS
+
+    g = torch.Generator().manual_seed(3)
+    z = (4 * torch.randn(7, 200, generator=g)).to(dtype)
+    index = torch.randint(0, 200, (7,), generator=g)
+    hit = torch.tensor([1, 1, 0, 1, 0, 1, 1], dtype=torch.bool)
+    scale = torch.tensor([0.1, 0.2, 0.1, 0.0, 0.3, 0.1, 0.05])
+    lse, picked = TRITON_CHUNKS.stats(z.clone(), index)
+    want_lse, want_picked = TORCH_CHUNKS.stats(z.clone(), index)
+    close(lse, want_lse, rtol=1e-6)
+    close(picked, want_picked, rtol=1e-6)
+    got = TRITON_CHUNKS.grad_(z.clone(), want_lse, index, hit, scale)
+    want = TORCH_CHUNKS.grad_(z.clone(), want_lse, index, hit, scale)
+    assert got.dtype == dtype and want.dtype == dtype
+    close(got.float(), want.float(), rtol=1e-6 if dtype == torch.float32 else 1e-2)
+    assert got[3].abs().max() == 0  # scale 0: a row that does not count
+
+
+@needs_triton
+def test_the_fused_loss_on_triton_chunks_equals_the_plain_loss(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from raydist.kernels.cross_entropy import TRITON_CHUNKS
+
+    h, w, targets = inputs()
+    want = grads(plain, h, w, targets)
+    got = grads(lambda *a: linear_cross_entropy(*a, rows=5, ops=TRITON_CHUNKS), h, w, targets)
+    for a, b in zip(got, want):
+        close(a, b)
+
+
+@needs_triton
+def test_training_with_the_triton_loss_kernels_equals_the_plain_loss(tiny_data, monkeypatch):
+    """kernels.loss = triton on pp 2 with a tied head (the last stage's copy of the embedding keeps the head's
+    setting, GPT.give_head) against the single process's plain loss; the last stage ran the Triton kernels."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from raydist.testing import assert_equivalent, run_layout, tiny_config
+
+    def run(loss, parallel, world):
+        raw = tiny_config(tiny_data, kernels={"loss": loss}, parallel={"dp_replicate": 1, **parallel},
+                          train={"steps": 3})
+        return run_layout(raw, world, steps=3)
+
+    [plain_single] = run("plain", {}, 1)
+    ranks = run("triton", {"pp": 2, "pp_schedule": "1f1b"}, 2)
+    for rank in ranks:
+        assert_equivalent(plain_single, rank)
+    assert [rank.kernels.get("loss") for rank in ranks] == [None, {"triton": ranks[1].kernels["loss"]["triton"]}]
+    assert ranks[1].kernels["loss"]["triton"] > 0

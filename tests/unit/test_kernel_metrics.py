@@ -41,7 +41,7 @@ def test_cpu_run_reports_the_torch_paths(tiny_data, tmp_path):
     raw = tiny_config(tiny_data, train=SHORT, checkpoint={"every_steps": 0})
     [result] = run_fit(raw, 1, str(tmp_path))
     lines, summary = records(tmp_path)
-    assert summary["kernels_selected"] == {"attention": "sdpa", "matmul": "torch"}
+    assert summary["kernels_selected"] == {"attention": "sdpa", "matmul": "torch", "loss": "fused"}
     ran = summary["kernels"]
     assert set(ran) == {"attention", "matmul", "loss"} and set(ran["attention"]) == {"sdpa"}
     assert set(ran["matmul"]) == {"torch"}
@@ -62,7 +62,7 @@ def test_tensor_parallel_run_reports_the_triton_linear_fallback(tiny_data, tmp_p
                       kernels={"attention": "triton", "matmul": "triton"})
     run_fit(raw, 2, str(tmp_path))
     lines, summary = records(tmp_path)
-    assert summary["kernels_selected"] == {"attention": "triton", "matmul": "triton"}
+    assert summary["kernels_selected"] == {"attention": "triton", "matmul": "triton", "loss": "fused"}
     ran = summary["kernels"]
     # every linear holds a DTensor weight under TP: all fall back to F.linear, none runs the Triton matmul
     assert ran["matmul"].get("torch_fallback", 0) > 0 and "triton" not in ran["matmul"], ran

@@ -23,25 +23,27 @@ TINY = ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hi
 
 def test_auto_picks_torch_on_cpu_even_with_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert resolve_kernels(KernelsConfig(), "cpu", 32) == {"attention": "sdpa", "matmul": "torch"}
+    assert resolve_kernels(KernelsConfig(), "cpu", 32) == {"attention": "sdpa", "matmul": "torch", "loss": "fused"}
 
 
 def test_auto_picks_torchs_kernels_on_cuda_without_touching_the_gpu():
     # measured faster on an H100 (kernels/select.py); resolve_kernels looks at the device *type* only
     for head_dim in (64, 48):
-        assert resolve_kernels(KernelsConfig(), torch.device("cuda", 0), head_dim) == {"attention": "sdpa",
-                                                                                       "matmul": "torch"}
+        assert resolve_kernels(KernelsConfig(), torch.device("cuda", 0), head_dim) == {
+            "attention": "sdpa", "matmul": "torch", "loss": "fused"}
 
 
 def test_explicit_choices_are_honoured():
-    assert resolve_kernels(KernelsConfig("eager", "torch"), "cpu", 32) == {"attention": "eager", "matmul": "torch"}
+    assert resolve_kernels(KernelsConfig("eager", "torch", "plain"), "cpu", 32) == {
+        "attention": "eager", "matmul": "torch", "loss": "plain"}
 
 
 @pytest.mark.parametrize("setting", [KernelsConfig(attention="triton", matmul="torch"),
-                                     KernelsConfig(attention="sdpa", matmul="triton")])
+                                     KernelsConfig(attention="sdpa", matmul="triton"),
+                                     KernelsConfig(loss="triton")])
 def test_triton_on_cpu_without_interpreter_is_a_config_error(monkeypatch, setting):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ConfigError, match=r"kernels\.(attention|matmul)=triton: .*TRITON_INTERPRET=1"):
+    with pytest.raises(ConfigError, match=r"kernels\.(attention|matmul|loss)=triton: .*TRITON_INTERPRET=1"):
         resolve_kernels(setting, "cpu", 32)
 
 
@@ -55,6 +57,8 @@ def test_triton_attention_with_unsupported_head_dim_is_a_config_error(monkeypatc
 def test_unknown_choice_is_a_config_error():
     with pytest.raises(ConfigError, match="kernels.matmul='cublas'"):
         resolve_kernels(KernelsConfig(matmul="cublas"), "cpu", 32)
+    with pytest.raises(ConfigError, match="kernels.loss='liger'"):
+        resolve_kernels(KernelsConfig(loss="liger"), "cpu", 32)
 
 
 @needs_triton
@@ -64,7 +68,7 @@ def test_install_keeps_parameter_names_and_ties(monkeypatch):
     names = list(model.state_dict())
     params = dict(model.named_parameters())
     chosen = apply_kernels(model, KernelsConfig("triton", "triton"), "cpu")
-    assert chosen == {"attention": "triton", "matmul": "triton"}
+    assert chosen == {"attention": "triton", "matmul": "triton", "loss": "fused"}
     assert list(model.state_dict()) == names
     assert all(p is params[n] for n, p in model.named_parameters())
     assert model.output.weight is model.tok_embeddings.weight
@@ -107,7 +111,7 @@ def test_model_trains_with_triton_kernels_like_the_torch_path(monkeypatch):
     kernel_calls(reset=True)
     chosen, losses, weight = train_losses(KernelsConfig("triton", "triton"))
     calls = kernel_calls(reset=True)
-    assert chosen == {"attention": "triton", "matmul": "triton"}
+    assert chosen == {"attention": "triton", "matmul": "triton", "loss": "fused"}
     # 3 steps x 2 layers of attention; 3 x (2 x (wq, wk, wv, wo, w2) + head) linears; 3 x 2 SwiGLUs
     assert calls == {"attention.triton": 6, "matmul.triton": 33, "swiglu.triton": 6}
     assert ref_losses[-1] < ref_losses[0]  # it is training, not standing still

@@ -48,8 +48,8 @@ def test_the_h100_estimate_holds_against_the_gpu_suites_measured_run():
     from raydist.config import ModelConfig
 
     suite = json.loads((Path(__file__).parents[2] / "benchmarks/results/gpu_suite_h100.json").read_text())
-    [run] = [r for r in suite["benchmarks"]["mfu"]["rows"] if r["kernels_selected"] == {"attention": "sdpa",
-                                                                                        "matmul": "torch"}]
+    [run] = [r for r in suite["benchmarks"]["mfu"]["rows"]
+             if (r["kernels_selected"]["attention"], r["kernels_selected"]["matmul"]) == ("sdpa", "torch")]
     model = ModelConfig(num_layers=run["layers"], d_model=run["d_model"], num_heads=run["heads"],
                         num_kv_heads=run["kv_heads"], ffn_hidden=run["ffn"], vocab_size=run["vocab"])
     w = Workload(model, seq_len=run["seq_len"], global_batch=run["batch"], compute_dtype_bytes=2)
