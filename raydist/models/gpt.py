@@ -184,6 +184,14 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def _own_containers(module: nn.Module) -> nn.Module:
+    """A shallow copy of `module` (same class, same submodules, parameters and settings) whose containers
+    (submodules, parameters, buffers, hooks) are its own: changing the copy's leaves the original's alone."""
+    copy = module.__class__.__new__(module.__class__)
+    copy.__dict__ = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in module.__dict__.items()}
+    return copy
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, max_seq_len: int):
         super().__init__()
@@ -295,8 +303,7 @@ class GPT(nn.Module):
         final norm and head when `last` (a pipeline stage). The module's own containers (submodules,
         parameters, buffers, hooks) are copied so that later wrapping of one stage (FSDP hooks, class swap)
         does not leak into another; parameters are shared with this model."""
-        chunk = self.__class__.__new__(self.__class__)
-        chunk.__dict__ = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in self.__dict__.items()}
+        chunk = _own_containers(self)
         chunk.layers = nn.ModuleDict({k: self.layers[k] for k in layer_keys})
         if not first:
             chunk.tok_embeddings = None
@@ -310,8 +317,7 @@ class GPT(nn.Module):
         same rank holds the embedding), or a copy of it that the pipeline keeps equal. Like the head it
         replaces (a stage keeps the unsplit model's, whose weight is the embedding's): its class and settings
         (the installed kernel's, whose forward may also compute the loss), with its own containers."""
-        head = self.output.__class__.__new__(self.output.__class__)
-        head.__dict__ = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in self.output.__dict__.items()}
+        head = _own_containers(self.output)
         if copy:
             own = nn.Parameter(torch.empty_like(weight), requires_grad=weight.requires_grad)  # frozen by peft: too
             with torch.no_grad():

@@ -147,7 +147,7 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
     vocabulary-parallel (`_LinearCrossEntropy`), the same value on every rank, and `h`'s gradient the sum of
     the ranks' parts (declared Partial, so the head's input layout reduces it: an all-reduce, or a
     reduce-scatter under sequence parallelism). Chunks are `rows` tokens of this rank's V / tp columns."""
-    flat_t = targets.flatten(0, 1)
+    vocab_start, group = 0, None
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),) or not isinstance(h, DTensor) \
@@ -155,10 +155,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.T
             raise ValueError(f"the vocabulary-parallel fused loss takes a head weight split over the vocabulary "
                              f"(Shard(0)) on a 1-D mesh and a replicated input, got {weight.placements} on a "
                              f"{mesh.ndim}-D mesh and {getattr(h, 'placements', 'a plain tensor')}")
-        local_w = weight.to_local()
-        local_h = h.to_local(grad_placements=(Partial(),)).flatten(0, 1)
-        vocab_start = mesh.get_local_rank() * local_w.shape[0]  # an even split (validate.check_tensor_parallel)
-        return _LinearCrossEntropy.apply(local_h, local_w, flat_t, rows or chunk_rows(local_w.shape[0]),
-                                         vocab_start, mesh.get_group(), ops)
-    return _LinearCrossEntropy.apply(h.flatten(0, 1), weight, flat_t, rows or chunk_rows(weight.shape[0]), 0, None,
-                                     ops)
+        h, weight = h.to_local(grad_placements=(Partial(),)), weight.to_local()
+        vocab_start = mesh.get_local_rank() * weight.shape[0]  # an even split (validate.check_tensor_parallel)
+        group = mesh.get_group()
+    return _LinearCrossEntropy.apply(h.flatten(0, 1), weight, targets.flatten(0, 1),
+                                     rows or chunk_rows(weight.shape[0]), vocab_start, group, ops)

@@ -60,6 +60,9 @@ from raydist.schedule.validate import validate
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits (B, T, V), targets (B, T)) -> scalar
 # (the last stage's chunk, its input, positions or None, targets (B, T)) -> the micro-batch's mean loss
 StageLoss = Callable[[nn.Module, torch.Tensor, "torch.Tensor | None", torch.Tensor], torch.Tensor]
+# (chunk index on this rank, whether this is its last weight-gradient action this step) -> None
+BackwardHook = Callable[[int, bool], None]
+BeforeBackward = BackwardHook
 
 
 def _logits_then(loss_fn: LossFn) -> StageLoss:
@@ -67,9 +70,6 @@ def _logits_then(loss_fn: LossFn) -> StageLoss:
     def stage_loss(chunk, x, positions, targets):
         return loss_fn(chunk(x) if positions is None else chunk(x, positions), targets)
     return stage_loss
-# (chunk index on this rank, whether this is its last weight-gradient action this step) -> None
-BackwardHook = Callable[[int, bool], None]
-BeforeBackward = BackwardHook
 
 
 @dataclass
