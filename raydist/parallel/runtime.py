@@ -218,13 +218,15 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     torch.set_num_threads(threads)
     try:
         timeout = datetime.timedelta(seconds=timeout_s)
+        # Every rank is a client of the caller's store (see spawn), as MASTER_ADDR/MASTER_PORT name it.
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
         if device == "cuda":  # NCCL, one GPU per rank, initialised eagerly on it
             torch.cuda.set_device(rank)
-            dist.init_process_group("nccl", rank=rank, world_size=world_size, timeout=timeout,
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size, timeout=timeout,
                                     device_id=torch.device("cuda", rank) if bound else None)
         else:  # gloo, or gloo under NCCL's rules (raydist.strict)
             backend = strict.install() if strict.enabled() else "gloo"
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
             if strict.enabled() and bound:
                 strict.bind()  # as the cuda branch's device_id binds the NCCL world group
         # Plain pickle, not the queue's tensor-sharing pickler: shared-memory handles would die with
@@ -252,7 +254,12 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, t
     device = harness_device(world_size, device)
     ctx = start_method_context()
     results = ctx.Queue()
-    port = free_port()
+    # The group's TCP store is served from here, on a port the kernel picks and this process keeps: a port
+    # found free and bound later by rank 0 can be taken in between (another test's store, a Ray worker's),
+    # which failed a clean-clone CI run with EADDRINUSE.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    port = store.port
     env = dict(os.environ)
     procs = [ctx.Process(target=_child, args=(r, world_size, port, fn, args, results, timeout_s, threads, device,
                                               env, _CallerStdio(), bound), daemon=False) for r in range(world_size)]
