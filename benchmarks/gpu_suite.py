@@ -23,8 +23,11 @@ each part in its own process under its own time budget:
 5. loss: the loss of 8,192 tokens (4,096 with --quick) at V = 128256, D = 4096 under bf16 autocast, plain,
    fused (torch's chunk work) and fused with the Triton chunk kernels (benchmarks/fused_loss.py): seconds and
    peak memory of forward + backward.
+6. moe: a mixture of experts' expert SwiGLU over 8,192 tokens (4,096 with --quick) at Qwen3-30B-A3B's and
+   Mixtral 8x7B's shapes in bf16: the loop over experts, torch._grouped_mm and the Triton grouped GEMM
+   (benchmarks/grouped_gemm.py): forward + backward seconds, TFLOP/s, speedup and error against the loop.
 
-Budgets (seconds): tests 400, attention 50, gemm 40, mfu 60, loss 40, and all together at most --budget-s (550):
+Budgets (seconds): tests 400, attention 50, gemm 40, mfu 60, loss 40, moe 30, and all together at most --budget-s (550):
 a part that runs out is killed with its processes and recorded as timed out (with the outcomes of the
 tests that finished), and a part with under 15 s of the total left is not started. The JSON is rewritten
 after every part, so a failure or a kill leaves what was measured. So the command ends within about 9.5
@@ -62,11 +65,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_RAY = ROOT / "tests" / "gpu" / "no_ray"  # a sitecustomize that blocks `import ray` and logs each attempt
-BUDGET_S = {"tests": 400.0, "attention": 50.0, "gemm": 40.0, "mfu": 60.0, "loss": 40.0}
+BUDGET_S = {"tests": 400.0, "attention": 50.0, "gemm": 40.0, "mfu": 60.0, "loss": 40.0, "moe": 30.0}
 TOTAL_BUDGET_S = 550.0
 MIN_PART_S = 15.0  # a part is not started with less of the total budget left
 PER_TEST_TIMEOUT_S = 150.0  # pytest-timeout, where installed: one hung test does not eat the whole budget
-BENCHMARKS = ("attention", "gemm", "mfu", "loss")
+BENCHMARKS = ("attention", "gemm", "mfu", "loss", "moe")
 
 
 def test_paths() -> list[str]:
@@ -234,6 +237,7 @@ def benchmark(name: str, quick: bool) -> list[dict]:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import fused_loss as loss_bench
+    import grouped_gemm as moe_bench
     import kernels as kernel_bench
     import mfu as mfu_bench
 
@@ -245,6 +249,8 @@ def benchmark(name: str, quick: bool) -> list[dict]:
         return mfu_bench.mfu_rows(layers=4, seq_len=8192, batch=1, steps=3 if quick else 10)
     if name == "loss":
         return loss_bench.gpu_rows(tokens=4096 if quick else 8192)
+    if name == "moe":
+        return moe_bench.gpu_rows(tokens=4096 if quick else 8192, repeats=3 if quick else 5)
     raise ValueError(f"no benchmark part {name!r}")
 
 

@@ -79,6 +79,27 @@ class Config:
         return dump_toml(self.to_dict())
 
     # ---- validation of relations between fields ------------------------------------------------
+    def _validate_moe(self) -> None:
+        m = self.model
+        from raydist.families.registry import family_of
+
+        for key in ("moe_experts", "moe_ffn_hidden", "moe_shared_ffn_hidden"):
+            if getattr(m, key) < 0:
+                raise ConfigError(f"model.{key}={getattr(m, key)} must be >= 0")
+        if not m.moe_aux_coef >= 0:
+            raise ConfigError(f"model.moe_aux_coef={m.moe_aux_coef} must be >= 0 (0: no load-balancing loss)")
+        if family_of(m).moe and not m.moe_experts:
+            raise ConfigError(f"model.family={m.family!r} is a mixture of experts; set model.moe_experts (e.g. 8) "
+                              "and model.moe_top_k, or use init_from = \"hf:DIR\" to read them")
+        if m.moe_experts and not 1 <= m.moe_top_k <= m.moe_experts:
+            raise ConfigError(f"model.moe_top_k={m.moe_top_k} must be in 1..model.moe_experts={m.moe_experts}")
+        if m.moe_experts and self.peft.method == "lora" and self.peft.lora_targets != "attention":
+            raise ConfigError(f"peft.lora_targets={self.peft.lora_targets!r} with model.moe_experts={m.moe_experts}: "
+                              "LoRA on experts is not built yet; set peft.lora_targets = \"attention\"")
+        if m.moe_experts and not family_of(m).moe and m.family not in ("llama",):
+            raise ConfigError(f"model.moe_experts={m.moe_experts} with model.family={m.family!r}: a dense family; "
+                              "use family 'mixtral' or 'qwen3_moe' (or 'llama' for raydist's own MoE)")
+
     def validate(self) -> None:
         m, t, p, d = self.model, self.train, self.parallel, self.data
         for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_hidden", "vocab_size"):
@@ -124,6 +145,7 @@ class Config:
             raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
         if t.grad_clip < 0:
             raise ConfigError(f"train.grad_clip={t.grad_clip} must be >= 0 (0 disables clipping)")
+        self._validate_moe()
         if m.head_dim < 0:
             raise ConfigError(f"model.head_dim={m.head_dim} must be >= 0 (0: d_model / num_heads)")
         if not m.head_dim and m.d_model % m.num_heads:

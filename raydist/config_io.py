@@ -161,7 +161,9 @@ HF_CONFIG_KEYS = {"family": "model_type", "head_dim": "head_dim",
                   "vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers": "num_hidden_layers",
                   "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
                   "ffn_hidden": "intermediate_size", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
-                  "tie_embeddings": "tie_word_embeddings"}
+                  "tie_embeddings": "tie_word_embeddings", "moe_experts": "num_experts",
+                  "moe_top_k": "num_experts_per_tok", "moe_ffn_hidden": "moe_intermediate_size",
+                  "moe_norm_topk": "norm_topk_prob"}
 
 
 def _read_config(hf_dir_or_config: str | os.PathLike | Mapping) -> tuple[dict[str, Any], str]:
@@ -221,7 +223,33 @@ def model_config_from_hf(hf_dir_or_config_dict: str | os.PathLike | Mapping) -> 
             "num_heads": heads, "head_dim": head_dim, "num_kv_heads": c.get("num_key_value_heads") or heads,
             "ffn_hidden": c["intermediate_size"],
             "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            "norm_eps": float(c.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(c.get("tie_word_embeddings"))}
+            "norm_eps": float(c.get("rms_norm_eps", 1e-6)), "tie_embeddings": bool(c.get("tie_word_embeddings")),
+            **(_moe_from_hf(c, src, family.name) if family.moe else {})}
+
+
+def _moe_from_hf(c: dict[str, Any], src: str, family: str) -> dict[str, Any]:
+    """[model]'s mixture-of-experts keys from a Mixtral or Qwen3-MoE config.json."""
+    experts = c.get("num_experts", c.get("num_local_experts"))
+    if not isinstance(experts, int) or experts < 1 or not isinstance(c.get("num_experts_per_tok"), int):
+        raise ConfigError(f"{src} num_experts={experts!r}, num_experts_per_tok={c.get('num_experts_per_tok')!r} must "
+                          "be positive integers; add them to config.json")
+    if c.get("router_jitter_noise"):
+        raise ConfigError(f"{src} router_jitter_noise={c['router_jitter_noise']}: raydist's router adds no noise; "
+                          "only checkpoints with router_jitter_noise 0 load")
+    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError(f"{src} mlp_only_layers={c.get('mlp_only_layers')}, decoder_sparse_step="
+                          f"{c.get('decoder_sparse_step')}: raydist makes every block a mixture of experts; only "
+                          "checkpoints with mlp_only_layers [] and decoder_sparse_step 1 load")
+    if c.get("shared_expert_intermediate_size"):
+        raise ConfigError(f"{src} shared_expert_intermediate_size: {family} checkpoints with a gated shared expert "
+                          "do not load (raydist's shared expert has no gate)")
+    if family == "mixtral":  # experts are intermediate_size wide and always renormalised
+        return {"moe_experts": experts, "moe_top_k": c["num_experts_per_tok"], "moe_ffn_hidden": 0,
+                "moe_norm_topk": True}
+    if not isinstance(c.get("moe_intermediate_size"), int):
+        raise ConfigError(f"{src} moe_intermediate_size={c.get('moe_intermediate_size')!r} must be an integer")
+    return {"moe_experts": experts, "moe_top_k": c["num_experts_per_tok"],
+            "moe_ffn_hidden": c["moe_intermediate_size"], "moe_norm_topk": bool(c.get("norm_topk_prob", False))}
 
 
 def check_explicit_keys(user_model_section: Mapping[str, Any], from_hf: Mapping[str, Any],

@@ -17,7 +17,8 @@ from raydist.schedule.registry import DEFAULT_KIND, KINDS
 class ModelConfig:
     family: str = "llama"
     """The decoder family (raydist.families.registry): `llama`, `mistral` (Llama's blocks), `qwen2` (Qwen2 and
-    Qwen2.5: biases on q, k, v) or `qwen3` (RMSNorm on each head of q and k, no biases). Read from
+    Qwen2.5: biases on q, k, v), `qwen3` (RMSNorm on each head of q and k, no biases), or the mixture-of-experts
+    `qwen3_moe` and `mixtral` (model.moe_experts > 0). Read from
     config.json's model_type under `init_from = "hf:DIR"`."""
     num_layers: int = 4
     """Transformer blocks."""
@@ -43,6 +44,22 @@ class ModelConfig:
     """Share the input embedding with the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2*layers))."""
+    moe_experts: int = 0
+    """Routed experts in each block's mixture-of-experts feed-forward (raydist.models.moe); 0: the dense SwiGLU
+    MLP. Qwen3-MoE and Mixtral (`family = "qwen3_moe"`, `"mixtral"`) are MoE models; `llama` blocks can be
+    made one too (raydist's own, not exported to Hugging Face)."""
+    moe_top_k: int = 2
+    """Experts each token is routed to (the router's top k of its softmax)."""
+    moe_ffn_hidden: int = 0
+    """Hidden width of each expert's SwiGLU MLP; 0: model.ffn_hidden (Qwen3-MoE's moe_intermediate_size)."""
+    moe_norm_topk: bool = True
+    """Rescale a token's k routing weights to sum to 1 (Mixtral always; Qwen3-MoE's norm_topk_prob)."""
+    moe_shared_ffn_hidden: int = 0
+    """Hidden width of a shared expert every token goes through besides its routed ones (DeepSeekMoE's
+    shared experts); 0: none."""
+    moe_aux_coef: float = 0.001
+    """Weight of the load-balancing loss (raydist.models.moe: sequence-wise, the same value in every layout)
+    added to the training loss; 0: off. Its value is in the metrics as `moe_aux`."""
     init_from: str = ""
     """Start from pretrained weights: `hf:DIR`, a Hugging Face directory of a model.family (config.json and
     *.safetensors). The shape keys above are then read from its config.json (one set here must agree);
@@ -52,6 +69,11 @@ class ModelConfig:
     def head_size(self) -> int:
         """Coordinates per attention head: head_dim, or d_model / num_heads when it is 0."""
         return self.head_dim or self.d_model // self.num_heads
+
+    @property
+    def expert_hidden(self) -> int:
+        """Hidden width of one routed expert: moe_ffn_hidden, or ffn_hidden when it is 0."""
+        return self.moe_ffn_hidden or self.ffn_hidden
 
     @property
     def q_width(self) -> int:

@@ -301,6 +301,11 @@ def save_tiny_hf(path, *, family: str = "llama", tied: bool = True, seed: int = 
                   **({"head_dim": m["head_dim"]} if m.get("head_dim") else {}))
     spec = FAMILIES[family]
     extra = {k: v for k, v in spec.hf_config_extra.items() if k not in ("attention_bias", "mlp_bias")}
+    if spec.moe:  # moe_experts, moe_top_k, moe_ffn_hidden in raydist's names (4, 2 and ffn_hidden by default)
+        experts, top_k = m.get("moe_experts", 4), m.get("moe_top_k", 2)
+        extra.update({"num_experts_per_tok": top_k, "num_local_experts": experts} if family == "mixtral" else
+                     {"num_experts_per_tok": top_k, "num_experts": experts, "norm_topk_prob": True,
+                      "moe_intermediate_size": m.get("moe_ffn_hidden") or m["ffn_hidden"]})
     config = transformers.AutoConfig.for_model(spec.hf_model_type, **fields, **extra)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -11,6 +11,10 @@ Face adapter (`model_type`, architecture, extra config keys).
   coordinates of q and of k before RoPE ("QK-norm", as Dehghani et al. 2023 used at scale), and a head
   dimension that need not be d_model / num_heads (Qwen3-0.6B: d_model 1024, 16 heads of 128).
 - Mistral (Jiang et al. 2023): Llama's blocks; raydist loads checkpoints without sliding-window attention.
+- Mixtral (Jiang et al. 2024, "Mixtral of Experts"): Mistral's attention, every block's MLP a mixture of
+  experts (raydist.models.moe) with renormalised top-k weights; Hugging Face names them `block_sparse_moe`.
+- Qwen3-MoE (Qwen team 2025): Qwen3's attention, every block's MLP a mixture of experts (`mlp.gate`,
+  `mlp.experts.{j}`), the experts' width `moe_intermediate_size`.
 
 A new family of the same block structure is one `ModelFamily` line in `FAMILIES` (plus its Hugging Face
 config keys, if it has extra ones, in `hf_config_extra`); docs/architecture.md says how. This module imports
@@ -35,6 +39,13 @@ class ModelFamily:
     # config.json's key that turns sliding-window attention on, and its value when absent (transformers'
     # default): raydist has none, so a checkpoint loads only with that key null or false
     sliding_window_key: tuple[str, Any] | None = None
+    # a mixture-of-experts family (model.moe_experts > 0): its Hugging Face module holding the router
+    # (`gate`) and the experts, and each expert's (gate, up, down) projection names
+    hf_moe: tuple[str, tuple[str, str, str]] | None = None
+
+    @property
+    def moe(self) -> bool:
+        return self.hf_moe is not None
 
     def sliding_window_on(self, hf_config: dict) -> str | None:
         """`key=value` when `hf_config` (config.json) turns sliding-window attention on, else None."""
@@ -56,6 +67,13 @@ FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (
     ModelFamily("qwen3", "qwen3", "Qwen3ForCausalLM", qk_norm=True,
                 hf_config_extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
                 sliding_window_key=("use_sliding_window", False)),
+    ModelFamily("mixtral", "mixtral", "MixtralForCausalLM", hf_config_extra={"sliding_window": None},
+                sliding_window_key=("sliding_window", None), hf_moe=("block_sparse_moe", ("w1", "w3", "w2"))),
+    ModelFamily("qwen3_moe", "qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True,
+                hf_config_extra={"attention_bias": False, "use_sliding_window": False, "sliding_window": None,
+                                 "decoder_sparse_step": 1, "mlp_only_layers": []},
+                sliding_window_key=("use_sliding_window", False),
+                hf_moe=("mlp", ("gate_proj", "up_proj", "down_proj"))),
 )}
 FAMILY_NAMES = tuple(FAMILIES)
 

@@ -134,10 +134,17 @@ def resolve_kernels(cfg, device: torch.device | str, head_dim: int) -> dict[str,
 
 
 def install_triton_matmul(model: nn.Module) -> int:
-    """Switch every plain nn.Linear and FeedForward in `model` to the Triton versions; returns how many."""
+    """Switch every plain nn.Linear and FeedForward in `model` to the Triton versions, and a mixture of
+    experts' experts to the Triton grouped GEMM (raydist.kernels.grouped_mm); returns how many."""
+    from raydist.kernels.grouped_mm import grouped_mm
+    from raydist.models.moe import GroupedExperts
+
     changed = 0
     for module in model.modules():
-        if type(module) in (nn.Linear, TorchLinear):
+        if isinstance(module, GroupedExperts):
+            module.kernel = grouped_mm
+            changed += 1
+        elif type(module) in (nn.Linear, TorchLinear):
             module.__class__ = TritonLinear
             changed += 1
         elif type(module) is FeedForward and not any(hasattr(m, "lora_a") for m in module.children()):

@@ -1,5 +1,6 @@
 """A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention, tied or untied embeddings;
-the families of raydist.families.registry (Mistral, Qwen2/2.5, Qwen3) switch on q/k/v biases and per-head q/k norms.
+the families of raydist.families.registry (Mistral, Qwen2/2.5, Qwen3) switch on q/k/v biases and per-head q/k norms;
+`model.moe_experts` makes each block's feed-forward a mixture of experts (raydist.models.moe: Qwen3-MoE, Mixtral).
 
 Shapes use B batch, T sequence, D d_model, H query heads, K kv heads, E head dim, F ffn_hidden, V vocab.
 
@@ -152,13 +153,14 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x), of hidden width `hidden` (default model.ffn_hidden)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)  # up
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)  # down
+        hidden = hidden or cfg.ffn_hidden
+        self.w1 = nn.Linear(cfg.d_model, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.d_model, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, cfg.d_model, bias=False)  # down
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, F) -> (B, T, D)
@@ -174,7 +176,12 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        if cfg.moe_experts:  # a mixture of experts (raydist.models.moe)
+            from raydist.models.moe import MoEFeedForward
+
+            self.feed_forward: nn.Module = MoEFeedForward(cfg)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: tuple[KVCache, str] | None = None) -> torch.Tensor:
@@ -347,10 +354,12 @@ def block_roles(cfg: ModelConfig) -> dict[str, str]:
     attention_input (x, cos, sin) / mlp_input (x): a module whose input the projections under it share
     (gathered once, its gradient reduced once). The root's roles: vocab_embedding, norm, vocab_head."""
     head_norms = {"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"} if family_of(cfg).qk_norm else {}
+    # a mixture of experts (raydist.models.moe) has no tensor-parallel plan yet: its modules have no roles
+    mlp = {} if cfg.moe_experts else {"feed_forward": "mlp_input", "feed_forward.w1": "column",
+                                      "feed_forward.w3": "column", "feed_forward.w2": "row"}
     return {"attention_norm": "norm", "attention": "attention_input", "attention.wq": "column",
             "attention.wk": "kv", "attention.wv": "kv", "attention.wo": "row", **head_norms,
-            "ffn_norm": "norm", "feed_forward": "mlp_input", "feed_forward.w1": "column",
-            "feed_forward.w3": "column", "feed_forward.w2": "row"}
+            "ffn_norm": "norm", **mlp}
 
 
 def build_model(cfg: ModelConfig, max_seq_len: int, seed: int, device: torch.device | str = "cpu") -> GPT:
@@ -370,14 +379,19 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Parameter counts of the unsharded model by kind (biases and head norms count as norms: not matmul)."""
     family, e = family_of(cfg), cfg.head_size
     attention = cfg.d_model * cfg.num_heads * e * 2 + cfg.d_model * cfg.num_kv_heads * e * 2
-    mlp = 3 * cfg.d_model * cfg.ffn_hidden
+    mlp = active_mlp = 3 * cfg.d_model * cfg.ffn_hidden
+    if cfg.moe_experts:  # every expert is held; a token multiplies by the router, its k experts, the shared one
+        router, shared = cfg.d_model * cfg.moe_experts, 3 * cfg.d_model * cfg.moe_shared_ffn_hidden
+        mlp = router + cfg.moe_experts * 3 * cfg.d_model * cfg.expert_hidden + shared
+        active_mlp = router + cfg.moe_top_k * 3 * cfg.d_model * cfg.expert_hidden + shared
     norms = 2 * cfg.d_model + (2 * e if family.qk_norm else 0)
     norms += (cfg.num_heads + 2 * cfg.num_kv_heads) * e if family.qkv_bias else 0
     per_block = attention + mlp + norms
     embedding = cfg.vocab_size * cfg.d_model
     head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
     total = cfg.num_layers * per_block + embedding + head + cfg.d_model
-    return {"per_block": per_block, "block_matmul": attention + mlp, "embedding": embedding,
+    # block_matmul: the weights one token multiplies by (MoE: active parameters only), for FLOPs and MFU
+    return {"per_block": per_block, "block_matmul": attention + active_mlp, "embedding": embedding,
             "head": head, "total": total}
 
 

@@ -75,25 +75,77 @@ _ROTARY = {"attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "a
 _IGNORED_HF = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-_TO_RAYDIST, _TO_HF = ([(re.compile(re.escape(a).replace(re.escape("{i}"), r"(\d+)") + "$"), b)
-                        for a, b in pairs] for pairs in ([(hf, ours) for ours, hf in _NAME_TABLE], _NAME_TABLE))
+# A mixture of experts (raydist.models.moe) stacks its E experts' weights in one (E, out, in) tensor per
+# projection; Hugging Face checkpoints hold one tensor per expert ({j}), under the family's module names.
+EXPERT_PROJECTIONS = ("w1", "w3", "w2")  # raydist's gate, up, down
 
 
-def _translate(name: str, table: list[tuple[re.Pattern, str]], kind: str) -> str:
+def _moe_table(family) -> list[tuple[str, str]]:
+    if family is None or family.hf_moe is None:
+        return []
+    module, names = family.hf_moe
+    return [("layers.{i}.feed_forward.router.weight", f"model.layers.{{i}}.{module}.gate.weight")] + [
+        (f"layers.{{i}}.feed_forward.experts.{ours}.weight", f"model.layers.{{i}}.{module}.experts.{{j}}.{theirs}.weight")
+        for ours, theirs in zip(EXPERT_PROJECTIONS, names)]
+
+
+def _compile(pairs: list[tuple[str, str]]) -> list[tuple[re.Pattern, str]]:
+    return [(re.compile(re.escape(a).replace(re.escape("{i}"), r"(?P<i>\d+)").replace(re.escape("{j}"), r"(?P<j>\d+)")
+                        + "$"), b) for a, b in pairs]
+
+
+def _tables(family=None) -> tuple[list[tuple[re.Pattern, str]], list[tuple[re.Pattern, str]]]:
+    """(Hugging Face -> raydist, raydist -> Hugging Face) patterns: the shared table, plus the family's
+    mixture-of-experts names (every MoE family's when reading, whose names do not collide)."""
+    from raydist.families.registry import FAMILIES
+
+    readers = [f for f in FAMILIES.values() if f.moe] if family is None else [family]
+    to_raydist = _compile([(hf, ours) for ours, hf in _NAME_TABLE + [p for f in readers for p in _moe_table(f)]])
+    return to_raydist, _compile(_NAME_TABLE + _moe_table(family))
+
+
+def _translate(name: str, table: list[tuple[re.Pattern, str]], kind: str, expert: int | None = None
+               ) -> tuple[str, int | None]:
     for pattern, target in table:
         if m := pattern.match(name):
-            return target.replace("{i}", m.group(1)) if m.groups() else target
+            groups = m.groupdict()
+            out = target.replace("{i}", groups["i"]) if groups.get("i") is not None else target
+            if "{j}" in out:
+                if expert is None:
+                    raise KeyError(f"{name!r} is a stack of experts: name one (expert=)")
+                out = out.replace("{j}", str(expert))
+            return out, None if groups.get("j") is None else int(groups["j"])
     raise KeyError(f"{name!r} is not a {kind} parameter name raydist knows")
 
 
 def hf_to_raydist_name(name: str) -> str:
-    """'model.layers.3.self_attn.q_proj.weight' -> 'layers.3.attention.wq.weight'."""
-    return _translate(name, _TO_RAYDIST, "Hugging Face")
+    """'model.layers.3.self_attn.q_proj.weight' -> 'layers.3.attention.wq.weight'; an expert's tensor
+    ('model.layers.3.mlp.experts.5.up_proj.weight') -> its stack ('layers.3.feed_forward.experts.w3.weight')."""
+    return hf_to_raydist(name)[0]
 
 
-def raydist_to_hf_name(name: str) -> str:
-    """'layers.3.attention.wq.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
-    return _translate(name, _TO_HF, "raydist")
+def hf_to_raydist(name: str) -> tuple[str, int | None]:
+    """(raydist name, expert index or None): where a Hugging Face tensor goes."""
+    return _translate(name, _tables()[0], "Hugging Face")
+
+
+def raydist_to_hf_name(name: str, family=None, expert: int | None = None) -> str:
+    """'layers.3.attention.wq.weight' -> 'model.layers.3.self_attn.q_proj.weight'; a stacked expert weight
+    needs its family (raydist.families.registry) and the expert's index."""
+    return _translate(name, _tables(family)[1], "raydist", expert)[0]
+
+
+def is_expert_stack(name: str) -> bool:
+    """A raydist parameter holding every expert of a block, stacked along dim 0."""
+    return re.search(r"\.feed_forward\.experts\.w[123]\.weight$", name) is not None
+
+
+def hf_names(name: str, cfg: ModelConfig) -> list[str]:
+    """The Hugging Face tensors raydist parameter `name` is made of: one, or each expert's in order."""
+    family = family_of(cfg)
+    if is_expert_stack(name):
+        return [raydist_to_hf_name(name, family, j) for j in range(cfg.moe_experts)]
+    return [raydist_to_hf_name(name, family)]
 
 
 def _is_rotary(raydist_name: str) -> bool:
@@ -139,19 +191,40 @@ def _tensor_files(hf_dir: str | os.PathLike) -> dict[str, Path]:
     return where
 
 
-def _raydist_sources(hf_dir, cfg: ModelConfig) -> dict[str, tuple[str, Path]]:
-    """raydist name -> (Hugging Face name, file) for every tensor in the checkpoint; unknown names fail."""
-    out, unknown = {}, []
+Parts = list[tuple[str, Path]]  # a raydist tensor's Hugging Face tensors and their files (E for an expert stack)
+
+
+def _raydist_sources(hf_dir, cfg: ModelConfig) -> dict[str, Parts]:
+    """raydist name -> its parts (Hugging Face name, file) for every tensor in the checkpoint, an expert
+    stack's in expert order; unknown names and incomplete expert stacks fail."""
+    out: dict[str, dict[int | None, tuple[str, Path]]] = {}
+    unknown = []
     for hf_name, f in _tensor_files(hf_dir).items():
         try:
-            out[hf_to_raydist_name(hf_name)] = (hf_name, f)
+            name, expert = hf_to_raydist(hf_name)
         except KeyError:
             unknown += [] if _IGNORED_HF.match(hf_name) else [hf_name]
+            continue
+        out.setdefault(name, {})[expert] = (hf_name, f)
     if unknown:
         raise ConfigError(f"{hf_dir}: unexpected tensors {unknown[:5]} (not part of a model raydist knows)")
-    if cfg.tie_embeddings and "output.weight" not in out and "tok_embeddings.weight" in out:
-        out["output.weight"] = out["tok_embeddings.weight"]  # read the embedding for a tied head
-    return out
+    sources: dict[str, Parts] = {}
+    for name, parts in out.items():
+        if is_expert_stack(name):
+            if sorted(parts) != list(range(cfg.moe_experts)):
+                raise ConfigError(f"{hf_dir}: {name} has experts {sorted(parts)[:8]}, config.json says "
+                                  f"{cfg.moe_experts} (0..{cfg.moe_experts - 1}); the checkpoint is incomplete")
+            sources[name] = [parts[j] for j in range(cfg.moe_experts)]
+        else:
+            sources[name] = [parts[None]]
+    if cfg.tie_embeddings and "output.weight" not in sources and "tok_embeddings.weight" in sources:
+        sources["output.weight"] = sources["tok_embeddings.weight"]  # read the embedding for a tied head
+    return sources
+
+
+def _is_alias(name: str, parts: Parts) -> bool:
+    """A tied head read through the embedding's tensor (not stored under its own name)."""
+    return name == "output.weight" and parts[0][0] == "model.embed_tokens.weight"
 
 
 def _select(hf_dir, cfg: ModelConfig | None, names: Iterable[str] | None):
@@ -159,12 +232,48 @@ def _select(hf_dir, cfg: ModelConfig | None, names: Iterable[str] | None):
     cfg = cfg if cfg is not None else ModelConfig(**model_config_from_hf(hf_dir))
     sources = _raydist_sources(hf_dir, cfg)
     if names is None:  # what the checkpoint stores (not the alias of a tied head)
-        return cfg, sources, [n for n, (hf_name, _) in sources.items() if raydist_to_hf_name(n) == hf_name]
+        return cfg, sources, [n for n, parts in sources.items() if not _is_alias(n, parts)]
     missing = [n for n in names if n not in sources]
     if missing:
         raise ConfigError(f"{hf_dir}: missing tensors {missing[:5]} "
-                          f"(Hugging Face names {[raydist_to_hf_name(n) for n in missing[:5]]})")
+                          f"(Hugging Face names {[hf_names(n, cfg)[0] for n in missing[:5]]})")
     return cfg, sources, list(names)
+
+
+def read_parts(open_file, name: str, parts: Parts, cfg: ModelConfig, index: tuple[slice, ...] = ()) -> torch.Tensor:
+    """tensor[index] of raydist parameter `name` in raydist layout from its parts, reading only that block:
+    `open_file(path)` gives a safetensors handle. An expert stack's first index picks experts, the rest
+    index each expert's tensor. Rotary row slices must cover whole heads (see `read_hf_slice`)."""
+    def get(hf_name: str, f: Path, idx: tuple[slice, ...]) -> torch.Tensor:
+        return open_file(f).get_slice(hf_name)[idx] if idx else open_file(f).get_tensor(hf_name)
+
+    if is_expert_stack(name):
+        chosen = parts[index[0]] if index else parts
+        return torch.stack([get(h, f, tuple(index[1:])) for h, f in chosen])
+    return to_raydist(name, get(*parts[0], tuple(index)), cfg)
+
+
+class _Files:
+    """safetensors handles opened once each, closed by `close` (or the with-block)."""
+
+    def __init__(self):
+        import contextlib
+
+        self.stack, self.handles = contextlib.ExitStack(), {}
+
+    def __call__(self, path: Path):
+        from safetensors import safe_open
+
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(safe_open(str(path), framework="pt"))
+        return self.handles[path]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.close()
+        self.handles.clear()
 
 
 def iter_hf_tensors(hf_dir: str | os.PathLike, names: Iterable[str] | None = None,
@@ -172,16 +281,15 @@ def iter_hf_tensors(hf_dir: str | os.PathLike, names: Iterable[str] | None = Non
     """(raydist name, tensor in raydist layout and its stored dtype), one tensor at a time, file by file.
 
     names: raydist names to read (default: every tensor in the checkpoint; a tied head that the checkpoint
-    does not store is not yielded unless asked for). cfg defaults to the one in config.json.
+    does not store is not yielded unless asked for). cfg defaults to the one in config.json. An expert stack
+    is read expert by expert and stacked.
     """
     names = None if names is None else list(names)
     cfg, sources, wanted = _select(hf_dir, cfg, names)
-    from safetensors import safe_open
-
-    for f in sorted({sources[n][1] for n in wanted}):  # each file opened once; one tensor in memory at a time
-        with safe_open(str(f), framework="pt") as fh:
-            for n in (n for n in wanted if sources[n][1] == f):
-                yield n, to_raydist(n, fh.get_tensor(sources[n][0]), cfg)
+    order = [n for _, _, n in sorted((str(sources[n][0][1]), i, n) for i, n in enumerate(wanted))]  # file by file
+    with _Files() as files:
+        for n in order:
+            yield n, read_parts(files, n, sources[n], cfg)
 
 
 def read_hf_slice(hf_dir: str | os.PathLike, name: str, dim: int, start: int, stop: int,
@@ -195,10 +303,8 @@ def read_hf_slice(hf_dir: str | os.PathLike, name: str, dim: int, start: int, st
     e = cfg.head_size
     if _is_rotary(name) and dim == 0 and (start % e or stop % e):
         raise ValueError(f"row slice [{start}:{stop}] of {name} must be aligned to whole heads of {e} rows")
-    from safetensors import safe_open
-
-    with safe_open(str(sources[name][1]), framework="pt") as fh:  # get_slice reads only the slice's bytes
-        return to_raydist(name, fh.get_slice(sources[name][0])[(slice(None),) * dim + (slice(start, stop),)], cfg)
+    with _Files() as files:  # get_slice reads only the slice's bytes
+        return read_parts(files, name, sources[name], cfg, (slice(None),) * dim + (slice(start, stop),))
 
 
 def load_hf_into(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
@@ -220,7 +326,7 @@ def load_hf_into(model: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     with torch.no_grad():
         for name, tensor in iter_hf_tensors(hf_dir, cfg=cfg):
             if tensor.shape != targets[name].shape:
-                raise ConfigError(f"{hf_dir}: {raydist_to_hf_name(name)} has shape {tuple(tensor.shape)}, "
+                raise ConfigError(f"{hf_dir}: {hf_names(name, cfg)[0]} has shape {tuple(tensor.shape)}, "
                                   f"raydist's {name} needs {tuple(targets[name].shape)}")
             if cfg.tie_embeddings and name == "output.weight":
                 stored_head = tensor  # the embedding is the head; compare once it is loaded
@@ -250,11 +356,32 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
+def _moe_config(cfg: ModelConfig, family) -> dict[str, Any]:
+    """config.json's mixture-of-experts keys of a `family` model (ConfigError for one its family cannot hold)."""
+    if bool(cfg.moe_experts) != family.moe:
+        raise ConfigError(f"model.moe_experts={cfg.moe_experts} with family {family.name!r}: Hugging Face's "
+                          f"{family.hf_architecture} is {'a mixture of experts' if family.moe else 'dense'}; export "
+                          "a mixture of experts as family 'mixtral' or 'qwen3_moe'")
+    if not family.moe:
+        return {}
+    if cfg.moe_shared_ffn_hidden:
+        raise ConfigError(f"model.moe_shared_ffn_hidden={cfg.moe_shared_ffn_hidden}: {family.hf_architecture} has "
+                          "no shared expert; only models without one export")
+    common = {"num_experts_per_tok": cfg.moe_top_k, "output_router_logits": False}
+    if family.name == "mixtral":
+        if not cfg.moe_norm_topk or cfg.expert_hidden != cfg.ffn_hidden:
+            raise ConfigError("a Mixtral renormalises its top-k weights and its experts are intermediate_size wide: "
+                              "export with model.moe_norm_topk true and model.moe_ffn_hidden 0 or ffn_hidden")
+        return {**common, "num_local_experts": cfg.moe_experts, "router_jitter_noise": 0.0}
+    return {**common, "num_experts": cfg.moe_experts, "moe_intermediate_size": cfg.expert_hidden,
+            "norm_topk_prob": cfg.moe_norm_topk}
+
+
 def hf_config_dict(cfg: ModelConfig, max_position_embeddings: int, dtype: torch.dtype) -> dict[str, Any]:
     """The config.json of a raydist model as its family's Hugging Face model (transformers 4 and 5 keys)."""
     family = family_of(cfg)
     dtype_name = str(dtype).removeprefix("torch.")
-    return {"architectures": [family.hf_architecture], "model_type": family.hf_model_type,
+    return {**_moe_config(cfg, family), "architectures": [family.hf_architecture], "model_type": family.hf_model_type,
             "vocab_size": cfg.vocab_size,
             "hidden_size": cfg.d_model, "intermediate_size": cfg.ffn_hidden,
             "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
@@ -309,14 +436,17 @@ def save_hf(state_dict_iter_or_dict: Mapping[str, torch.Tensor] | Iterable[tuple
             t = tensor.detach()
             t = t.to(dtype) if dtype is not None and t.is_floating_point() else t
             file_dtype = file_dtype or t.dtype
-            t = to_hf(name, t, cfg).to("cpu").contiguous()
-            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
-                t = t.clone()  # a view into a larger (e.g. flat-parameter) storage: safetensors refuses it
-            nbytes = t.numel() * t.element_size()
-            if current and current_bytes + nbytes > max_shard_bytes:
-                flush()
-            current[raydist_to_hf_name(name)] = t
-            current_bytes, total = current_bytes + nbytes, total + nbytes
+            t = to_hf(name, t, cfg).to("cpu")
+            # an expert stack is written as one tensor per expert, as Hugging Face stores them
+            for hf_name, part in zip(hf_names(name, cfg), t.unbind(0) if is_expert_stack(name) else [t]):
+                part = part.contiguous()
+                if part.untyped_storage().nbytes() != part.numel() * part.element_size():
+                    part = part.clone()  # a view into a larger (e.g. flat-parameter) storage: safetensors refuses it
+                nbytes = part.numel() * part.element_size()
+                if current and current_bytes + nbytes > max_shard_bytes:
+                    flush()
+                current[hf_name] = part
+                current_bytes, total = current_bytes + nbytes, total + nbytes
         flush()
         missing = sorted(expected - seen - ({"output.weight"} if cfg.tie_embeddings else set()))
         if missing:

@@ -16,9 +16,7 @@ own init.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from pathlib import Path
 
 import torch
 
@@ -29,8 +27,6 @@ from raydist.models.init import local_region
 
 def check_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig) -> None:
     """ConfigError unless `hf_dir` holds every tensor of a `cfg` model with its shape (headers only)."""
-    from safetensors import safe_open
-
     hf.check_explicit_keys({k: getattr(cfg, k) for k in hf.HF_CONFIG_KEYS}, hf.model_config_from_hf(hf_dir),
                            source=f"hf:{hf_dir}")
     sources = hf._raydist_sources(hf_dir, cfg)
@@ -38,23 +34,24 @@ def check_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig) -> None:
     missing, unexpected = sorted(set(shapes) - set(sources)), sorted(set(sources) - set(shapes))
     if missing or unexpected:
         raise ConfigError(f"hf:{hf_dir}: " + "; ".join(
-            f"{what} tensors {[hf.raydist_to_hf_name(n) for n in names[:5]]}"
+            f"{what} tensors {[hf.hf_names(n, cfg)[0] if n in shapes else sources[n][0][0] for n in names[:5]]}"
             for what, names in (("missing", missing), ("unexpected", unexpected)) if names)
             + " for the model its config.json describes")
-    for f in sorted({f for _, f in sources.values()}):
-        with safe_open(str(f), framework="pt") as fh:
-            for name, (hf_name, where) in sources.items():
-                if where != f:
-                    continue
-                shape = tuple(fh.get_slice(hf_name).get_shape())
-                if shape != shapes[name]:
+    with hf._Files() as files:
+        for name, parts in sources.items():
+            # an expert stack (E, out, in) is E tensors of (out, in)
+            want = shapes[name][1:] if hf.is_expert_stack(name) else shapes[name]
+            for hf_name, f in parts:
+                shape = tuple(files(f).get_slice(hf_name).get_shape())
+                if shape != want:
                     raise ConfigError(f"hf:{hf_dir}: {hf_name} has shape {shape}, but config.json describes "
-                                      f"{shapes[name]} (raydist's {name}); the directory's files disagree")
+                                      f"{want} (raydist's {name}); the directory's files disagree")
 
 
-def read_block(fh, hf_name: str, name: str, offsets, sizes, cfg: ModelConfig) -> torch.Tensor:
+def read_block(files, parts: hf.Parts, name: str, offsets, sizes, cfg: ModelConfig) -> torch.Tensor:
     """tensor[offsets : offsets + sizes] of raydist parameter `name`, in raydist layout, reading that block
-    (rows widened to whole heads for wq/wk, whose rotary permutation moves rows within a head)."""
+    (rows widened to whole heads for wq/wk, whose rotary permutation moves rows within a head; an expert
+    stack's first dimension picks whole experts)."""
     starts, stops = list(offsets), [o + s for o, s in zip(offsets, sizes)]
     trim = None
     if hf._is_rotary(name) and starts:
@@ -62,8 +59,7 @@ def read_block(fh, hf_name: str, name: str, offsets, sizes, cfg: ModelConfig) ->
         row0, row1 = starts[0] // e * e, -(-stops[0] // e) * e
         trim = (starts[0] - row0, sizes[0])
         starts[0], stops[0] = row0, row1
-    block = fh.get_slice(hf_name)[tuple(slice(a, b) for a, b in zip(starts, stops))]
-    block = hf.to_raydist(name, block, cfg)
+    block = hf.read_parts(files, name, parts, cfg, tuple(slice(a, b) for a, b in zip(starts, stops)))
     return block.narrow(0, *trim) if trim is not None else block
 
 
@@ -72,30 +68,25 @@ def load_into_shards(model: torch.nn.Module, hf_dir: str | os.PathLike, aliases:
     """Copy `hf_dir` into this rank's parameters of `model` (a parallelized GPT or its pipeline stage view,
     with the unsharded names), each reading only its local block; returns the names loaded. `skip(name)`
     leaves a parameter alone (adapters); `aliases` maps a name to the one the checkpoint knows it by."""
-    from safetensors import safe_open
-
     cfg: ModelConfig = model.cfg
     sources = hf._raydist_sources(hf_dir, cfg)
     loaded = []
-    with contextlib.ExitStack() as stack, torch.no_grad():
-        handles: dict[Path, object] = {}
+    with hf._Files() as files, torch.no_grad():
         for name, param in model.named_parameters():
             if skip(name):
                 continue
             key = (aliases or {}).get(name, name)
             if key not in sources:
-                raise ConfigError(f"hf:{hf_dir}: missing tensor {hf.raydist_to_hf_name(key)} (raydist's {key})")
-            hf_name, f = sources[key]
-            if f not in handles:
-                handles[f] = stack.enter_context(safe_open(str(f), framework="pt"))
+                raise ConfigError(f"hf:{hf_dir}: missing tensor {hf.hf_names(key, cfg)[0]} (raydist's {key})")
             local = param.to_local() if hasattr(param, "to_local") else param
             offsets, sizes = local_region(param)
             if local.numel() == 0:
                 continue
-            block = read_block(handles[f], hf_name, key, offsets, sizes, cfg)
+            block = read_block(files, sources[key], key, offsets, sizes, cfg)
             if tuple(block.shape) != tuple(local.shape):
-                raise ConfigError(f"hf:{hf_dir}: {hf_name} block {tuple(block.shape)} does not fit raydist's {name} "
-                                  f"local shard {tuple(local.shape)}; the checkpoint's shapes disagree with its config")
+                raise ConfigError(f"hf:{hf_dir}: {sources[key][0][0]} block {tuple(block.shape)} does not fit "
+                                  f"raydist's {name} local shard {tuple(local.shape)}; the checkpoint's shapes "
+                                  "disagree with its config")
             local.copy_(block)
             loaded.append(name)
     return loaded

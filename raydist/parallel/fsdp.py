@@ -27,15 +27,29 @@ def mixed_precision_policy(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
+def expert_placement(shards: int):
+    """FSDP's placement for a parameter (`shard_placement_fn`): Shard(0), except for a mixture of experts'
+    stacked weights (E, out, in) with fewer experts than shards, split along dim 1 instead so that no rank
+    holds an empty shard (Mixtral's 8 experts over 16 ranks; torchtitan does the same)."""
+    from torch.distributed.tensor import Shard
+
+    def place(param: torch.nn.Parameter):
+        return Shard(1) if param.dim() == 3 and param.shape[0] < shards else None  # None: the default, Shard(0)
+
+    return place
+
+
 def apply_fsdp(model, mesh: DeviceMesh, compute_dtype: torch.dtype, *, reshard_after_forward: bool = True,
                forward_prefetch: bool = True) -> None:
     mp = mixed_precision_policy(compute_dtype)
     blocks = list(model.layers.values())
+    place = expert_placement(mesh.size(mesh.ndim - 1))  # the sharding dim (HSDP: the second)
     embedding = model.embedding if model.embedding is not None and not model.tied else None
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=place)
     head = model.head if model.head is not None and not model.tied else None
     if head is not None:  # used last in forward and first in backward: kept gathered in between
         fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=False)

@@ -235,8 +235,10 @@ def smallest_tp_rows(model: "ModelConfig", tp: int) -> int:
     """The smallest first dimension of a parameter after tensor parallelism (what FSDP then shards)."""
     head_dim = model.head_size
     kv_heads = model.num_kv_heads // tp if model.num_kv_heads % tp == 0 else model.num_kv_heads  # replicated
+    # (a mixture of experts' stacks are split along their second dimension when FSDP has more shards than
+    # experts: raydist.parallel.fsdp.expert_placement)
     return min(model.d_model, model.num_heads * head_dim // tp, kv_heads * head_dim, model.ffn_hidden // tp,
-               model.vocab_size // tp)
+               model.vocab_size // tp, *((model.expert_hidden,) if model.moe_experts else ()))
 
 
 def validate(layout: Layout, model: "ModelConfig", seq_len: int) -> list[str]:
@@ -265,7 +267,19 @@ def mesh_problems(layout: Layout, model: "ModelConfig", seq_len: int) -> list[st
     """validate's reasons that come from the mesh's degrees alone (tensor, FSDP, context parallelism): no
     micro-batch size or count, recompute policy or schedule lifts them (the planner drops such a mesh once
     instead of validating each of its candidates)."""
-    return _tensor_parallel(layout, model, seq_len) + _fsdp(layout, model) + _context_parallel(layout, model, seq_len)
+    return (_tensor_parallel(layout, model, seq_len) + _fsdp(layout, model) + _context_parallel(layout, model, seq_len)
+            + _mixture_of_experts(layout, model))
+
+
+def _mixture_of_experts(lay: Layout, m: "ModelConfig") -> list[str]:
+    """A mixture of experts trains under data parallelism and FSDP (the experts' stacked weights sharded
+    along the expert dimension); tensor, context and pipeline parallelism and expert parallelism are not
+    built for it yet (their equivalence with the single process is unproven)."""
+    used = [f"{name}={value}" for name, value in (("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp)) if value > 1]
+    if not m.moe_experts or not used:
+        return []
+    return [f"parallel.{', '.join(used)} with model.moe_experts={m.moe_experts}: a mixture-of-experts model trains "
+            "under dp_replicate and dp_shard only for now; set parallel.tp, cp and pp to 1"]
 
 
 def _fsdp(lay: Layout, m: "ModelConfig") -> list[str]:

@@ -53,16 +53,30 @@ class ParallelModel:
     # The head computes the loss with its matmul, chunk by chunk of tokens (`loss`; vocabulary-parallel
     # under TP), where kernels.loss allows it and the head can (models.loss.linear_cross_entropy)
     fused_loss: bool = False
+    # the load-balancing losses of the micro-batches since the metrics last read them (raydist.models.moe)
+    moe_aux: list[torch.Tensor] = field(default_factory=list)
 
     def loss(self, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor,
              module: nn.Module | None = None) -> torch.Tensor:
         """The mean loss over this rank's tokens of one micro-batch (`loss_fn`'s value) through `module`
         (default `self.module`; under a pipeline the chunk holding the last stage): without the logits
-        where `fused_loss`, else `loss_fn` of the logits."""
+        where `fused_loss`, else `loss_fn` of the logits. With gradients enabled (training, not evaluation),
+        plus model.moe_aux_coef times the MoE blocks' load-balancing loss (raydist.models.moe)."""
         module = self.module if module is None else module
         if self.fused_loss:
-            return module(inputs, positions, targets=targets)
-        return self.loss_fn(module(inputs, positions), targets)
+            loss = module(inputs, positions, targets=targets)
+        else:
+            loss = self.loss_fn(module(inputs, positions), targets)
+        cfg = getattr(self.model, "cfg", None)
+        if torch.is_grad_enabled() and getattr(cfg, "moe_experts", 0):
+            from raydist.models.moe import take_aux_loss
+
+            aux = take_aux_loss(module)
+            if aux is not None:
+                self.moe_aux.append(aux.detach())
+                if cfg.moe_aux_coef:
+                    loss = loss + cfg.moe_aux_coef * aux.to(loss.dtype)
+        return loss
 
     @property
     def module(self) -> nn.Module:

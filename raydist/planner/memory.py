@@ -79,6 +79,7 @@ class Tensor2D:
     rows: int  # dim 0
     cols: int  # the product of the other dims
     tp_dim: int | None  # 0: column-parallel (rows split), 1: row-parallel (cols split), None: replicated
+    dim1: int = 0  # a 3-D tensor's second dim (a mixture of experts' stack): FSDP splits it when rows < shards
 
 
 def block_tensors(w: Workload) -> tuple[Tensor2D, ...]:
@@ -101,7 +102,7 @@ def _block_tensors(m) -> tuple[Tensor2D, ...]:
     for name, p in block.named_parameters():
         module, kind = name.rsplit(".", 1)
         split = {"column": 0, "kv": 0, "row": 1 if kind == "weight" else None}.get(roles.get(module))
-        out.append(Tensor2D(p.shape[0], math.prod(p.shape[1:]), split))
+        out.append(Tensor2D(p.shape[0], math.prod(p.shape[1:]), split, p.shape[1] if p.dim() == 3 else 0))
     return tuple(out)
 
 
@@ -188,6 +189,10 @@ def local_elements(t: Tensor2D, tp: int, fsdp_size: int, fsdp_index: int | None 
         rows = _ceil_div(rows, tp)
     elif tp > 1 and t.tp_dim == 1:
         cols = _ceil_div(cols, tp)
+    if fsdp_size > rows and t.dim1:  # fewer experts than shards: split dim 1 (raydist.parallel.fsdp.expert_placement)
+        chunk = _ceil_div(t.dim1, fsdp_size)
+        inner = chunk if fsdp_index is None else max(0, min(chunk, t.dim1 - fsdp_index * chunk))
+        return rows * inner * (cols // t.dim1)
     if fsdp_size > 1:
         chunk = _ceil_div(rows, fsdp_size)
         rows = chunk if fsdp_index is None else max(0, min(chunk, rows - fsdp_index * chunk))
@@ -295,15 +300,28 @@ def state_bytes_per_rank(w: Workload, lay: Layout, rank: int) -> dict[str, int]:
 # ---- activations -------------------------------------------------------------------------------------
 
 
+def mlp_hidden(m) -> int:
+    """Hidden units one token's MLP computes: ffn_hidden, or under a mixture of experts its k routed experts'
+    (raydist.models.moe) and the shared expert's."""
+    return m.moe_top_k * m.expert_hidden + m.moe_shared_ffn_hidden if m.moe_experts else m.ffn_hidden
+
+
+def moe_dispatch_bytes(w: Workload) -> float:
+    """Per token, what a mixture of experts saves besides its experts' hidden units: the k gathered copies of
+    the token and the k expert outputs before the weighted sum, and the router's fp32 probabilities."""
+    m, a = w.model, w.compute_dtype_bytes
+    return 2 * a * m.moe_top_k * m.d_model + 4 * m.moe_experts if m.moe_experts else 0.0
+
+
 def block_activation_bytes(w: Workload, lay: Layout, micro_batch: int | None = None) -> float:
     """Bytes one block saves for backward for one micro-batch, no recompute (see the module doc)."""
     m, a = w.model, w.compute_dtype_bytes
     tokens = (micro_batch or lay.micro_batch) * w.seq_len / lay.cp
-    h, f, tp = m.d_model, m.ffn_hidden, lay.tp
+    h, f, tp = m.d_model, mlp_hidden(m), lay.tp
     sp = tp if (lay.sequence_parallel and tp > 1) else 1
     norm = (4 + a) * h / sp + a * h  # fp32 input + normalised (sharded under SP) + gathered matmul input
     attention = 4 * a * h / tp + 4 * m.num_heads / tp  # q, k, v (repeated to H heads), output; LSE fp32
-    mlp = 4 * a * f / tp
+    mlp = 4 * a * f / tp + moe_dispatch_bytes(w)
     small = 2 * 4  # two fp32 rsqrt per token
     return tokens * (2 * norm + attention + mlp + small + lora_activation_bytes(w, lay)[0])
 
@@ -312,10 +330,11 @@ def block_selective_bytes(w: Workload, lay: Layout) -> float:
     """`selective`: the block input plus the matmul and attention outputs."""
     m, a = w.model, w.compute_dtype_bytes
     tokens = lay.micro_batch * w.seq_len / lay.cp
-    h, f, tp = m.d_model, m.ffn_hidden, lay.tp
+    h, f, tp = m.d_model, mlp_hidden(m), lay.tp
     sp = tp if (lay.sequence_parallel and tp > 1) else 1
     kv = m.num_kv_heads * w.head_dim
     matmuls = a * (h + 2 * kv) / tp + a * h + 2 * a * f / tp + a * h  # q, k, v | o | gate, up | down (pre-reduce)
+    matmuls += moe_dispatch_bytes(w)
     attention = a * h / tp + 4 * m.num_heads / tp
     return tokens * (a * h / sp + matmuls + attention + lora_activation_bytes(w, lay)[1])
 

@@ -57,8 +57,8 @@ import math
 
 from raydist.models.gpt import flops_per_token, param_counts
 from raydist.planner.hardware import Hardware, Link
-from raydist.planner.memory import (adapter_elements, block_activation_bytes, block_selective_bytes, stage_elements,
-                                    stage_trained_elements, trained_root_parts, trained_unit_elements)
+from raydist.planner.memory import (adapter_elements, block_activation_bytes, block_selective_bytes, mlp_hidden,
+                                    stage_elements, stage_trained_elements, trained_root_parts, trained_unit_elements)
 from raydist.planner.placement import Layout, Workload, holders, rank_layer_counts, trained_layer_counts
 from raydist.schedule.registry import schedule_kind
 from raydist.schedule.timeline import theoretical_bubble
@@ -253,7 +253,7 @@ def elementwise_bytes(w: Workload, lay: Layout, tokens: float) -> tuple[float, f
     twice that. The loss: the logits cast up to fp32, log-softmax, its gradient and the cast back, 24 V +
     2 a V per token (V / tp under tensor parallelism)."""
     m, a = w.model, w.compute_dtype_bytes
-    d, f = m.d_model / lay.tp, m.ffn_hidden / lay.tp
+    d, f = m.d_model / lay.tp, mlp_hidden(m) / lay.tp
     kv = m.num_kv_heads / m.num_heads
     forward = (2 * (12 + a) * d + 4 * a * d * (1 + kv) + 2 * a * d * (2 + 2 * kv) + 2 * (8 + a) * d
                + 5 * a * f)

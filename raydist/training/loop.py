@@ -116,6 +116,7 @@ class RunLogger:
                        mfu_peak_source=self.peak_source,
                        tokens=self.trainer.step * self.tokens_per_step,
                        mem_peak_mb=round(peak_memory_mb(self.trainer.device), 1))
+            rec.update(self.trainer.moe_metrics())
             if stats.pipeline is not None:
                 rec["pipeline"] = stats.pipeline
             self._ranks(rec)

@@ -273,6 +273,27 @@ class Trainer:
             value /= ranks
         return value
 
+    def moe_metrics(self) -> dict:
+        """MoE runs: the mean load-balancing loss of the training micro-batches since the last call
+        (`moe_aux`, over dp x cp), the tokens each expert received summed over blocks and data ranks
+        (`moe_tokens_per_expert`) and the busiest expert's load over the mean, worst block
+        (`moe_load_max`, 1.0 balanced). A collective over dp x cp; {} for a dense model."""
+        if not self.cfg.model.moe_experts:
+            return {}
+        from raydist.models.moe import take_load
+
+        aux, self.pm.moe_aux = self.pm.moe_aux, []
+        local = torch.stack(aux).float().mean() if aux else torch.zeros((), device=self.device)
+        load = take_load(self.pm.model)
+        if load is None:
+            load = torch.zeros(1, self.cfg.model.moe_experts, device=self.device)
+        if self.layout.dp * self.layout.cp > 1:
+            dist.all_reduce(load, group=self.mesh.dp_cp.get_group())
+        mean_aux = float(self._data_mean(local.reshape(1))[0])
+        ratio = (load.max(-1).values / load.mean(-1).clamp_min(1e-9)).max()
+        return {"moe_aux": round(mean_aux, 6), "moe_load_max": round(float(ratio), 4),
+                "moe_tokens_per_expert": [int(v) for v in load.sum(0).tolist()]}
+
     def settle(self) -> None:
         """Reads every step not yet read (see `StepStats`): their losses (reduced over dp x cp) and gradient
         norms in one host read, then the pipeline's stage times (`runner.timings`). A collective."""

@@ -192,7 +192,8 @@ def test_main_records_each_part_and_writes_the_json_after_each(tmp_path, monkeyp
     assert status == 1
     figures = json.loads(out.read_text())
     assert [(n, p["status"]) for n, p in figures["parts"].items()] == [
-        ("tests", "passed"), ("attention", "passed"), ("gemm", "failed"), ("mfu", "not run"), ("loss", "not run")]
+        ("tests", "passed"), ("attention", "passed"), ("gemm", "failed"), ("mfu", "not run"), ("loss", "not run"),
+        ("moe", "not run")]
     assert figures["parts"]["gemm"]["budget_s"] == 40 and figures["parts"]["mfu"]["why"] == "10 s of the suite's budget left"
     assert figures["benchmarks"]["gemm"]["output_tail"] == "boom" and figures["tests"]["passed"] == 3
     assert figures["status"] == "failed" and figures["wall_s"] == 190

@@ -29,7 +29,18 @@ PUBLISHED = {
 QWEN3 = {name: dict(num_layers=36, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128, ffn_hidden=12288,
                     vocab_size=151936, rope_theta=1e6, tie_embeddings=False, family="qwen3")
          for name in ("qwen3_8b", "qwen3_8b_lora")}
-WORLDS = {**{name: want["world"] for name, want in PUBLISHED.items()}, "qwen3_8b": 8, "qwen3_8b_lora": 8}
+# Mixtures of experts as released: total and active (per token) parameters. Qwen/Qwen3-30B-A3B ("Qwen3 Technical
+# Report", 2025: 30.5 B, 3.3 B activated) and mistralai/Mixtral-8x7B-v0.1 (Jiang et al. 2024: 46.7 B, 12.9 B active)
+MOE = {"qwen3_30b_a3b": dict(shape=dict(family="qwen3_moe", num_layers=48, d_model=2048, num_heads=32, num_kv_heads=4,
+                                        head_dim=128, vocab_size=151936, moe_experts=128, moe_top_k=8,
+                                        moe_ffn_hidden=768, moe_norm_topk=True, tie_embeddings=False),
+                             params=30.5e9, active=3.3e9, world=32),
+       "mixtral_8x7b": dict(shape=dict(family="mixtral", num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8,
+                                       ffn_hidden=14336, vocab_size=32000, moe_experts=8, moe_top_k=2,
+                                       tie_embeddings=False),
+                            params=46.7e9, active=12.9e9, world=64)}
+WORLDS = {**{name: want["world"] for name, want in PUBLISHED.items()}, "qwen3_8b": 8, "qwen3_8b_lora": 8,
+          **{name: want["world"] for name, want in MOE.items()}}
 H100_BYTES = 80e9
 
 
@@ -55,6 +66,16 @@ def test_qwen3_published_shape(name):
     counts = param_counts(m)
     assert abs(counts["total"] - 8.19e9) / 8.19e9 < 0.005
     assert abs(counts["total"] - counts["embedding"] - counts["head"] - 6.95e9) / 6.95e9 < 0.005
+
+
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_moe_published_shape_and_active_parameters(name):
+    m, want = load(name).model, MOE[name]
+    assert {k: getattr(m, k) for k in want["shape"]} == want["shape"]
+    counts = param_counts(m)
+    active = counts["embedding"] + counts["head"] + m.num_layers * counts["block_matmul"]  # norms aside
+    assert abs(counts["total"] - want["params"]) / want["params"] < 0.01
+    assert abs(active - want["active"]) / want["active"] < 0.02
 
 
 @pytest.mark.parametrize("name", sorted(WORLDS))

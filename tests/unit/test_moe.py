@@ -1,0 +1,240 @@
+"""Mixture of experts (raydist.models.moe): the layer against a dense reference written from the formula,
+the sequence-wise balance loss, Qwen3-MoE and Mixtral against `transformers` (logits, export, greedy
+generation), and training under data parallelism and FSDP equal to the single process with the balance
+loss on (losses, gradient norms, gradients, parameters)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+from raydist.config import Config, ConfigError, ModelConfig
+from raydist.inference.generate import generate_ids
+from raydist.models import hf
+from raydist.models.gpt import build_model, flops_per_token, param_counts
+from raydist.models.moe import MoEFeedForward, sequence_balance_loss, take_aux_loss
+from raydist.testing import assert_equivalent, run_layout, save_tiny_hf, tiny_config
+
+MOE = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=320,
+           moe_experts=4, moe_top_k=2, moe_ffn_hidden=48)
+
+
+def dense_reference(layer: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """Every expert on every token, weighted by the renormalised top-k probabilities (zero elsewhere)."""
+    w1, w3, w2 = (layer.experts.get_submodule(n).weight for n in ("w1", "w3", "w2"))
+    probs = torch.softmax(x @ layer.router.weight.T, dim=-1)  # (N, E)
+    top = probs.topk(layer.top_k, dim=-1)
+    weights = top.values / top.values.sum(-1, keepdim=True) if layer.norm_topk else top.values
+    gates = torch.zeros_like(probs).scatter(-1, top.indices, weights)  # (N, E)
+    every = torch.einsum("nd,efd->nef", x, w1)
+    hidden = F.silu(every) * torch.einsum("nd,efd->nef", x, w3)
+    outs = torch.einsum("nef,edf->ned", hidden, w2)  # (N, E, D)
+    out = (outs * gates.unsqueeze(-1)).sum(1)
+    return out + layer.shared(x) if layer.shared is not None else out
+
+
+@pytest.mark.parametrize("norm_topk, shared", [(True, 0), (False, 0), (True, 40)])
+def test_the_layer_equals_a_dense_reference_forward_and_backward(norm_topk, shared):
+    torch.manual_seed(0)
+    cfg = ModelConfig(**{**MOE, "moe_norm_topk": norm_topk, "moe_shared_ffn_hidden": shared})
+    layer = MoEFeedForward(cfg)
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 0.5)
+    x = torch.randn(3, 10, cfg.d_model, requires_grad=True)
+    got = layer(x)
+    x_ref = x.detach().clone().requires_grad_()
+    expected = dense_reference(layer, x_ref.reshape(-1, cfg.d_model)).view_as(got)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(got)
+    params = [p for p in layer.parameters()]
+    mine = torch.autograd.grad(got, [x, *params], grad)
+    theirs = torch.autograd.grad(expected, [x_ref, *params], grad)
+    for name, a, b in zip(["x", *(n for n, _ in layer.named_parameters())], mine, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    load = layer.load
+    assert load.sum() == 3 * 10 * cfg.moe_top_k  # every token's k choices counted
+    assert layer.aux is not None and take_aux_loss(layer) is not None and layer.aux is None  # taken once
+
+
+def test_the_balance_loss_is_per_sequence_and_one_when_balanced():
+    e, k = 4, 2
+    # balanced: uniform probabilities, each expert chosen equally often in every sequence
+    probs = torch.full((2, 4, e), 1 / e)
+    experts = torch.tensor([[0, 1], [2, 3], [0, 1], [2, 3]]).expand(2, 4, k)
+    assert sequence_balance_loss(probs, experts, e).item() == pytest.approx(1.0)
+    # written out: E * sum_e f_e P_e per sequence, then the mean over sequences
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(3, 5, e, generator=gen), -1)
+    experts = probs.topk(k, -1).indices
+    per_sequence = []
+    for b in range(3):
+        f = torch.tensor([(experts[b] == j).sum().item() / (5 * k) for j in range(e)])
+        per_sequence.append(e * (f * probs[b].mean(0)).sum())
+    assert sequence_balance_loss(probs, experts, e).item() == pytest.approx(torch.stack(per_sequence).mean().item())
+    # over the whole batch instead of per sequence is a different number: the definition matters
+    pooled = torch.tensor([(experts == j).sum().item() / (15 * k) for j in range(e)])
+    assert (e * (pooled * probs.mean((0, 1))).sum()).item() != pytest.approx(torch.stack(per_sequence).mean().item())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_checkpoint_loads_exports_and_generates_as_transformers(tmp_path, family):
+    ref = save_tiny_hf(tmp_path / "src", family=family, tied=False, seed=3, vocab_size=96, moe_experts=4,
+                       moe_ffn_hidden=48 if family == "qwen3_moe" else 0)
+    fields = hf.model_config_from_hf(tmp_path / "src")
+    assert (fields["family"], fields["moe_experts"], fields["moe_top_k"]) == (family, 4, 2)
+    model = build_model(ModelConfig(**fields), max_seq_len=64, seed=0)
+    hf.load_hf_into(model, tmp_path / "src")
+    tokens = torch.randint(0, 96, (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = ref(input_ids=tokens, use_cache=False).logits, model.eval()(tokens)
+    assert expected.abs().max() > 1.0
+    assert (got - expected).abs().max().item() < 1e-5
+    # the experts are read expert by expert: swapping two experts' stacked rows changes the logits
+    w1 = model.layers["0"].feed_forward.experts.w1.weight
+    with torch.no_grad():
+        w1[[0, 1]] = w1[[1, 0]]
+        assert (model(tokens) - expected).abs().max() > 1e-3
+        w1[[0, 1]] = w1[[1, 0]]
+    # export: per-expert tensors under the family's names, loaded back by transformers with the same logits
+    hf.save_hf(model.state_dict(), model.cfg, tmp_path / "out", max_position_embeddings=64)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["model_type"] == family and written["num_experts_per_tok"] == 2
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert (again(input_ids=tokens, use_cache=False).logits - got).abs().max().item() < 1e-5
+    prompt = tokens[0, :8].tolist()
+    with torch.no_grad():
+        # (an explicit mask: generate would otherwise mask the prompt's tokens equal to pad_token_id)
+        ids = torch.tensor([prompt])
+        theirs = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+    assert generate_ids(model, prompt, 10) == theirs
+
+
+def test_a_checkpoint_missing_an_expert_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_tiny_hf(tmp_path, family="qwen3_moe", tied=False, seed=1, vocab_size=96, moe_experts=4)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = build_model(ModelConfig(**hf.model_config_from_hf(tmp_path)), max_seq_len=64, seed=0)
+    with pytest.raises(ConfigError, match=r"experts \[0, 1, 2\].*4"):
+        hf.load_hf_into(model, tmp_path)
+
+
+def test_counts_use_active_parameters():
+    dense = ModelConfig(**{**MOE, "moe_experts": 0})
+    moe = ModelConfig(**MOE)
+    d, f = MOE["d_model"], MOE["moe_ffn_hidden"]
+    counts = param_counts(moe)
+    assert counts["per_block"] - param_counts(dense)["per_block"] == 4 * 3 * d * f + d * 4 - 3 * d * 128
+    assert counts["block_matmul"] - param_counts(dense)["block_matmul"] == 2 * 3 * d * f + d * 4 - 3 * d * 128
+    assert flops_per_token(moe, 32) < flops_per_token(ModelConfig(**{**MOE, "moe_top_k": 4}), 32)
+
+
+@pytest.mark.parametrize("model, match", [
+    ({"family": "mixtral"}, "mixture of experts; set model.moe_experts"),
+    ({**MOE, "moe_top_k": 5}, "moe_top_k=5 must be in 1..model.moe_experts=4"),
+    ({**MOE, "moe_aux_coef": -1.0}, "moe_aux_coef=-1.0 must be >= 0"),
+])
+def test_bad_moe_settings_are_refused(model, match):
+    with pytest.raises(ConfigError, match=match):
+        Config.from_dict({"model": model})
+
+
+@pytest.mark.parametrize("degrees", [{"tp": 2}, {"pp": 2}, {"cp": 2}])
+def test_layouts_moe_does_not_have_yet_are_refused_by_name(degrees):
+    from raydist.parallel.layout import Layout, validate
+
+    layout = Layout.of(**degrees, micro_batch=1, num_microbatches=2, stage_layers=(1, 1) if "pp" in degrees else ())
+    [name] = degrees
+    assert any(f"parallel.{name}=2 with model.moe_experts=4" in p for p in validate(layout, ModelConfig(**MOE), 32))
+    assert not any("moe_experts" in p for p in validate(layout, ModelConfig(**{**MOE, "moe_experts": 0}), 32))
+
+
+# ---- training in parallel layouts equals the single process -------------------------------------------
+
+def moe_config(tiny_data, **parallel) -> dict:
+    # a coefficient large enough that a wrong balance loss shows in the gradients
+    return tiny_config(tiny_data, model={**MOE, "moe_aux_coef": 0.1}, parallel={"dp_replicate": 1, **parallel})
+
+
+_REFERENCE: list = []
+
+
+def reference(tiny_data):
+    if not _REFERENCE:
+        _REFERENCE.extend(run_layout(moe_config(tiny_data), 1))
+    return _REFERENCE[0]
+
+
+@pytest.mark.parametrize("parallel, world", [
+    ({"dp_replicate": 2}, 2),
+    ({"dp_shard": 2}, 2),
+    ({"dp_replicate": 2, "dp_shard": 2}, 4),
+], ids=["ddp2", "fsdp2", "hsdp2x2"])
+def test_moe_layout_equals_single_process(tiny_data, parallel, world):
+    ref = reference(tiny_data)
+    router = [n for n in ref.grads if n.endswith("feed_forward.router.weight")]
+    experts = [n for n in ref.grads if ".experts.w" in n]
+    assert len(router) == 2 and len(experts) == 6
+    assert all(ref.grads[n].abs().sum() > 0 for n in router + experts)  # every expert got tokens
+    held = set()
+    for rank in run_layout(moe_config(tiny_data, **parallel), world):
+        assert_equivalent(ref, rank)
+        held |= set(rank.grads)
+    assert held == set(ref.grads)
+
+
+def test_the_balance_loss_reaches_the_router(tiny_data):
+    """With the coefficient at 0 the router's gradient changes (the term is in the loss), and under
+    activation checkpointing (the blocks recomputed in backward) it is the same as without."""
+    ref = reference(tiny_data)
+    [off] = run_layout(tiny_config(tiny_data, model={**MOE, "moe_aux_coef": 0.0}, parallel={"dp_replicate": 1}), 1,
+                       steps=1)
+    name = "layers.0.feed_forward.router.weight"
+    [first] = run_layout(moe_config(tiny_data), 1, steps=1)
+    assert not torch.allclose(off.grads[name], first.grads[name], rtol=1e-3)
+    [recomputed] = run_layout(tiny_config(tiny_data, model={**MOE, "moe_aux_coef": 0.1},
+                                          train={"activation_checkpoint": "full"}, parallel={"dp_replicate": 1}), 1)
+    assert_equivalent(ref, recomputed)
+
+
+def test_more_fsdp_shards_than_experts_split_the_experts_second_dimension(tiny_data):
+    """Two experts over four FSDP shards: each stack is split along dim 1 (raydist.parallel.fsdp.
+    expert_placement), no rank holds an empty shard, and training equals the single process."""
+    raw = tiny_config(tiny_data, model={**MOE, "moe_experts": 2, "moe_top_k": 1, "moe_aux_coef": 0.1},
+                      parallel={"dp_replicate": 1})
+    [ref] = run_layout(raw, 1)
+    held = set()
+    for rank in run_layout({**raw, "parallel": {"dp_replicate": 1, "dp_shard": 4}}, 4):
+        assert_equivalent(ref, rank)
+        held |= set(rank.grads)
+    assert held == set(ref.grads)
+
+
+def test_a_checkpoint_saved_under_fsdp_resumes_in_another_layout(tiny_data, tmp_path):
+    """Saved at FSDP 2 (experts sharded), killed, resumed at DDP 2 and in one process: the next losses are
+    the uninterrupted run's."""
+    import numpy as np
+
+    from raydist.testing import run_fit
+
+    def config(**parallel):
+        return tiny_config(tiny_data, model={**MOE, "moe_aux_coef": 0.1},
+                           train={"steps": 8, "global_batch": 8, "micro_batch": 1},
+                           parallel={"dp_replicate": 1, **parallel},
+                           checkpoint={"every_steps": 4, "keep": 2, "async_save": False})
+
+    [ref, _] = run_fit(config(dp_shard=2), 2, str(tmp_path / "ref"))
+    for name, parallel, world in [("ddp2", {"dp_replicate": 2}, 2), ("single", {}, 1)]:
+        run_dir = str(tmp_path / name)
+        assert run_fit(config(dp_shard=2), 2, run_dir, crash_after_step=6) is None
+        resumed = run_fit(config(**parallel), world, run_dir)
+        got, want = np.array(resumed[0].losses), np.array(ref.losses[4:])
+        assert len(got) == 4 and (np.abs(got - want) / want).max() < 1e-4, (name, got, want)
