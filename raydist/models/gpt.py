@@ -275,6 +275,14 @@ class GPT(nn.Module):
         for layer in self.layers.values():
             layer.attention.attention_fn = fn
 
+    def set_sequence_group(self, group) -> None:
+        """The process group whose ranks hold parts of the same sequences (context parallelism): a mixture
+        of experts' blocks sum their sequence statistics over it (raydist.models.moe)."""
+        from raydist.models.moe import moe_blocks
+
+        for block in moe_blocks(self):
+            block.sequence_group = group
+
     def tensor_parallel_roles(self) -> tuple[dict[str, str], dict[str, str]]:
         """How tensor parallelism splits each module, by role: ({module in a block: role} (`block_roles`),
         {module of the root this model or pipeline stage holds: role}). raydist.parallel.tensor gives each

@@ -22,10 +22,11 @@ The load-balancing loss (Switch Transformer's f . P, Fedus et al. 2021), per seq
 sequence-wise balance loss (DeepSeek-AI 2024): for a sequence of T tokens, f_e is the share of its T k
 assignments that went to expert e and P_e its tokens' mean router probability for e;
 aux(sequence) = E * sum_e f_e P_e (1 when balanced). A block's aux is the mean over the micro-batch's
-sequences and the model's the mean over its MoE blocks. Because it is a mean over whole sequences, a
-data-parallel rank's or a micro-batch's mean, averaged as the language-model loss is, is the single
-process's mean over the step's sequences: every layout computes the same value. `ParallelModel.loss`
-adds `model.moe_aux_coef` times it to the training loss (not to evaluation).
+sequences and the model's the mean over its MoE blocks and the step's micro-batches. Because it is a mean
+over whole sequences, a data-parallel rank's or a micro-batch's mean, averaged as the language-model loss
+is, is the single process's mean over the step's sequences: every layout computes the same value. Training
+differentiates `model.moe_aux_coef` times it along with the language-model loss (`_BalanceGradient`); the
+logged loss is the language model's, the balance loss is logged apart (`moe_aux`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -119,21 +121,56 @@ class GroupedExperts(nn.Module):
         return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
 
-def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
+                          group: "dist.ProcessGroup | None" = None) -> torch.Tensor:
     """probs (B, T, E) router probabilities (fp32), experts (B, T, k) chosen ids -> the mean over the B
-    sequences of E * sum_e f_e P_e (f_e: share of the sequence's T k assignments to e, P_e: mean probability)."""
+    sequences of E * sum_e f_e P_e (f_e: share of the sequence's T k assignments to e, P_e: mean probability).
+
+    group: ranks holding other tokens of the same sequences (context parallelism). The counts and the
+    probability sums are summed over it (the sums with autograd: each rank's probabilities get the gradient
+    of the whole sequence's loss), so every rank computes the whole sequences' value."""
     b, t, k = experts.shape
     counts = torch.zeros(b, num_experts, device=probs.device, dtype=probs.dtype)
     counts.scatter_add_(1, experts.reshape(b, t * k), torch.ones(b, t * k, device=probs.device, dtype=probs.dtype))
+    sums = probs.sum(1)  # (B, E)
+    if group is not None and dist.get_world_size(group) > 1:
+        from torch.distributed.nn.functional import all_reduce
+
+        dist.all_reduce(counts, group=group)
+        sums = all_reduce(sums, group=group)
+        t *= dist.get_world_size(group)
     share = counts / (t * k)  # (B, E), no gradient (a count)
-    return num_experts * (share * probs.mean(1)).sum(-1).mean()
+    return num_experts * (share * sums / t).sum(-1).mean()
+
+
+class _BalanceGradient(torch.autograd.Function):
+    """The identity on a block's output whose backward gives the block's balance loss the gradient
+    `block.aux_weight`: weight x aux joins what backward differentiates without being added to any loss
+    value, so a block contributes it wherever it runs, a pipeline stage that computes no loss included
+    (Megatron-LM's MoEAuxLossAutoScaler does the same). The backward also hands the block its aux and load
+    for the metrics: it runs once per training micro-batch, also when activation checkpointing recomputes
+    the forward (the recomputation only refills saved tensors)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, block, load):
+        ctx.block, ctx.load = block, load
+        ctx.save_for_backward(aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux,) = ctx.saved_tensors
+        ctx.block.record(aux.detach(), ctx.load)
+        return grad, torch.full_like(aux, ctx.block.aux_weight), None, None
 
 
 class MoEFeedForward(nn.Module):
     """The router (`router`, nn.Linear D -> E without bias), the routed experts (`experts`) and an optional
-    shared expert (`shared`, a dense SwiGLU). After a forward with gradients enabled, `aux` holds the block's
-    load-balancing loss for `ParallelModel.loss`; `load` accumulates the tokens each expert received (E,),
-    read and reset by the metrics."""
+    shared expert (`shared`, a dense SwiGLU). In training (gradients enabled) the block's load-balancing loss
+    enters backward with the weight `aux_weight` (`_BalanceGradient`): model.moe_aux_coef / (MoE blocks x
+    micro-batches of the step), set by `set_balance_weight`, so that the step's gradient is that of the
+    coefficient times the mean over blocks and micro-batches. `aux_values` and `load` (the tokens each expert
+    received, (E,)) collect what each training micro-batch's backward saw, for the metrics (`take_stats`)."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -143,7 +180,9 @@ class MoEFeedForward(nn.Module):
         self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)
         self.experts = GroupedExperts(cfg.moe_experts, cfg.d_model, cfg.expert_hidden)
         self.shared = FeedForward(cfg, hidden=cfg.moe_shared_ffn_hidden) if cfg.moe_shared_ffn_hidden else None
-        self.aux: torch.Tensor | None = None
+        self.aux_weight = cfg.moe_aux_coef / cfg.num_layers  # one micro-batch per step until told otherwise
+        self.sequence_group: dist.ProcessGroup | None = None  # context parallelism's (GPT.set_sequence_group)
+        self.aux_values: list[torch.Tensor] = []
         self.load: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -161,36 +200,40 @@ class MoEFeedForward(nn.Module):
         out = self.experts(flat, experts, weights)
         if self.shared is not None:
             out = out + self.shared(flat)
-        if torch.is_grad_enabled():
-            self.aux = sequence_balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.num_experts)
-        with torch.no_grad():
-            load = torch.bincount(experts.reshape(-1), minlength=self.num_experts).float()
-            self.load = load if self.load is None else self.load + load
+        if torch.is_grad_enabled():  # training: evaluation neither differentiates the loss nor counts the load
+            aux = sequence_balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.num_experts,
+                                        self.sequence_group)
+            load = torch.bincount(experts.detach().reshape(-1), minlength=self.num_experts).float()
+            out = _BalanceGradient.apply(out, aux, self, load)
         return out.view(b, t, d)
+
+    @torch.no_grad()
+    def record(self, aux: torch.Tensor, load: torch.Tensor) -> None:
+        self.aux_values.append(aux)
+        self.load = load if self.load is None else self.load + load
 
 
 def moe_blocks(module: nn.Module) -> list[MoEFeedForward]:
     return [m for m in module.modules() if isinstance(m, MoEFeedForward)]
 
 
-def take_aux_loss(module: nn.Module) -> torch.Tensor | None:
-    """The mean over `module`'s MoE blocks of the load-balancing loss of their last forward (None without
-    any); each block's is cleared, so a loss is counted once."""
-    losses = []
+def set_balance_weight(module: nn.Module, coef: float, blocks: int, micro_batches: int) -> None:
+    """Each MoE block of `module` weighs its balance loss coef / (blocks x micro_batches): `blocks` the
+    model's MoE blocks (a pipeline stage holds some of them), `micro_batches` the step's on this rank."""
     for block in moe_blocks(module):
-        if block.aux is not None:
-            losses.append(block.aux)
-            block.aux = None
-    return torch.stack(losses).mean() if losses else None
+        block.aux_weight = coef / (blocks * micro_batches)
 
 
 @torch.no_grad()
-def take_load(module: nn.Module) -> torch.Tensor | None:
-    """Tokens routed to each expert since the last call, (MoE blocks, E), summed over this rank's forwards
-    (None without MoE blocks or forwards); the counts restart."""
-    loads = []
+def take_stats(module: nn.Module) -> tuple[float, int, torch.Tensor | None]:
+    """(sum of the balance losses, how many, tokens per expert summed over blocks (E,)) that `module`'s MoE
+    blocks recorded since the last call; the records restart."""
+    total, count, load = 0.0, 0, None
     for block in moe_blocks(module):
+        if block.aux_values:
+            total += float(torch.stack(block.aux_values).sum())
+            count += len(block.aux_values)
         if block.load is not None:
-            loads.append(block.load)
-            block.load = None
-    return torch.stack(loads) if loads else None
+            load = block.load if load is None else load + block.load
+        block.aux_values, block.load = [], None
+    return total, count, load

@@ -107,6 +107,7 @@ def apply_context_parallel(model, mesh: Mesh, impl: str) -> None:
         raise ValueError(f"parallel.cp_impl={impl!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     cp_mesh = mesh["cp"]
     group = cp_mesh.get_group()
+    model.set_sequence_group(group)  # per-sequence statistics (a mixture of experts' balance loss) span cp
     for block in model.layers.values():
         inner = block.attention.attention_fn
         backend = ring_backend_for(inner, mesh.device_type, block.attention.head_dim)

@@ -272,14 +272,13 @@ def mesh_problems(layout: Layout, model: "ModelConfig", seq_len: int) -> list[st
 
 
 def _mixture_of_experts(lay: Layout, m: "ModelConfig") -> list[str]:
-    """A mixture of experts trains under data parallelism and FSDP (the experts' stacked weights sharded
-    along the expert dimension); tensor, context and pipeline parallelism and expert parallelism are not
-    built for it yet (their equivalence with the single process is unproven)."""
-    used = [f"{name}={value}" for name, value in (("tp", lay.tp), ("cp", lay.cp), ("pp", lay.pp)) if value > 1]
-    if not m.moe_experts or not used:
+    """A mixture of experts trains under data parallelism, FSDP (the experts' stacked weights sharded),
+    pipeline and context parallelism; tensor parallelism and expert parallelism are not built for it yet
+    (the experts have no tensor-parallel plan)."""
+    if not m.moe_experts or lay.tp == 1:
         return []
-    return [f"parallel.{', '.join(used)} with model.moe_experts={m.moe_experts}: a mixture-of-experts model trains "
-            "under dp_replicate and dp_shard only for now; set parallel.tp, cp and pp to 1"]
+    return [f"parallel.tp={lay.tp} with model.moe_experts={m.moe_experts}: a mixture-of-experts model has no "
+            "tensor-parallel plan yet; set parallel.tp = 1 (dp_shard, pp and cp compose with it)"]
 
 
 def _fsdp(lay: Layout, m: "ModelConfig") -> list[str]:

@@ -53,30 +53,29 @@ class ParallelModel:
     # The head computes the loss with its matmul, chunk by chunk of tokens (`loss`; vocabulary-parallel
     # under TP), where kernels.loss allows it and the head can (models.loss.linear_cross_entropy)
     fused_loss: bool = False
-    # the load-balancing losses of the micro-batches since the metrics last read them (raydist.models.moe)
-    moe_aux: list[torch.Tensor] = field(default_factory=list)
 
     def loss(self, inputs: torch.Tensor, positions: torch.Tensor | None, targets: torch.Tensor,
-             module: nn.Module | None = None) -> torch.Tensor:
+             module: nn.Module | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
         """The mean loss over this rank's tokens of one micro-batch (`loss_fn`'s value) through `module`
         (default `self.module`; under a pipeline the chunk holding the last stage): without the logits
-        where `fused_loss`, else `loss_fn` of the logits. With gradients enabled (training, not evaluation),
-        plus model.moe_aux_coef times the MoE blocks' load-balancing loss (raydist.models.moe)."""
+        where `fused_loss`, else `loss_fn` of the logits; times `scale` where given (masked data's
+        raydist.training.runners.MaskScale). (A mixture of experts' balance loss enters backward inside its
+        blocks: raydist.models.moe.)"""
         module = self.module if module is None else module
         if self.fused_loss:
             loss = module(inputs, positions, targets=targets)
         else:
             loss = self.loss_fn(module(inputs, positions), targets)
-        cfg = getattr(self.model, "cfg", None)
-        if torch.is_grad_enabled() and getattr(cfg, "moe_experts", 0):
-            from raydist.models.moe import take_aux_loss
+        return loss * scale if scale is not None else loss
 
-            aux = take_aux_loss(module)
-            if aux is not None:
-                self.moe_aux.append(aux.detach())
-                if cfg.moe_aux_coef:
-                    loss = loss + cfg.moe_aux_coef * aux.to(loss.dtype)
-        return loss
+    def set_micro_batches(self, micro_batches: int) -> None:
+        """The step runs `micro_batches` micro-batches on this rank: a mixture of experts' blocks weigh their
+        balance loss accordingly (raydist.models.moe.set_balance_weight)."""
+        cfg = getattr(self.model, "cfg", None)
+        if getattr(cfg, "moe_experts", 0):
+            from raydist.models.moe import set_balance_weight
+
+            set_balance_weight(self.model, cfg.moe_aux_coef, cfg.num_layers, micro_batches)
 
     @property
     def module(self) -> nn.Module:

@@ -123,8 +123,8 @@ class AccumulationRunner:
         change how logits become a loss: `pm.loss`, the head's fused loss or `pm.loss_fn` of the logits, e.g.
         a vocabulary-parallel cross-entropy)."""
         with self.autocast():
-            loss = self.pm.loss(micro.inputs, micro.positions, micro.targets)
-            return loss * self.mask_scale.value if self.masked else loss
+            return self.pm.loss(micro.inputs, micro.positions, micro.targets,
+                                scale=self.mask_scale.value if self.masked else None)
 
     def step(self, tokens: torch.Tensor | LocalBatch, record_timeline: bool = False,
              micro_batch: int | None = None) -> StepOutput:
@@ -132,6 +132,7 @@ class AccumulationRunner:
         batch changes with the number of live replicas)."""
         batch = _local(tokens, self.needs)
         micro = self.micro_batches(batch, micro_batch)
+        self.pm.set_micro_batches(len(micro))
         self.mask_scale.update(batch)
         total = torch.zeros((), device=self.device)
         # The forwards' durations: with DDP the forward runs no collective, so this is the rank's own compute
@@ -212,8 +213,7 @@ class PipelineRunner:
                     targets: torch.Tensor) -> torch.Tensor:
         """The last stage's loss of one micro-batch (the executor divides it by M): `pm.loss` through the
         chunk, the head's fused loss or `pm.loss_fn` of its logits, rescaled for masked data."""
-        loss = self.pm.loss(x, positions, targets, module=chunk)
-        return loss * self.mask_scale.value if self.masked else loss
+        return self.pm.loss(x, positions, targets, module=chunk, scale=self.mask_scale.value if self.masked else None)
 
     def _split(self, tokens: torch.Tensor | LocalBatch, micro_batch: int | None = None
                ) -> tuple["PipelineExecutor", list[torch.Tensor] | None, list[torch.Tensor] | None, torch.Tensor | None]:
@@ -224,6 +224,7 @@ class PipelineRunner:
         batch = _local(tokens, self.needs)
         micro = micro_batch or self.layout.micro_batch
         executor = self._executor(micro, microbatch_count(batch.count, micro))
+        self.pm.set_micro_batches(microbatch_count(batch.count, micro))
         if self.needs.targets:
             self.mask_scale.update(batch)
         parts = batch.split(micro)

@@ -274,25 +274,27 @@ class Trainer:
         return value
 
     def moe_metrics(self) -> dict:
-        """MoE runs: the mean load-balancing loss of the training micro-batches since the last call
-        (`moe_aux`, over dp x cp), the tokens each expert received summed over blocks and data ranks
-        (`moe_tokens_per_expert`) and the busiest expert's load over the mean, worst block
-        (`moe_load_max`, 1.0 balanced). A collective over dp x cp; {} for a dense model."""
+        """MoE runs: the mean load-balancing loss of the training micro-batches' blocks since the last call
+        (`moe_aux`), the tokens each expert received summed over blocks and data ranks
+        (`moe_tokens_per_expert`) and the busiest expert's share over the mean (`moe_load_max`, 1.0
+        balanced). A collective over every rank (pipeline stages hold different blocks); {} for a dense model."""
         if not self.cfg.model.moe_experts:
             return {}
-        from raydist.models.moe import take_load
+        from raydist.models.moe import take_stats
 
-        aux, self.pm.moe_aux = self.pm.moe_aux, []
-        local = torch.stack(aux).float().mean() if aux else torch.zeros((), device=self.device)
-        load = take_load(self.pm.model)
-        if load is None:
-            load = torch.zeros(1, self.cfg.model.moe_experts, device=self.device)
-        if self.layout.dp * self.layout.cp > 1:
-            dist.all_reduce(load, group=self.mesh.dp_cp.get_group())
-        mean_aux = float(self._data_mean(local.reshape(1))[0])
-        ratio = (load.max(-1).values / load.mean(-1).clamp_min(1e-9)).max()
-        return {"moe_aux": round(mean_aux, 6), "moe_load_max": round(float(ratio), 4),
-                "moe_tokens_per_expert": [int(v) for v in load.sum(0).tolist()]}
+        total, count, load = take_stats(self.pm.model)
+        experts = self.cfg.model.moe_experts
+        figures = torch.zeros(2 + experts, dtype=torch.float64)  # on the host: self.group is a host group
+        figures[0], figures[1] = total, count
+        if load is not None:
+            figures[2:] = load.cpu()
+        if self.world_size > 1:
+            dist.all_reduce(figures, group=self.group)
+        total, count, load = float(figures[0]), float(figures[1]), figures[2:]
+        load = load / max(1, self.layout.tp)  # tensor-parallel ranks route the same tokens
+        return {"moe_aux": round(total / max(count, 1), 6),
+                "moe_load_max": round(float(load.max() / load.mean().clamp_min(1e-9)), 4),
+                "moe_tokens_per_expert": [int(round(v)) for v in load.tolist()]}
 
     def settle(self) -> None:
         """Reads every step not yet read (see `StepStats`): their losses (reduced over dp x cp) and gradient
