@@ -289,3 +289,15 @@ def test_the_metrics_log_the_balance_loss_and_every_routed_token(tiny_data, tmp_
     for r in logged:
         assert sum(r["moe_tokens_per_expert"]) == 2 * per_step and len(r["moe_tokens_per_expert"]) == 4
         assert 1.0 <= r["moe_aux"] < 2.0 and r["moe_load_max"] >= 1.0
+
+
+def test_qwen3_moe_from_hf_trains_alike_with_each_rank_reading_its_expert_slices(tiny_data, tmp_path):
+    """`init_from = "hf:DIR"` of a Qwen3-MoE with 2 experts under FSDP 4: each rank reads only its slice of each
+    expert (dim 1: more shards than experts) from the per-expert tensors; training equals the single process."""
+    save_tiny_hf(tmp_path, family="qwen3_moe", tied=False, seed=6, moe_experts=2, moe_ffn_hidden=64)
+    raw = tiny_config(tiny_data, model={"init_from": f"hf:{tmp_path}"}, train={"lr": 1e-3},
+                      parallel={"dp_replicate": 1})
+    [ref] = run_layout(raw, 1)
+    assert any(".experts.w2." in n for n in ref.grads)
+    for rank in run_layout({**raw, "parallel": {"dp_replicate": 1, "dp_shard": 4}}, 4):
+        assert_equivalent(ref, rank)
