@@ -40,7 +40,7 @@ def test_spares_are_this_jobs_marked_processes_that_host_nothing_yet(tmp_path):
     assert warm.spare_pids("01000000", "7", proc=str(tmp_path / "none")) == []
 
 
-def test_a_spare_has_settled_when_its_main_thread_used_no_cpu(tmp_path):
+def test_a_spare_has_settled_when_its_main_thread_used_no_cpu(tmp_path, monkeypatch):
     """warm.settled reads the main thread's utime + stime (fields 14 and 15 of /proc/PID/task/PID/stat, the
     command name may hold spaces and parentheses); the core worker's other threads do not count."""
     def stat(pid, tid, utime, stime):
@@ -55,13 +55,13 @@ def test_a_spare_has_settled_when_its_main_thread_used_no_cpu(tmp_path):
     assert warm.settled([5, 9], quiet_s=0.01, proc=proc)
     assert not warm.settled([5, 10], quiet_s=0.01, proc=proc)  # one is gone
 
-    import threading  # the main thread still preloading: its ticks move during the wait; another thread's do not
+    # The main thread still preloading: its ticks move during the wait; another thread's do not. The ticks
+    # move inside the wait itself (`time.sleep` replaced): a timer thread racing the reader on a loaded machine
+    # once rewrote the file while it was read (a clean-clone CI run read it empty).
     for tid, want in ((5, False), (6, True)):
         stat(5, tid, 0, 0)
-        timer = threading.Timer(0.05, stat, (5, tid, 1, 0))
-        timer.start()
+        monkeypatch.setattr(warm.time, "sleep", lambda seconds, tid=tid: stat(5, tid, 1, 0))
         assert warm.settled([5], quiet_s=0.3, proc=proc) is want, tid
-        timer.join()
 
 
 def test_the_controllers_runtime_env_is_a_workers_without_the_marker():
