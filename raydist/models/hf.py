@@ -29,6 +29,7 @@ Only safetensors and JSON are read (nothing is unpickled); `safetensors` is impo
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -94,11 +95,14 @@ def _compile(pairs: list[tuple[str, str]]) -> list[tuple[re.Pattern, str]]:
                         + "$"), b) for a, b in pairs]
 
 
-def _tables(family=None) -> tuple[list[tuple[re.Pattern, str]], list[tuple[re.Pattern, str]]]:
-    """(Hugging Face -> raydist, raydist -> Hugging Face) patterns: the shared table, plus the family's
-    mixture-of-experts names (every MoE family's when reading, whose names do not collide)."""
+@functools.lru_cache(maxsize=None)
+def _tables(family_name: str | None = None) -> tuple[list[tuple[re.Pattern, str]], list[tuple[re.Pattern, str]]]:
+    """(Hugging Face -> raydist, raydist -> Hugging Face) patterns, compiled once per family: the shared
+    table, plus the family's mixture-of-experts names (every MoE family's when reading, whose names do not
+    collide)."""
     from raydist.families.registry import FAMILIES
 
+    family = None if family_name is None else FAMILIES[family_name]
     readers = [f for f in FAMILIES.values() if f.moe] if family is None else [family]
     to_raydist = _compile([(hf, ours) for ours, hf in _NAME_TABLE + [p for f in readers for p in _moe_table(f)]])
     return to_raydist, _compile(_NAME_TABLE + _moe_table(family))
@@ -132,7 +136,7 @@ def hf_to_raydist(name: str) -> tuple[str, int | None]:
 def raydist_to_hf_name(name: str, family=None, expert: int | None = None) -> str:
     """'layers.3.attention.wq.weight' -> 'model.layers.3.self_attn.q_proj.weight'; a stacked expert weight
     needs its family (raydist.families.registry) and the expert's index."""
-    return _translate(name, _tables(family)[1], "raydist", expert)[0]
+    return _translate(name, _tables(family and family.name)[1], "raydist", expert)[0]
 
 
 def is_expert_stack(name: str) -> bool:
@@ -254,7 +258,7 @@ def read_parts(open_file, name: str, parts: Parts, cfg: ModelConfig, index: tupl
 
 
 class _Files:
-    """safetensors handles opened once each, closed by `close` (or the with-block)."""
+    """safetensors handles opened once each (`files(path)`), all closed when the with-block ends."""
 
     def __init__(self):
         import contextlib

@@ -109,13 +109,13 @@ class GroupedExperts(nn.Module):
         self.w3 = ExpertWeights(experts, hidden, d_model)
         self.w2 = ExpertWeights(experts, d_model, hidden)
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x (N, D), experts (N, k) chosen expert ids, weights (N, k) -> (N, D): sum_j weights[:, j] *
-        expert_{experts[:, j]}(x)."""
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        """x (N, D), experts (N, k) chosen expert ids, weights (N, k), counts (E,) pairs per expert (the
+        bincount of `experts`) -> (N, D): sum_j weights[:, j] * expert_{experts[:, j]}(x)."""
         n, k = experts.shape
         flat = experts.reshape(-1)  # (N k,): pair p is token p // k's j = p % k-th choice
         order = flat.argsort(stable=True)  # pairs grouped by expert, token order within an expert
-        counts = torch.bincount(flat, minlength=self.num_experts)
         ys = expert_swiglu(x[order // k], counts, self.w1.weight, self.w3.weight, self.w2.weight, self.kernel)
         y = ys[order.argsort()].view(n, k, -1)  # back in pair order
         return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
@@ -197,14 +197,14 @@ class MoEFeedForward(nn.Module):
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         probs, weights, experts = self.route(flat)
-        out = self.experts(flat, experts, weights)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)  # the experts' rows; the load
+        out = self.experts(flat, experts, weights, counts)
         if self.shared is not None:
             out = out + self.shared(flat)
         if torch.is_grad_enabled():  # training: evaluation neither differentiates the loss nor counts the load
             aux = sequence_balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.num_experts,
                                         self.sequence_group)
-            load = torch.bincount(experts.detach().reshape(-1), minlength=self.num_experts).float()
-            out = _BalanceGradient.apply(out, aux, self, load)
+            out = _BalanceGradient.apply(out, aux, self, counts.float())
         return out.view(b, t, d)
 
     @torch.no_grad()
@@ -225,15 +225,13 @@ def set_balance_weight(module: nn.Module, coef: float, blocks: int, micro_batche
 
 
 @torch.no_grad()
-def take_stats(module: nn.Module) -> tuple[float, int, torch.Tensor | None]:
-    """(sum of the balance losses, how many, tokens per expert summed over blocks (E,)) that `module`'s MoE
-    blocks recorded since the last call; the records restart."""
-    total, count, load = 0.0, 0, None
+def take_stats(module: nn.Module) -> tuple[torch.Tensor | None, int, torch.Tensor | None]:
+    """(sum of the balance losses (0-d, on the device), how many, tokens per expert summed over blocks (E,))
+    that `module`'s MoE blocks recorded since the last call (None, 0, None without any); the records restart."""
+    values, load = [], None
     for block in moe_blocks(module):
-        if block.aux_values:
-            total += float(torch.stack(block.aux_values).sum())
-            count += len(block.aux_values)
+        values += block.aux_values
         if block.load is not None:
             load = block.load if load is None else load + block.load
         block.aux_values, block.load = [], None
-    return total, count, load
+    return (torch.stack(values).sum() if values else None), len(values), load

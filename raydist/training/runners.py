@@ -223,8 +223,9 @@ class PipelineRunner:
         same for every micro-batch and every stage)."""
         batch = _local(tokens, self.needs)
         micro = micro_batch or self.layout.micro_batch
-        executor = self._executor(micro, microbatch_count(batch.count, micro))
-        self.pm.set_micro_batches(microbatch_count(batch.count, micro))
+        count = microbatch_count(batch.count, micro)
+        executor = self._executor(micro, count)
+        self.pm.set_micro_batches(count)
         if self.needs.targets:
             self.mask_scale.update(batch)
         parts = batch.split(micro)

@@ -285,13 +285,14 @@ class Trainer:
         total, count, load = take_stats(self.pm.model)
         experts = self.cfg.model.moe_experts
         figures = torch.zeros(2 + experts, dtype=torch.float64)  # on the host: self.group is a host group
-        figures[0], figures[1] = total, count
+        figures[1] = count
+        if total is not None:
+            figures[0] = total.cpu()
         if load is not None:
             figures[2:] = load.cpu()
         if self.world_size > 1:
             dist.all_reduce(figures, group=self.group)
         total, count, load = float(figures[0]), float(figures[1]), figures[2:]
-        load = load / max(1, self.layout.tp)  # tensor-parallel ranks route the same tokens
         return {"moe_aux": round(total / max(count, 1), 6),
                 "moe_load_max": round(float(load.max() / load.mean().clamp_min(1e-9)), 4),
                 "moe_tokens_per_expert": [int(round(v)) for v in load.tolist()]}
