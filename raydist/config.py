@@ -96,6 +96,14 @@ class Config:
         if m.moe_experts and self.peft.method == "lora" and self.peft.lora_targets != "attention":
             raise ConfigError(f"peft.lora_targets={self.peft.lora_targets!r} with model.moe_experts={m.moe_experts}: "
                               "LoRA on experts is not built yet; set peft.lora_targets = \"attention\"")
+        p = self.parallel
+        if p.ep < 1:
+            raise ConfigError(f"parallel.ep={p.ep} must be a positive degree (1: no expert parallelism)")
+        if p.ep > 1 and not m.moe_experts:
+            raise ConfigError(f"parallel.ep={p.ep} needs a mixture of experts (model.moe_experts); set parallel.ep = 1")
+        if p.ep > 1 and m.moe_experts % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} does not divide model.moe_experts={m.moe_experts}; pick ep from "
+                              f"{divisors(m.moe_experts)}")
         if m.moe_experts and not family_of(m).moe and m.family not in ("llama",):
             raise ConfigError(f"model.moe_experts={m.moe_experts} with model.family={m.family!r}: a dense family; "
                               "use family 'mixtral' or 'qwen3_moe' (or 'llama' for raydist's own MoE)")

@@ -129,6 +129,10 @@ class ParallelConfig:
     """Pipeline-parallel stages (outermost mesh axis)."""
     cp: int = 1
     """Context-parallel degree: the sequence is split across this many ranks."""
+    ep: int = 1
+    """Expert-parallel degree (a mixture of experts): each expert lives on one of ep ranks, which receive the
+    tokens routed to it by all-to-all. The ep ranks are data-parallel ranks: ep divides dp_shard (after -1 is
+    filled) and model.moe_experts; FSDP shards each expert over the remaining dp_shard / ep x cp ranks."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism for norms and the residual stream (needs tp > 1)."""
     cp_impl: str = "ring"

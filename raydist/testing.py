@@ -92,9 +92,14 @@ DEFAULT_STEPS = 6
 
 
 def run_layout(raw: dict, world_size: int, steps: int = DEFAULT_STEPS, *, record_samples: bool = False,
-               capture_grads: bool = True) -> list[LayoutResult]:
-    """Train `steps` steps of config `raw` on `world_size` processes; one LayoutResult per rank."""
-    return spawn(_run, world_size, raw, steps, record_samples, capture_grads, device=harness_device(world_size))
+               capture_grads: bool = True, imports: tuple[str, ...] = ()) -> list[LayoutResult]:
+    """Train `steps` steps of config `raw` on `world_size` processes; one LayoutResult per rank. `imports`:
+    modules each process imports first (a test's planted bug)."""
+    device = harness_device(world_size)
+    if imports:
+        return spawn(_after_imports, world_size, tuple(imports), _run, raw, steps, record_samples, capture_grads,
+                     device=device)
+    return spawn(_run, world_size, raw, steps, record_samples, capture_grads, device=device)
 
 
 def assert_same_steps(reference: LayoutResult, candidate: LayoutResult, rtol: float = 1e-4,
@@ -195,12 +200,12 @@ def _fit(raw: dict, run_dir: str, crash_after_step: int | None, before_commit_ex
     return FitResult(summary, trainer.sample_log, losses)
 
 
-def _fit_after_imports(imports: tuple[str, ...], *args) -> FitResult:
+def _after_imports(imports: tuple[str, ...], fn, *args):
     import importlib
 
     for module in imports:
         importlib.import_module(module)
-    return _fit(*args)
+    return fn(*args)
 
 
 def run_fit(raw: dict, world_size: int, run_dir: str, *, crash_after_step: int | None = None,
@@ -212,7 +217,7 @@ def run_fit(raw: dict, world_size: int, run_dir: str, *, crash_after_step: int |
     try:
         device = harness_device(world_size)
         if imports:
-            return spawn(_fit_after_imports, world_size, tuple(imports), raw, run_dir, crash_after_step,
+            return spawn(_after_imports, world_size, tuple(imports), _fit, raw, run_dir, crash_after_step,
                          crash_before_commit_of, device=device)
         return spawn(_fit, world_size, raw, run_dir, crash_after_step, crash_before_commit_of, device=device)
     except RuntimeError as exc:

@@ -31,6 +31,8 @@ logged loss is the language model's, the balance loss is logged apart (`moe_aux`
 
 from __future__ import annotations
 
+import contextlib
+import time
 from typing import Callable
 
 import torch
@@ -98,16 +100,85 @@ def expert_swiglu(xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: 
     return torch.cat(outs)
 
 
+class CommClock:
+    """Seconds a module spent in its collectives since the last `take`: CUDA events around each one on a GPU
+    (NCCL returns before the transfer ends; the events are read, with one wait, only when the metrics ask),
+    the host clock elsewhere (gloo's blocking collectives return when done)."""
+
+    def __init__(self):
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.host_s = 0.0
+
+    @contextlib.contextmanager
+    def timing(self, device: torch.device):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.events.append((start, end))
+        else:
+            begin = time.perf_counter()
+            yield
+            self.host_s += time.perf_counter() - begin
+
+    def take(self) -> float:
+        if self.events:
+            self.events[-1][1].synchronize()
+        seconds = self.host_s + sum(start.elapsed_time(end) for start, end in self.events) / 1e3
+        self.events, self.host_s = [], 0.0
+        return seconds
+
+
+def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group, clock: CommClock) -> torch.Tensor:
+    out = x.new_empty(sum(out_splits), *x.shape[1:])
+    with clock.timing(x.device):
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with variable splits that differentiates (the backward is the exchange with the
+    splits swapped) and times both directions into a CommClock (the `moe_all_to_all_s` metric)."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, clock):
+        ctx.splits, ctx.group, ctx.clock = (out_splits, in_splits), group, clock
+        return _exchange(x, out_splits, in_splits, group, clock)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _exchange(grad, in_splits, out_splits, ctx.group, ctx.clock), None, None, None, None
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """An expert stack's rows on this rank: the local experts of an expert-parallel DTensor (Shard(0) over
+    ep; FSDP has gathered the rest of its dims), the tensor itself otherwise."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts, their weights stacked (w1 gate, w3 up: (E, F, D); w2 down: (E, D, F))."""
+    """E SwiGLU experts, their weights stacked (w1 gate, w3 up: (E, F, D); w2 down: (E, D, F)).
+
+    Expert parallelism (`ep_group` set, raydist.parallel.fsdp.shard_experts): the stacks are DTensors split
+    along the expert dim over the group's R ranks, R consecutive slices of E / R experts; rank r holds
+    experts r E/R .. (r+1) E/R - 1. The group's ranks see different tokens (they are data-parallel ranks): each
+    sends every token-expert pair to the rank holding its expert and gets the outputs back (`_dispatch`)."""
 
     def __init__(self, experts: int, d_model: int, hidden: int):
         super().__init__()
         self.num_experts = experts
         self.kernel: str | GroupedMM = "auto"  # expert_swiglu's (kernels.select installs the Triton one)
+        self.ep_group: dist.ProcessGroup | None = None
+        self.clock = CommClock()  # its all-to-alls (expert parallelism)
         self.w1 = ExpertWeights(experts, hidden, d_model)
         self.w3 = ExpertWeights(experts, hidden, d_model)
         self.w2 = ExpertWeights(experts, d_model, hidden)
+
+    def stacks(self) -> tuple[ExpertWeights, ...]:
+        """The modules holding the stacked weights (what expert parallelism splits)."""
+        return self.w1, self.w3, self.w2
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:
@@ -116,9 +187,49 @@ class GroupedExperts(nn.Module):
         n, k = experts.shape
         flat = experts.reshape(-1)  # (N k,): pair p is token p // k's j = p % k-th choice
         order = flat.argsort(stable=True)  # pairs grouped by expert, token order within an expert
-        ys = expert_swiglu(x[order // k], counts, self.w1.weight, self.w3.weight, self.w2.weight, self.kernel)
+        w1, w3, w2 = (_local(w.weight) for w in self.stacks())
+        if self.ep_group is None:
+            ys = expert_swiglu(x[order // k], counts, w1, w3, w2, self.kernel)
+        else:
+            ys = self._dispatch(x[order // k], counts, w1, w3, w2)
         y = ys[order.argsort()].view(n, k, -1)  # back in pair order
         return (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+    def _dispatch(self, xs: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                  w2: torch.Tensor) -> torch.Tensor:
+        """Rows xs (M, D) sorted by global expert, counts (E,) -> the experts' outputs in the same order,
+        computed where the experts live (GShard's dispatch and combine, Lepikhin et al. 2020, dropless):
+
+        1. the counts go to every rank (an all-to-all of R x E/R integers): rank r learns how many rows each
+           peer sends each of its experts; one host sync reads them, for the splits;
+        2. the rows go out (all-to-all, variable splits): rank s's rows for rank r's experts are contiguous
+           (sorted by expert), and arrive grouped by source rank, then expert;
+        3. they are regrouped by expert (source rank order within one), computed by the local experts, put
+           back in arrival order and returned (the all-to-all with the splits swapped).
+
+        Both all-to-alls differentiate (their backward is the reverse all-to-all), so each expert's weight
+        gradient sums every rank's tokens; FSDP's reduction divides it by the data-parallel width
+        (raydist.parallel.fsdp), as it does a dense weight's average."""
+        group, ranks = self.ep_group, dist.get_world_size(self.ep_group)
+        local = self.num_experts // ranks
+        sent = counts.view(ranks, local)  # rows this rank sends each rank's experts
+        got = torch.empty_like(sent)
+        with self.clock.timing(xs.device):  # got[s, j]: rows rank s sends my expert j
+            dist.all_to_all_single(got, sent.contiguous(), group=group)
+        table = torch.stack([sent.sum(1), got.sum(1)]).tolist()  # the one host sync: the splits
+        send_splits, recv_splits = table
+        got_rows = got.reshape(-1)
+        rows = _AllToAll.apply(xs, recv_splits, send_splits, group, self.clock)
+        # arrival order is (source s, expert j); the experts want (j, s): segment (s, j) starts at
+        # starts[s, j]; regroup = the row indices in (j, s) order
+        starts = (got_rows.cumsum(0) - got_rows).view(ranks, local)
+        lengths = got.t().reshape(-1)  # (j, s) order
+        seg_starts = starts.t().reshape(-1)
+        offsets = torch.repeat_interleave(seg_starts - (lengths.cumsum(0) - lengths), lengths)
+        regroup = torch.arange(int(lengths.sum()), device=xs.device) + offsets
+        ys = expert_swiglu(rows[regroup], got.sum(0), w1, w3, w2, self.kernel)
+        back = ys[regroup.argsort()]  # arrival order again
+        return _AllToAll.apply(back, send_splits, recv_splits, group, self.clock)
 
 
 def sequence_balance_loss(probs: torch.Tensor, experts: torch.Tensor, num_experts: int,
@@ -235,3 +346,8 @@ def take_stats(module: nn.Module) -> tuple[torch.Tensor | None, int, torch.Tenso
             load = block.load if load is None else load + block.load
         block.aux_values, block.load = [], None
     return (torch.stack(values).sum() if values else None), len(values), load
+
+
+def take_all_to_all_seconds(module: nn.Module) -> float:
+    """Seconds `module`'s expert-parallel all-to-alls took (forward and backward) since the last call."""
+    return sum(m.clock.take() for m in module.modules() if isinstance(m, GroupedExperts))

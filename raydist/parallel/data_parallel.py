@@ -102,7 +102,8 @@ class FSDP(NoDataParallel):
         from raydist.parallel.fsdp import apply_fsdp
 
         apply_fsdp(module, self.mesh.fsdp, self.compute_dtype, reshard_after_forward=self.reshard_after_forward,
-                   forward_prefetch=self.forward_prefetch)
+                   forward_prefetch=self.forward_prefetch, expert_mesh=self.mesh.expert_fsdp,
+                   dp_size=self.mesh.dp_cp.size())
         return module
 
     def accumulate(self, module: nn.Module, is_last: bool):

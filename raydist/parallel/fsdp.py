@@ -39,11 +39,62 @@ def expert_placement(shards: int):
     return place
 
 
+def shard_experts(experts, ep_mesh: DeviceMesh) -> None:
+    """Expert parallelism: replace each expert stack (E, out, in) of `experts` (a GroupedExperts) by a DTensor
+    split along E over `ep_mesh` (Shard(0): this rank's E / R experts) and give the module the ep group for
+    its all-to-all. Works on the meta device (the slice is a view of no storage) and on a real one (every rank
+    built the same whole stack; it keeps its slice)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ranks, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    for holder in experts.stacks():
+        whole = holder.weight
+        local = whole.detach().chunk(ranks, dim=0)[rank].clone()
+        holder.weight = torch.nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                                                              shape=whole.shape, stride=whole.stride()))
+    experts.ep_group = ep_mesh.get_group()
+
+
+def _shard_dim_one(param: torch.nn.Parameter):
+    from torch.distributed.tensor import Shard
+
+    return Shard(1)
+
+
+def apply_expert_fsdp(experts, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool,
+                      dp_size: int) -> None:
+    """An expert-parallel stack's own FSDP unit on `mesh` (the data-parallel ranks outside ep: dp_shard / ep
+    x cp, HSDP with dp_replicate). Split along dim 1 (out), not 0: the ep split already took dim 0, and
+    FSDP's dim-0 split of it would be a strided one (`_StridedShard`) whose pieces are not boxes, which the
+    keyed init, the checkpoint reader and the Hugging Face loader would each cut the slow general way.
+
+    The reduction divides by `dp_size`, the whole data-parallel width (dp_replicate x dp_shard x cp), not by
+    the unit's mesh: an expert's gradient already sums the tokens of all ep ranks (the all-to-all's
+    backward), so it is the sum over every data-parallel rank, as a dense weight's is before its average.
+    torch's factor uses NCCL's PREMUL_SUM, which gloo lacks: on a CPU mesh the reduction sums and divides after
+    (`set_force_sum_reduction_for_comms`), except on a one-rank shard group, where FSDP skips the
+    reduce-scatter and divides by the factor itself (torch 2.13 would divide twice with the sum forced)."""
+    fully_shard(experts, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=_shard_dim_one)
+    experts.set_gradient_divide_factor(float(dp_size))
+    shard_group = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim > 1 else mesh
+    if shard_group.size() > 1 and mesh.device_type != "cuda":  # cpu meshes run on gloo (raydist.parallel.runtime)
+        experts.set_force_sum_reduction_for_comms(True)
+
+
 def apply_fsdp(model, mesh: DeviceMesh, compute_dtype: torch.dtype, *, reshard_after_forward: bool = True,
-               forward_prefetch: bool = True) -> None:
+               forward_prefetch: bool = True, expert_mesh: DeviceMesh | None = None, dp_size: int = 1) -> None:
+    """`expert_mesh`: under expert parallelism (the experts already split over ep: `shard_experts`), the mesh
+    each MoE block's experts are FSDP-sharded over, in a unit of their own (`apply_expert_fsdp`); `dp_size`
+    the data-parallel width their reduction divides by."""
     mp = mixed_precision_policy(compute_dtype)
     blocks = list(model.layers.values())
     place = expert_placement(mesh.size(mesh.ndim - 1))  # the sharding dim (HSDP: the second)
+    if expert_mesh is not None:
+        from raydist.models.moe import GroupedExperts
+
+        for module in [m for block in blocks for m in block.modules() if isinstance(m, GroupedExperts)]:
+            apply_expert_fsdp(module, expert_mesh, mp, reshard_after_forward, dp_size)
     embedding = model.embedding if model.embedding is not None and not model.tied else None
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

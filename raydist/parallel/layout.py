@@ -79,7 +79,7 @@ class Layout:
     def of(cls, **settings: Any) -> "Layout":
         """A Layout from flat settings, the degrees among them (`Layout.of(pp=4, tp=2, micro_batch=1)`);
         degrees left out are 1."""
-        degrees = {name: settings.pop(name) for name in DIMS if name in settings}
+        degrees = {name: settings.pop(name) for name in (*DIMS, "ep") if name in settings}
         return cls(MeshSpec(**degrees), **settings)
 
     # ---- sizes: the mesh's ---------------------------------------------------------------------------
@@ -88,6 +88,7 @@ class Layout:
     dp_shard = property(lambda self: self.spec.dp_shard)
     cp = property(lambda self: self.spec.cp)
     tp = property(lambda self: self.spec.tp)
+    ep = property(lambda self: self.spec.ep)
 
     def degrees(self) -> dict[str, int]:
         return self.spec.degrees()
@@ -137,6 +138,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"{k}{v}" for k, v in self.degrees().items() if v > 1] or ["single"]
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         parts.append(f"mb{self.micro_batch}")
         if self.activation_checkpoint != "none":
             parts.append(f"ac:{self.activation_checkpoint}")
@@ -152,18 +155,19 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         """Flat: the degrees beside the other settings (what travels to workers and estimates print)."""
-        out = {**self.degrees(), **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}}
+        out = {**self.degrees(), "ep": self.ep,
+               **{f.name: getattr(self, f.name) for f in fields(self) if f.name != "spec"}}
         out["stage_layers"] = list(self.stage_layers)
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Layout":
-        known = {f.name for f in fields(cls)} | set(DIMS)
+        known = {f.name for f in fields(cls)} | set(DIMS) | {"ep"}
         return cls.of(**{k: (tuple(v) if k == "stage_layers" else v) for k, v in data.items() if k in known})
 
     def replace(self, **changes) -> "Layout":
         """A copy with `changes`, degrees among them (they go to the mesh spec)."""
-        degrees = {name: changes.pop(name) for name in DIMS if name in changes}
+        degrees = {name: changes.pop(name) for name in (*DIMS, "ep") if name in changes}
         if degrees:
             changes["spec"] = dataclasses.replace(self.spec, **degrees)
         return dataclasses.replace(self, **changes)
@@ -273,12 +277,26 @@ def mesh_problems(layout: Layout, model: "ModelConfig", seq_len: int) -> list[st
 
 def _mixture_of_experts(lay: Layout, m: "ModelConfig") -> list[str]:
     """A mixture of experts trains under data parallelism, FSDP (the experts' stacked weights sharded),
-    pipeline and context parallelism; tensor parallelism and expert parallelism are not built for it yet
-    (the experts have no tensor-parallel plan)."""
-    if not m.moe_experts or lay.tp == 1:
-        return []
-    return [f"parallel.tp={lay.tp} with model.moe_experts={m.moe_experts}: a mixture-of-experts model has no "
-            "tensor-parallel plan yet; set parallel.tp = 1 (dp_shard, pp and cp compose with it)"]
+    expert, pipeline and context parallelism; tensor parallelism is not built for it yet (the experts have no
+    tensor-parallel plan)."""
+    out = []
+    if lay.ep > 1 and not m.moe_experts:
+        out.append(f"parallel.ep={lay.ep} needs a mixture of experts (model.moe_experts); set parallel.ep = 1")
+    if lay.ep > 1 and m.moe_experts % lay.ep:
+        out.append(f"parallel.ep={lay.ep} does not divide model.moe_experts={m.moe_experts}; pick ep from "
+                   f"{divisors(m.moe_experts)}")
+    if lay.dp_shard % lay.ep:
+        out.append(f"parallel.ep={lay.ep} does not divide parallel.dp_shard={lay.dp_shard}: the expert-parallel "
+                   "ranks are FSDP ranks; make dp_shard a multiple of ep")
+    outer = lay.dp_shard // lay.ep * lay.cp if lay.dp_shard % lay.ep == 0 else 1
+    if lay.ep > 1 and m.moe_experts and (m.expert_hidden % outer or m.d_model % outer):
+        out.append(f"parallel.ep={lay.ep}: FSDP splits each expert's rows over dp_shard / ep x cp = {outer} ranks, "
+                   f"which must divide model.moe_ffn_hidden={m.expert_hidden} and model.d_model={m.d_model}; "
+                   "raise ep or lower dp_shard")
+    if m.moe_experts and lay.tp > 1:
+        out.append(f"parallel.tp={lay.tp} with model.moe_experts={m.moe_experts}: a mixture-of-experts model has "
+                   "no tensor-parallel plan yet; set parallel.tp = 1 (dp_shard, ep, pp and cp compose with it)")
+    return out
 
 
 def _fsdp(lay: Layout, m: "ModelConfig") -> list[str]:

@@ -31,11 +31,14 @@ class MeshSpec:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1
+    """Expert parallelism: not a dim of its own but a split of dp_shard into (dp_shard / ep, ep), ep inner
+    (`Mesh.ep`); outside the product `world_size` and `degrees()`."""
 
     @classmethod
     def from_config(cls, p) -> "MeshSpec":
         """From `[parallel]` (a ParallelConfig): the configured degrees, -1 still unresolved."""
-        return cls(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp)
+        return cls(p.pp, p.dp_replicate, p.dp_shard, p.cp, p.tp, p.ep)
 
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in DIMS}
@@ -58,7 +61,10 @@ class MeshSpec:
         elif known != world_size:
             raise ConfigError(f"parallel degrees {self._fixed_text()} multiply to {known}, not the world size "
                               f"{world_size}; make their product {world_size} or set one of them to -1")
-        return MeshSpec(**degrees)
+        if self.ep < 1 or degrees["dp_shard"] % self.ep:
+            raise ConfigError(f"parallel.ep={self.ep} does not divide parallel.dp_shard={degrees['dp_shard']}: the "
+                              "expert-parallel ranks are FSDP ranks; make dp_shard a multiple of ep")
+        return MeshSpec(**degrees, ep=self.ep)
 
     def _fixed_text(self) -> str:
         return " x ".join(f"{k}={v}" for k, v in self.degrees().items() if v != -1)
@@ -86,7 +92,8 @@ class MeshSpec:
         return Mesh(self, device_type)
 
     def describe(self) -> str:
-        return " x ".join(f"{k}{v}" for k, v in self.degrees().items() if v > 1) or "single"
+        text = " x ".join(f"{k}{v}" for k, v in self.degrees().items() if v > 1) or "single"
+        return text + (f" (ep{self.ep})" if self.ep > 1 else "")
 
 
 class Mesh:
@@ -96,7 +103,12 @@ class Mesh:
     - `fsdp`: what FSDP shards over, dp_shard x cp (context-parallel ranks hold the same parameters,
       so they shard them too); for HSDP the 2-D (dp_replicate, dp_shard_cp) mesh;
     - `dp_cp`: dp x cp, the ranks whose gradients are averaged;
-    - `batch_peers`: pp x cp x tp, the ranks that share one data-parallel index and so one batch.
+    - `batch_peers`: pp x cp x tp, the ranks that share one data-parallel index and so one batch;
+    - with expert parallelism (spec.ep > 1), dp_shard unflattened into (dp_shard_mod_ep, ep), ep inner (the
+      all-to-all stays among near ranks): `ep`, the ranks an MoE block's experts are split over, and
+      `expert_fsdp`, what FSDP shards each expert over (dp_shard_mod_ep x cp; HSDP: with dp_replicate), as
+      torchtitan's `dp_shard_mod_ep` does. Both come from one unflattened mesh, so FSDP can join them into the
+      2-D mesh of an expert parameter (its `_concatenate`). Without ep both are None.
 
     A view over dims of which at most one has more than one rank is that dim's own mesh (`_joined`): a
     flattened copy would be a new process group over the same ranks, on NCCL a communicator of its own
@@ -133,6 +145,14 @@ class Mesh:
                 self.fsdp: DeviceMesh = DeviceMesh._concatenate([m["dp_replicate"], self.dp_shard_cp])
             else:
                 self.fsdp = self.dp_shard_cp
+            self.ep: DeviceMesh | None = None
+            self.expert_fsdp: DeviceMesh | None = None
+            if spec.ep > 1:
+                e = _expert_root(m, spec, device_type)
+                self.ep = e["ep"]
+                outer = _joined(e, ("dp_shard_mod_ep", "cp"), "dp_shard_mod_ep_cp", {})
+                self.expert_fsdp = (DeviceMesh._concatenate([e["dp_replicate"], outer]) if spec.dp_replicate > 1
+                                    else outer)
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.device_mesh[name]
@@ -159,6 +179,22 @@ class Mesh:
 
     def describe(self) -> dict[str, int]:
         return self.spec.degrees()
+
+
+def _expert_root(mesh: DeviceMesh, spec: MeshSpec, device_type: str) -> DeviceMesh:
+    """The mesh the expert-parallel views come from: dp_shard split into (dp_shard_mod_ep, ep), ep inner, with
+    every dim FSDP shards an expert over (dp_shard_mod_ep, cp) before ep. FSDP joins an expert's data-parallel
+    mesh and its ep mesh into one (`DeviceMesh._concatenate`), which must name its root's dims in order.
+    Without cp that is `mesh`'s own dp_shard unflattened (`_unflatten`: the other dims keep their groups);
+    with cp it is a root of its own over the same ranks, cp moved before ep (its coordinates are the main
+    mesh's: rank r's ep peers are the same ranks), whose dims get groups of their own."""
+    mod = spec.dp_shard // spec.ep
+    names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+    if spec.cp == 1:
+        return mesh._unflatten("dp_shard", (mod, spec.ep), names[2:4])
+    ranks = torch.arange(spec.world_size).view(spec.pp, spec.dp_replicate, mod, spec.ep, spec.cp, spec.tp)
+    return DeviceMesh(device_type, ranks.permute(0, 1, 2, 4, 3, 5).contiguous(),
+                      mesh_dim_names=("pp", "dp_replicate", "dp_shard_mod_ep", "cp", "ep", "tp"))
 
 
 def _joined(mesh: DeviceMesh, dims: tuple[str, ...], name: str, flat: dict) -> DeviceMesh:

@@ -1,8 +1,8 @@
 """`parallelize(model, mesh, layout, device)`: apply the parallel dimensions to a model in a fixed order.
 
     [pipeline: split into this rank's chunks, then for each chunk:]
-    tensor parallel (+ sequence parallel)  ->  context parallel  ->  activation checkpointing
-    ->  the data-parallel strategy's wrap (FSDP / HSDP, DDP, or nothing)
+    tensor parallel (+ sequence parallel)  ->  context parallel  ->  expert parallel  ->  activation
+    checkpointing  ->  the data-parallel strategy's wrap (FSDP / HSDP, DDP, or nothing)
 
 TP comes first because FSDP shards the TP-local DTensors (a 2-D dp_shard x tp layout); checkpointing
 comes before FSDP so that recompute re-runs FSDP's unshard hooks inside the region. Context parallelism
@@ -109,6 +109,12 @@ def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_paral
         from raydist.parallel.context import apply_context_parallel
 
         apply_context_parallel(model, mesh, layout.cp_impl)
+    if layout.ep > 1:  # experts split over ep before FSDP shards each over the rest (raydist.parallel.fsdp)
+        from raydist.models.moe import GroupedExperts
+        from raydist.parallel.fsdp import shard_experts
+
+        for experts in [m for m in model.modules() if isinstance(m, GroupedExperts)]:
+            shard_experts(experts, mesh.ep)
     apply_activation_checkpointing(model, layout.activation_checkpoint, layout.activation_checkpoint_k)
     if on_meta and not data_parallel.moves_model:
         materialize(model)  # the whole (TP-local) model: DDP and single replicas hold all of it

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from typing import Iterable, Iterator
 
 from raydist.config import Config, ConfigError
@@ -33,13 +34,14 @@ from raydist.planner.placement import Layout, Workload, rank_layer_counts
 from raydist.schedule.batch import divisors, microbatch_count, per_rank_rows
 from raydist.schedule.registry import DEFAULT_KIND, SCHEDULE_KINDS
 
-ALL_FEATURES = frozenset({"tp", "cp", "pp"})
+ALL_FEATURES = frozenset({"tp", "cp", "pp", "ep"})
 CHECKPOINT_POLICIES = ("none", "selective", "every_k", "full")
 
 
 def implemented_features() -> frozenset[str]:
     """The parallelisms whose modules exist in this checkout (DDP/FSDP/HSDP and recompute always do)."""
-    modules = {"tp": "raydist.parallel.tensor", "cp": "raydist.parallel.context", "pp": "raydist.parallel.pipeline"}
+    modules = {"tp": "raydist.parallel.tensor", "cp": "raydist.parallel.context", "pp": "raydist.parallel.pipeline",
+               "ep": "raydist.models.moe"}
     return frozenset(k for k, mod in modules.items() if importlib.util.find_spec(mod) is not None)
 
 
@@ -59,8 +61,9 @@ def layout_shapes(w: Workload, world: int, hw: Hardware, features: Iterable[str]
                 dp = world // (tp * cp * pp)
                 if w.global_batch % dp:
                     continue
-                for dp_shard in divisors(dp):
-                    base = Layout(MeshSpec(pp, dp // dp_shard, dp_shard, cp, tp), sequence_parallel=tp > 1)
+                for dp_shard, ep in ((s, e) for s in divisors(dp) for e in divisors(math.gcd(s, m.moe_experts or 1))
+                                     if e == 1 or "ep" in features):
+                    base = Layout(MeshSpec(pp, dp // dp_shard, dp_shard, cp, tp, ep), sequence_parallel=tp > 1)
                     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(base)}  # (not asdict: 5x)
                     for cp_impl in (("ring", "ulysses") if cp > 1 else ("ring",)):
                         # each kind's chunk counts (with pp = 1 only the default: no pipeline to schedule)

@@ -306,6 +306,20 @@ def mlp_hidden(m) -> int:
     return m.moe_top_k * m.expert_hidden + m.moe_shared_ffn_hidden if m.moe_experts else m.ffn_hidden
 
 
+def expert_elements(m) -> int:
+    """One block's routed-expert weights (three (E, F, D) stacks); 0 for a dense model."""
+    return 3 * m.moe_experts * m.expert_hidden * m.d_model if m.moe_experts else 0
+
+
+def expert_parallel_saving(m, peft, ep: int) -> tuple[int, int]:
+    """Elements of one gathered block that expert parallelism leaves out (an ep rank gathers only its E / ep
+    experts), held and trained (LoRA freezes the experts)."""
+    if ep <= 1:
+        return 0, 0
+    held = expert_elements(m) * (ep - 1) // ep
+    return held, (0 if peft.method == "lora" else held)
+
+
 def moe_dispatch_bytes(w: Workload) -> float:
     """Per token, what a mixture of experts saves besides its experts' hidden units: the k gathered copies of
     the token and the k expert outputs before the weighted sum, and the router's fp32 probabilities."""
@@ -439,6 +453,8 @@ def rank_memory(w: Workload, lay: Layout, num_microbatches: int) -> dict[str, fl
     block_full = _block_elements(m, tp, 1, None) + _adapter_elements(m, peft, tp, 1, None)
     block_trained_local = _trained_block_elements(m, peft, tp, fsdp, None)
     block_trained_full = _trained_block_elements(m, peft, tp, 1, None)
+    held_saving, trained_saving = expert_parallel_saving(m, peft, lay.ep)
+    block_full, block_trained_full = block_full - held_saving, block_trained_full - trained_saving
     for stage in _candidate_stages(lay, counts, trained_counts):
         layers, trained = counts[stage], trained_counts[stage]
         first, last = holds_stage(lay, stage, "first"), holds_stage(lay, stage, "last")

@@ -79,14 +79,15 @@ def plan_layout(cfg: Config, world_size: int) -> Layout:
         grow, unit = "dp_shard", max(p.dp_replicate, 1)
     for count in range(world_size // (model_parallel * unit), 0, -1):
         dp = count * unit
-        if t.global_batch % dp == 0:
-            replicate, shard = (count, unit) if grow == "dp_replicate" else (unit, count)
-            spec = MeshSpec(p.pp, replicate, shard, p.cp, p.tp)
+        replicate, shard = (count, unit) if grow == "dp_replicate" else (unit, count)
+        if t.global_batch % dp == 0 and shard % p.ep == 0:  # (the expert-parallel ranks are FSDP ranks)
+            spec = MeshSpec(p.pp, replicate, shard, p.cp, p.tp, p.ep)
             break
     else:
+        experts = f" and dp_shard a multiple of ep={p.ep}" if p.ep > 1 else ""
         raise ConfigError(f"no layout of {world_size} worker(s) keeps train.global_batch={t.global_batch} with "
-                          f"tp={p.tp} x pp={p.pp} x cp={p.cp}; raise elastic.min_workers or pick a global batch "
-                          "with more divisors")
+                          f"tp={p.tp} x pp={p.pp} x cp={p.cp}{experts}; raise elastic.min_workers or pick a global "
+                          "batch with more divisors")
     layout = resolve_layout(cfg, spec, micro_batch_limit=t.micro_batch or AUTO_MICRO_BATCH_LIMIT)
     idle = world_size - layout.world_size
     reason = (f"{world_size} workers -> {spec.describe()} ({spec.world_size} active"
@@ -108,7 +109,7 @@ def replica_layout(cfg: Config) -> Layout:
     run's layout must then be valid (a ConfigError otherwise). Planned once, on the driver; the user's
     config is not rewritten."""
     p = cfg.parallel
-    spec = MeshSpec(p.pp, 1, p.dp_shard, p.cp, p.tp)
+    spec = MeshSpec(p.pp, 1, p.dp_shard, p.cp, p.tp, p.ep)
     reason = f"live recovery: one of {p.dp_replicate} replicas, {spec.describe()} over {spec.world_size} worker(s)"
     if p.pp == 1:
         return resolve_layout(cfg, spec, reason=reason)

@@ -30,6 +30,10 @@ Per step, per rank (the busiest pipeline stage), with m micro-batches of b sampl
 - context parallel: ring passes the local K/V block to the next rank cp-1 times in forward and twice as
   much (K/V and their gradients) in backward, overlapped with the attention it feeds; Ulysses all-to-alls
   q, k, v and the output in forward and backward, not overlapped.
+- expert parallel (Lepikhin et al. 2020, GShard): each MoE block all-to-alls the k routed copies of each
+  token (b s k h) out to the experts' ranks and the outputs back, in forward and again in backward (and in
+  recompute), over ep ranks of stride cp x tp; on the critical path. The experts' FSDP all-gathers then move
+  E / ep experts over dp_shard / ep x cp ranks.
 - pipeline: one activation send per micro-batch per boundary each way (T / cp tokens, a tp-th of them
   under sequence parallelism); bubble fraction (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1)
   interleaved with v chunks per rank (Huang et al., "GPipe", 2019; Narayanan et al. 2021; an idle share
@@ -57,8 +61,8 @@ import math
 
 from raydist.models.gpt import flops_per_token, param_counts
 from raydist.planner.hardware import Hardware, Link
-from raydist.planner.memory import (adapter_elements, block_activation_bytes, block_selective_bytes, mlp_hidden,
-                                    stage_elements, stage_trained_elements, trained_root_parts, trained_unit_elements)
+from raydist.planner.memory import (adapter_elements, block_activation_bytes, block_selective_bytes,
+                                    expert_elements, mlp_hidden, stage_elements, stage_trained_elements, trained_root_parts, trained_unit_elements)
 from raydist.planner.placement import Layout, Workload, holders, rank_layer_counts, trained_layer_counts
 from raydist.schedule.registry import schedule_kind
 from raydist.schedule.timeline import theoretical_bubble
@@ -176,6 +180,14 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
             qkvo = a * tokens * (2 * h + 2 * m_cfg.num_kv_heads * w.head_dim) / tp
             cp_mb = busiest(lambda n, t: t * 2 * all_gather_s(qkvo, cp, link) + (n - t) * all_gather_s(qkvo, cp, link))
 
+    # ---- expert parallel -----------------------------------------------------------------------------------
+    ep_mb = 0.0
+    if lay.ep > 1:
+        link = hw.link(crosses_nodes(lay.ep, cp * tp, hw))
+        one = all_gather_s(a * tokens * m_cfg.moe_top_k * h, lay.ep, link)  # dispatch or combine
+        refwd = lay.activation_checkpoint != "none"
+        ep_mb = busiest(lambda n, t: t * 2 * one * (2 + (1 if refwd else 0)) + (n - t) * 2 * one)
+
     # ---- pipeline ------------------------------------------------------------------------------------------
     pp_mb = 0.0
     if lay.pp > 1:
@@ -184,7 +196,7 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
         v = lay.virtual_stages
         pp_mb = 2 * v * p2p_s(a * tokens * h / sp, link)
 
-    per_mb = compute_mb + recompute_mb + tp_mb + cp_mb + pp_mb
+    per_mb = compute_mb + recompute_mb + tp_mb + cp_mb + ep_mb + pp_mb
     bubble = bubble_fraction(lay, m)
     pipeline_total = per_mb * m / (1 - bubble)
     bubble_s = pipeline_total - per_mb * m
@@ -214,6 +226,12 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
         per_unit_grad = trained_unsharded / grad_units
         ag = all_gather_s(a * per_unit_param, s, link) * units
         rs = all_gather_s(4.0 * per_unit_grad, s, link) * grad_units
+        if lay.ep > 1:  # a block's experts: E / ep of them over s / ep ranks, not all E over s
+            held = expert_elements(m_cfg)
+            ag += layers * (all_gather_s(a * held / lay.ep, s // lay.ep, link) - all_gather_s(a * held, s, link))
+            if w.peft.method != "lora":  # (LoRA freezes the experts: no gradient to reduce)
+                rs += max(trained_layers) * (all_gather_s(4.0 * held / lay.ep, s // lay.ep, link)
+                                             - all_gather_s(4.0 * held, s, link))
         dp_s = ag * fsdp_gathers_per_step(lay, m) + rs * reduce_scatters
         if lay.dp_replicate > 1:
             rlink = hw.link(crosses_nodes(lay.dp_replicate, tp * s, hw))
@@ -226,7 +244,7 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     model_flops = training_flops_per_token(w) * w.tokens_per_step / lay.world_size
     return {
         "compute": compute_mb * m, "recompute": recompute_mb * m, "bubble": bubble_s,
-        "tp_comm": tp_mb * m, "cp_comm": cp_mb * m, "pp_comm": pp_mb * m,
+        "tp_comm": tp_mb * m, "cp_comm": cp_mb * m, "ep_comm": ep_mb * m, "pp_comm": pp_mb * m,
         "dp_comm": dp_s, "dp_comm_exposed": dp_exposed, "optimizer": optimizer_s,
         "bubble_fraction": bubble, "total": total, "model_flops": model_flops,
     }

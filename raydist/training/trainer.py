@@ -277,25 +277,31 @@ class Trainer:
         """MoE runs: the mean load-balancing loss of the training micro-batches' blocks since the last call
         (`moe_aux`), the tokens each expert received summed over blocks and data ranks
         (`moe_tokens_per_expert`) and the busiest expert's share over the mean (`moe_load_max`, 1.0
-        balanced). A collective over every rank (pipeline stages hold different blocks); {} for a dense model."""
+        balanced); under expert parallelism the seconds a rank spent in the experts' all-to-alls, forward and
+        backward, averaged over ranks (`moe_all_to_all_s`). A collective over every rank (pipeline stages hold
+        different blocks); {} for a dense model."""
         if not self.cfg.model.moe_experts:
             return {}
-        from raydist.models.moe import take_stats
+        from raydist.models.moe import take_all_to_all_seconds, take_stats
 
         total, count, load = take_stats(self.pm.model)
         experts = self.cfg.model.moe_experts
-        figures = torch.zeros(2 + experts, dtype=torch.float64)  # on the host: self.group is a host group
+        figures = torch.zeros(3 + experts, dtype=torch.float64)  # on the host: self.group is a host group
         figures[1] = count
+        figures[-1] = take_all_to_all_seconds(self.pm.model)
         if total is not None:
             figures[0] = total.cpu()
         if load is not None:
-            figures[2:] = load.cpu()
+            figures[2:-1] = load.cpu()
         if self.world_size > 1:
             dist.all_reduce(figures, group=self.group)
-        total, count, load = float(figures[0]), float(figures[1]), figures[2:]
-        return {"moe_aux": round(total / max(count, 1), 6),
-                "moe_load_max": round(float(load.max() / load.mean().clamp_min(1e-9)), 4),
-                "moe_tokens_per_expert": [int(round(v)) for v in load.tolist()]}
+        total, count, load = float(figures[0]), float(figures[1]), figures[2:-1]
+        out = {"moe_aux": round(total / max(count, 1), 6),
+               "moe_load_max": round(float(load.max() / load.mean().clamp_min(1e-9)), 4),
+               "moe_tokens_per_expert": [int(round(v)) for v in load.tolist()]}
+        if self.layout.ep > 1:
+            out["moe_all_to_all_s"] = round(float(figures[-1]) / self.world_size, 6)
+        return out
 
     def settle(self) -> None:
         """Reads every step not yet read (see `StepStats`): their losses (reduced over dp x cp) and gradient

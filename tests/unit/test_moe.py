@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import transformers
 
 from raydist.config import Config, ConfigError, ModelConfig
+from raydist.parallel.layout import Layout
 from raydist.inference.generate import generate_ids
 from raydist.models import hf
 from raydist.models.gpt import build_model, flops_per_token, param_counts
@@ -145,10 +146,28 @@ def test_counts_use_active_parameters():
     ({"family": "mixtral"}, "mixture of experts; set model.moe_experts"),
     ({**MOE, "moe_top_k": 5}, "moe_top_k=5 must be in 1..model.moe_experts=4"),
     ({**MOE, "moe_aux_coef": -1.0}, "moe_aux_coef=-1.0 must be >= 0"),
+    ({**MOE, "parallel.ep": 3}, r"parallel.ep=3 does not divide model.moe_experts=4; pick ep from \[1, 2, 4\]"),
+    ({**MOE, "moe_experts": 0, "parallel.ep": 2}, "parallel.ep=2 needs a mixture of experts"),
+    ({**MOE, "parallel.ep": 0}, "parallel.ep=0 must be a positive degree"),
 ])
 def test_bad_moe_settings_are_refused(model, match):
+    parallel = {k.split(".")[1]: model.pop(k) for k in list(model) if k.startswith("parallel.")}
     with pytest.raises(ConfigError, match=match):
-        Config.from_dict({"model": model})
+        Config.from_dict({"model": model, "parallel": parallel})
+
+
+@pytest.mark.parametrize("degrees, match", [
+    ({"dp_shard": 4, "ep": 3}, "parallel.ep=3 does not divide parallel.dp_shard=4"),
+    ({"dp_shard": 10, "ep": 2}, "dp_shard / ep x cp = 5 ranks, which must divide model.moe_ffn_hidden=48"),
+])
+def test_expert_parallel_layouts_that_cannot_run_are_refused_by_name(degrees, match):
+    from raydist.parallel.layout import Layout, validate
+    from raydist.parallel.mesh import MeshSpec
+
+    layout = Layout.of(**degrees, micro_batch=1, num_microbatches=1)
+    assert any(match in p for p in validate(layout, ModelConfig(**{**MOE, "moe_experts": 12}), 32))
+    with pytest.raises(ConfigError, match="parallel.ep=3 does not divide parallel.dp_shard=4"):
+        MeshSpec(dp_shard=-1, ep=3).resolve(4)
 
 
 @pytest.mark.parametrize("degrees", [{"tp": 2}])
@@ -187,7 +206,14 @@ def reference(tiny_data):
     ({"pp": 2, "pp_schedule": "1f1b", "dp_shard": 2}, 4),
     ({"cp": 2, "cp_impl": "ring"}, 2),
     ({"cp": 2, "cp_impl": "ulysses", "dp_shard": 2}, 4),
-], ids=["ddp2", "fsdp2", "hsdp2x2", "pp2-1f1b", "pp2-zbh1", "pp2xfsdp2", "cp2-ring", "cp2-ulysses-x-fsdp2"])
+    ({"dp_shard": 2, "ep": 2}, 2),
+    ({"dp_shard": 4, "ep": 4}, 4),
+    ({"dp_shard": 4, "ep": 2}, 4),
+    ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, 4),
+    ({"pp": 2, "pp_schedule": "1f1b", "dp_shard": 2, "ep": 2}, 4),
+    ({"cp": 2, "cp_impl": "ring", "dp_shard": 2, "ep": 2}, 4),
+], ids=["ddp2", "fsdp2", "hsdp2x2", "pp2-1f1b", "pp2-zbh1", "pp2xfsdp2", "cp2-ring", "cp2-ulysses-x-fsdp2",
+        "ep2", "ep4", "ep2xfsdp2", "ep2-hsdp2x2", "pp2xep2", "ep2xcp2"])
 def test_moe_layout_equals_single_process(tiny_data, parallel, world):
     ref = reference(tiny_data)
     router = [n for n in ref.grads if n.endswith("feed_forward.router.weight")]
@@ -199,6 +225,16 @@ def test_moe_layout_equals_single_process(tiny_data, parallel, world):
         assert_equivalent(ref, rank)
         held |= set(rank.grads)
     assert held == set(ref.grads)
+
+
+def test_expert_parallelism_splits_the_experts_and_a_wrong_gradient_scale_is_caught(tiny_data):
+    """ep 2: each rank holds half of each expert stack (the all-to-all path runs), and a planted bug that
+    leaves the experts' gradients ep times too large (tests/unit/ep_undivided.py) fails the equivalence."""
+    ref = reference(tiny_data)
+    raw = moe_config(tiny_data, dp_shard=2, ep=2)
+    with pytest.raises(AssertionError, match="gradient"):
+        for rank in run_layout(raw, 2, imports=("ep_undivided",)):
+            assert_equivalent(ref, rank)
 
 
 def test_the_balance_loss_reaches_the_router(tiny_data):
@@ -228,9 +264,13 @@ def test_more_fsdp_shards_than_experts_split_the_experts_second_dimension(tiny_d
     assert held == set(ref.grads)
 
 
-def test_a_checkpoint_saved_under_fsdp_resumes_in_another_layout(tiny_data, tmp_path):
-    """Saved at FSDP 2 (experts sharded), killed, resumed at DDP 2 and in one process: the next losses are
-    the uninterrupted run's."""
+@pytest.mark.parametrize("saved, resumes", [
+    ({"dp_shard": 2}, [("ddp2", {"dp_replicate": 2}, 2), ("single", {}, 1)]),
+    ({"dp_shard": 2, "ep": 2}, [("ep4", {"dp_shard": 4, "ep": 4}, 4), ("ep1", {}, 1)]),
+], ids=["fsdp2", "ep2"])
+def test_a_checkpoint_saved_under_fsdp_resumes_in_another_layout(tiny_data, tmp_path, saved, resumes):
+    """Saved at FSDP 2 (experts sharded) or at ep 2 (each rank holding half of the experts), killed, resumed
+    in other layouts (DDP 2 and one process; ep 4 and ep 1): the next losses are the uninterrupted run's."""
     import numpy as np
 
     from raydist.testing import run_fit
@@ -241,10 +281,10 @@ def test_a_checkpoint_saved_under_fsdp_resumes_in_another_layout(tiny_data, tmp_
                            parallel={"dp_replicate": 1, **parallel},
                            checkpoint={"every_steps": 4, "keep": 2, "async_save": False})
 
-    [ref, _] = run_fit(config(dp_shard=2), 2, str(tmp_path / "ref"))
-    for name, parallel, world in [("ddp2", {"dp_replicate": 2}, 2), ("single", {}, 1)]:
+    [ref, _] = run_fit(config(**saved), 2, str(tmp_path / "ref"))
+    for name, parallel, world in resumes:
         run_dir = str(tmp_path / name)
-        assert run_fit(config(dp_shard=2), 2, run_dir, crash_after_step=6) is None
+        assert run_fit(config(**saved), 2, run_dir, crash_after_step=6) is None
         resumed = run_fit(config(**parallel), world, run_dir)
         got, want = np.array(resumed[0].losses), np.array(ref.losses[4:])
         assert len(got) == 4 and (np.abs(got - want) / want).max() < 1e-4, (name, got, want)
@@ -274,13 +314,16 @@ def test_lora_on_attention_trains_a_moe_model_alike_under_fsdp(tiny_data):
         Config.from_dict({"model": MOE, "peft": {"method": "lora", "lora_targets": "mlp"}})
 
 
-def test_the_metrics_log_the_balance_loss_and_every_routed_token(tiny_data, tmp_path):
+@pytest.mark.parametrize("parallel", [{"dp_replicate": 2}, {"dp_replicate": 1, "dp_shard": 2, "ep": 2}],
+                         ids=["ddp2", "ep2"])
+def test_the_metrics_log_the_balance_loss_and_every_routed_token(tiny_data, tmp_path, parallel):
     """A 2-rank run's metrics.jsonl: `moe_aux` near 1 (balanced is 1), and `moe_tokens_per_expert` counting
-    each training token's k choices in every block over both ranks' rows (evaluation's forwards not counted)."""
+    each training token's k choices in every block over both ranks' rows (evaluation's forwards not counted);
+    under ep the seconds spent in the all-to-alls (`moe_all_to_all_s`), absent without it."""
     from raydist.testing import run_fit
 
     raw = tiny_config(tiny_data, model={**MOE, "moe_aux_coef": 0.1}, train={"steps": 4, "log_every": 2},
-                      parallel={"dp_replicate": 2})
+                      parallel=parallel)
     run_fit(raw, 2, str(tmp_path))
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "moe_aux" in r]
@@ -289,15 +332,38 @@ def test_the_metrics_log_the_balance_loss_and_every_routed_token(tiny_data, tmp_
     for r in logged:
         assert sum(r["moe_tokens_per_expert"]) == 2 * per_step and len(r["moe_tokens_per_expert"]) == 4
         assert 1.0 <= r["moe_aux"] < 2.0 and r["moe_load_max"] >= 1.0
+        assert (r.get("moe_all_to_all_s", 0) > 0) == ("ep" in parallel), r
 
 
-def test_qwen3_moe_from_hf_trains_alike_with_each_rank_reading_its_expert_slices(tiny_data, tmp_path):
-    """`init_from = "hf:DIR"` of a Qwen3-MoE with 2 experts under FSDP 4: each rank reads only its slice of each
-    expert (dim 1: more shards than experts) from the per-expert tensors; training equals the single process."""
+@pytest.mark.parametrize("parallel", [{"dp_shard": 4}, {"dp_shard": 4, "ep": 2}], ids=["fsdp4", "ep2xfsdp2"])
+def test_qwen3_moe_from_hf_trains_alike_with_each_rank_reading_its_expert_slices(tiny_data, tmp_path, parallel):
+    """`init_from = "hf:DIR"` of a Qwen3-MoE with 2 experts under FSDP 4 (each rank reads only its slice of
+    each expert, dim 1: more shards than experts) and under ep 2 x FSDP 2 (its expert's half): training
+    equals the single process."""
     save_tiny_hf(tmp_path, family="qwen3_moe", tied=False, seed=6, moe_experts=2, moe_ffn_hidden=64)
     raw = tiny_config(tiny_data, model={"init_from": f"hf:{tmp_path}"}, train={"lr": 1e-3},
                       parallel={"dp_replicate": 1})
     [ref] = run_layout(raw, 1)
     assert any(".experts.w2." in n for n in ref.grads)
-    for rank in run_layout({**raw, "parallel": {"dp_replicate": 1, "dp_shard": 4}}, 4):
+    for rank in run_layout({**raw, "parallel": {"dp_replicate": 1, **parallel}}, 4):
         assert_equivalent(ref, rank)
+
+
+def test_the_planner_costs_expert_parallelism():
+    """ep 8 in a 32-rank FSDP run of Qwen3-30B-A3B: an all-to-all term appears, the experts' FSDP traffic and
+    the gathered block shrink (E / ep experts over dp_shard / ep ranks), and the planner's search offers ep."""
+    from raydist.planner.cost_model import complete, estimate
+    from raydist.planner.enumerate import layout_shapes
+    from raydist.planner.hardware import get_hardware
+    from raydist.planner.placement import Workload
+
+    from pathlib import Path
+
+    cfg = Config.load(Path(__file__).parents[2] / "workloads" / "qwen3_30b_a3b.toml")
+    w, hw = Workload.from_config(cfg, 32), get_hardware("h100", 8)
+    by_ep = {ep: estimate(w, complete(w, Layout.of(dp_shard=32, ep=ep, micro_batch=1, num_microbatches=1,
+                                                   activation_checkpoint="full")), hw) for ep in (1, 8)}
+    assert by_ep[1].time["ep_comm"] == 0 < by_ep[8].time["ep_comm"]
+    assert by_ep[8].time["dp_comm"] < by_ep[1].time["dp_comm"] / 4
+    assert by_ep[8].memory["transient"] < by_ep[1].memory["transient"]
+    assert {lay.ep for lay in layout_shapes(w, 32, hw)} == {1, 2, 4, 8, 16, 32}
