@@ -360,11 +360,12 @@ def block_roles(cfg: ModelConfig) -> dict[str, str]:
     kv: column, or replicated with each rank keeping its query heads' kv head when tp exceeds the kv heads;
     norm: a norm on the residual stream; head_norm: a norm over each head of q or k (Qwen3);
     attention_input (x, cos, sin) / mlp_input (x): a module whose input the projections under it share
-    (gathered once, its gradient reduced once). The root's roles: vocab_embedding, norm, vocab_head."""
+    (gathered once, its gradient reduced once); moe: a mixture of experts, which splits itself. The root's
+    roles: vocab_embedding, norm, vocab_head."""
     head_norms = {"attention.q_norm": "head_norm", "attention.k_norm": "head_norm"} if family_of(cfg).qk_norm else {}
-    # a mixture of experts (raydist.models.moe) has no tensor-parallel plan yet: its modules have no roles
-    mlp = {} if cfg.moe_experts else {"feed_forward": "mlp_input", "feed_forward.w1": "column",
-                                      "feed_forward.w3": "column", "feed_forward.w2": "row"}
+    # a mixture of experts splits itself (raydist.models.moe.MoEFeedForward.shard_tensor_parallel)
+    mlp = {"feed_forward": "moe"} if cfg.moe_experts else {"feed_forward": "mlp_input", "feed_forward.w1": "column",
+                                                          "feed_forward.w3": "column", "feed_forward.w2": "row"}
     return {"attention_norm": "norm", "attention": "attention_input", "attention.wq": "column",
             "attention.wk": "kv", "attention.wv": "kv", "attention.wo": "row", **head_norms,
             "ffn_norm": "norm", **mlp}

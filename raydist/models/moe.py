@@ -272,7 +272,7 @@ class _BalanceGradient(torch.autograd.Function):
     def backward(ctx, grad):
         (aux,) = ctx.saved_tensors
         ctx.block.record(aux.detach(), ctx.load)
-        return grad, torch.full_like(aux, ctx.block.aux_weight), None, None
+        return grad, torch.full_like(aux, ctx.block.aux_weight * ctx.block.aux_share), None, None
 
 
 class MoEFeedForward(nn.Module):
@@ -293,30 +293,99 @@ class MoEFeedForward(nn.Module):
         self.shared = FeedForward(cfg, hidden=cfg.moe_shared_ffn_hidden) if cfg.moe_shared_ffn_hidden else None
         self.aux_weight = cfg.moe_aux_coef / cfg.num_layers  # one micro-batch per step until told otherwise
         self.sequence_group: dist.ProcessGroup | None = None  # context parallelism's (GPT.set_sequence_group)
+        self.tp_mesh = None  # tensor parallelism's (`shard_tensor_parallel`)
+        self.tp_layout = None  # the residual stream's placement over tp: Replicate, or Shard(1) under SP
+        self.aux_share = 1.0  # this rank's share of the balance loss's gradient (1 / tp under tensor parallelism)
         self.aux_values: list[torch.Tensor] = []
         self.load: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x (N, D) -> (probs (N, E) fp32, weights (N, k) in x's dtype, experts (N, k))."""
-        probs = torch.softmax(self.router(x).float(), dim=-1)
+        if self.tp_mesh is None:
+            logits = self.router(x)
+        else:  # every tp rank routes the same tokens with the same (replicated) router; its gradient on each
+            # rank is a partial sum (the rank's experts' share of the output), summed over tp as a Partial
+            from torch.distributed.tensor import Partial
+
+            logits = F.linear(x, self.router.weight.to_local(grad_placements=(Partial(),)))
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
         return probs, weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_mesh is not None:
+            x = self._gather(x)
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         probs, weights, experts = self.route(flat)
         counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)  # the experts' rows; the load
         out = self.experts(flat, experts, weights, counts)
         if self.shared is not None:
-            out = out + self.shared(flat)
+            out = out + (self.shared(flat) if self.tp_mesh is None else self._shared_partial(flat))
         if torch.is_grad_enabled():  # training: evaluation neither differentiates the loss nor counts the load
             aux = sequence_balance_loss(probs.view(b, t, -1), experts.view(b, t, -1), self.num_experts,
                                         self.sequence_group)
             out = _BalanceGradient.apply(out, aux, self, counts.float())
-        return out.view(b, t, d)
+        out = out.view(b, t, d)
+        return out if self.tp_mesh is None else self._reduce(out)
+
+    # ---- tensor parallelism ----------------------------------------------------------------------------
+    def shard_tensor_parallel(self, tp_mesh, layout) -> None:
+        """Split this block over `tp_mesh` (Megatron's MLP split inside every expert): the experts' gate and
+        up stacks (E, F, D) by F (Shard(1)), the down stack (E, D, F) by F (Shard(2)), a shared expert's gate
+        and up by rows and down by columns; the router is replicated. Every tp rank routes the same tokens
+        (the input is gathered over the sequence under sequence parallelism, `layout` Shard(1)), runs its F / tp
+        slice of each chosen expert and sums a partial output, reduced over tp into `layout` (an all-reduce,
+        or a reduce-scatter under SP); the input's gradient is likewise a partial sum reduced in backward.
+        The balance loss, computed alike on every tp rank, gives each rank 1 / tp of its gradient
+        (`aux_share`), so the reduction sums it once."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        def split(holder, name: str, placement) -> None:
+            weight = getattr(holder, name)
+            setattr(holder, name, nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, (placement,),
+                                                                 src_data_rank=None),
+                                               requires_grad=weight.requires_grad))
+
+        gate, up, down = self.experts.stacks()
+        for holder, placement in ((gate, Shard(1)), (up, Shard(1)), (down, Shard(2)), (self.router, Replicate())):
+            split(holder, "weight", placement)
+        if self.shared is not None:
+            gate, up, down = self.shared.projections()
+            for holder, placement in ((gate, Shard(0)), (up, Shard(0)), (down, Shard(1))):
+                split(holder, "weight", placement)
+        self.tp_mesh, self.tp_layout, self.aux_share = tp_mesh, layout, 1.0 / tp_mesh.size()
+
+    def tensor_parallel_splits(self) -> dict[str, int | None]:
+        """{parameter name in this module: which side of its (dim 0, the rest) view `shard_tensor_parallel`
+        splits (0 rows, 1 the rest, None replicated)}: the planner's memory model (raydist.planner.memory)."""
+        splits: dict[int, int | None] = {id(self.router.weight): None}
+        splits.update({id(w.weight): 1 for w in self.experts.stacks()})  # F is in (F, D) or (D, F)
+        if self.shared is not None:
+            gate, up, down = self.shared.projections()
+            splits.update({id(gate.weight): 0, id(up.weight): 0, id(down.weight): 1})
+        return {name: splits[id(p)] for name, p in self.named_parameters()}
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream (in `tp_layout`) as the whole (B, T, D) on every tp rank; its gradient, a partial
+        sum on each rank, is reduced back into the layout."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        whole = DTensor.from_local(x, self.tp_mesh, (self.tp_layout,), run_check=False)
+        return whole.redistribute(placements=(Replicate(),)).to_local(grad_placements=(Partial(),))
+
+    def _reduce(self, out: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial
+
+        partial = DTensor.from_local(out, self.tp_mesh, (Partial(),), run_check=False)
+        return partial.redistribute(placements=(self.tp_layout,)).to_local()
+
+    def _shared_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's SwiGLU on this rank's F / tp hidden units: a partial sum of its output."""
+        gate, up, down = (_local(p.weight) for p in self.shared.projections())
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
     @torch.no_grad()
     def record(self, aux: torch.Tensor, load: torch.Tensor) -> None:

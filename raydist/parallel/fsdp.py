@@ -27,21 +27,33 @@ def mixed_precision_policy(compute_dtype: torch.dtype) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
 
 
+def _free_dim(param) -> int:
+    """The first dim after the expert dim that no model-parallel split of `param` (a DTensor's Shard
+    placements: tensor parallelism's) already takes: FSDP splitting the same dim again would be a strided
+    split, whose pieces are not boxes."""
+    taken = {p.dim for p in getattr(param, "placements", ()) if hasattr(p, "dim")}
+    return next(d for d in range(1, param.dim()) if d not in taken)
+
+
 def expert_placement(shards: int):
     """FSDP's placement for a parameter (`shard_placement_fn`): Shard(0), except for a mixture of experts'
     stacked weights (E, out, in) with fewer experts than shards, split along dim 1 instead so that no rank
-    holds an empty shard (Mixtral's 8 experts over 16 ranks; torchtitan does the same)."""
+    holds an empty shard (Mixtral's 8 experts over 16 ranks; torchtitan does the same), or dim 2 where tensor
+    parallelism split dim 1 (`_free_dim`)."""
     from torch.distributed.tensor import Shard
 
     def place(param: torch.nn.Parameter):
-        return Shard(1) if param.dim() == 3 and param.shape[0] < shards else None  # None: the default, Shard(0)
+        if param.dim() == 3 and param.shape[0] < shards:
+            return Shard(_free_dim(param))
+        return None  # the default, Shard(0)
 
     return place
 
 
-def shard_experts(experts, ep_mesh: DeviceMesh) -> None:
+def shard_experts(experts, ep_mesh: DeviceMesh, ep_tp_mesh: DeviceMesh) -> None:
     """Expert parallelism: replace each expert stack (E, out, in) of `experts` (a GroupedExperts) by a DTensor
-    split along E over `ep_mesh` (Shard(0): this rank's E / R experts) and give the module the ep group for
+    split along E over `ep_mesh` (Shard(0): this rank's E / R experts), keeping a tensor-parallel split
+    (then a 2-D DTensor on `ep_tp_mesh`, (Shard(0), tp's placement)), and give the module the ep group for
     its all-to-all. Works on the meta device (the slice is a view of no storage) and on a real one (every rank
     built the same whole stack; it keeps its slice)."""
     from torch.distributed.tensor import DTensor, Shard
@@ -49,24 +61,30 @@ def shard_experts(experts, ep_mesh: DeviceMesh) -> None:
     ranks, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     for holder in experts.stacks():
         whole = holder.weight
-        local = whole.detach().chunk(ranks, dim=0)[rank].clone()
-        holder.weight = torch.nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
-                                                              shape=whole.shape, stride=whole.stride()))
+        if isinstance(whole, DTensor):  # split by tensor parallelism already
+            local, mesh, placements = whole.to_local(), ep_tp_mesh, (Shard(0), *whole.placements)
+        else:
+            local, mesh, placements = whole, ep_mesh, (Shard(0),)
+        local = local.detach().chunk(ranks, dim=0)[rank].clone()
+        holder.weight = torch.nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False,
+                                                              shape=whole.shape, stride=whole.stride()),
+                                           requires_grad=whole.requires_grad)
     experts.ep_group = ep_mesh.get_group()
 
 
-def _shard_dim_one(param: torch.nn.Parameter):
+def _after_expert_dim(param: torch.nn.Parameter):
     from torch.distributed.tensor import Shard
 
-    return Shard(1)
+    return Shard(_free_dim(param))
 
 
 def apply_expert_fsdp(experts, mesh: DeviceMesh, mp: MixedPrecisionPolicy, reshard_after_forward: bool,
                       dp_size: int) -> None:
     """An expert-parallel stack's own FSDP unit on `mesh` (the data-parallel ranks outside ep: dp_shard / ep
-    x cp, HSDP with dp_replicate). Split along dim 1 (out), not 0: the ep split already took dim 0, and
-    FSDP's dim-0 split of it would be a strided one (`_StridedShard`) whose pieces are not boxes, which the
-    keyed init, the checkpoint reader and the Hugging Face loader would each cut the slow general way.
+    x cp, HSDP with dp_replicate). Split along dim 1 (out; dim 2 where tensor parallelism took dim 1), not
+    0: the ep split already took dim 0, and FSDP's dim-0 split of it would be a strided one (`_StridedShard`)
+    whose pieces are not boxes, which the keyed init, the checkpoint reader and the Hugging Face loader
+    would each cut the slow general way.
 
     The reduction divides by `dp_size`, the whole data-parallel width (dp_replicate x dp_shard x cp), not by
     the unit's mesh: an expert's gradient already sums the tokens of all ep ranks (the all-to-all's
@@ -75,7 +93,7 @@ def apply_expert_fsdp(experts, mesh: DeviceMesh, mp: MixedPrecisionPolicy, resha
     (`set_force_sum_reduction_for_comms`), except on a one-rank shard group, where FSDP skips the
     reduce-scatter and divides by the factor itself (torch 2.13 would divide twice with the sum forced)."""
     fully_shard(experts, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                shard_placement_fn=_shard_dim_one)
+                shard_placement_fn=_after_expert_dim)
     experts.set_gradient_divide_factor(float(dp_size))
     shard_group = mesh[mesh.mesh_dim_names[-1]] if mesh.ndim > 1 else mesh
     if shard_group.size() > 1 and mesh.device_type != "cuda":  # cpu meshes run on gloo (raydist.parallel.runtime)

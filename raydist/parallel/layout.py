@@ -276,9 +276,8 @@ def mesh_problems(layout: Layout, model: "ModelConfig", seq_len: int) -> list[st
 
 
 def _mixture_of_experts(lay: Layout, m: "ModelConfig") -> list[str]:
-    """A mixture of experts trains under data parallelism, FSDP (the experts' stacked weights sharded),
-    expert, pipeline and context parallelism; tensor parallelism is not built for it yet (the experts have no
-    tensor-parallel plan)."""
+    """What a mixture of experts needs of the layout: ep dividing the experts and dp_shard, FSDP's split of
+    an ep rank's experts even, tp dividing every expert's hidden units."""
     out = []
     if lay.ep > 1 and not m.moe_experts:
         out.append(f"parallel.ep={lay.ep} needs a mixture of experts (model.moe_experts); set parallel.ep = 1")
@@ -293,9 +292,11 @@ def _mixture_of_experts(lay: Layout, m: "ModelConfig") -> list[str]:
         out.append(f"parallel.ep={lay.ep}: FSDP splits each expert's rows over dp_shard / ep x cp = {outer} ranks, "
                    f"which must divide model.moe_ffn_hidden={m.expert_hidden} and model.d_model={m.d_model}; "
                    "raise ep or lower dp_shard")
-    if m.moe_experts and lay.tp > 1:
-        out.append(f"parallel.tp={lay.tp} with model.moe_experts={m.moe_experts}: a mixture-of-experts model has "
-                   "no tensor-parallel plan yet; set parallel.tp = 1 (dp_shard, ep, pp and cp compose with it)")
+    hidden = {"model.moe_ffn_hidden": m.expert_hidden, "model.moe_shared_ffn_hidden": m.moe_shared_ffn_hidden}
+    for key, value in hidden.items():
+        if m.moe_experts and lay.tp > 1 and value % lay.tp:
+            out.append(f"parallel.tp={lay.tp} does not divide {key}={value}: tensor parallelism splits each expert's "
+                       f"hidden units; pick tp from {divisors(value)}")
     return out
 
 

@@ -106,6 +106,7 @@ class Mesh:
     - `batch_peers`: pp x cp x tp, the ranks that share one data-parallel index and so one batch;
     - with expert parallelism (spec.ep > 1), dp_shard unflattened into (dp_shard_mod_ep, ep), ep inner (the
       all-to-all stays among near ranks): `ep`, the ranks an MoE block's experts are split over, and
+      `ep_tp`, (ep, tp) for expert stacks that tensor parallelism also splits (`ep` itself when tp = 1),
       `expert_fsdp`, what FSDP shards each expert over (dp_shard_mod_ep x cp; HSDP: with dp_replicate), as
       torchtitan's `dp_shard_mod_ep` does. Both come from one unflattened mesh, so FSDP can join them into the
       2-D mesh of an expert parameter (its `_concatenate`). Without ep both are None.
@@ -146,10 +147,12 @@ class Mesh:
             else:
                 self.fsdp = self.dp_shard_cp
             self.ep: DeviceMesh | None = None
+            self.ep_tp: DeviceMesh | None = None
             self.expert_fsdp: DeviceMesh | None = None
             if spec.ep > 1:
                 e = _expert_root(m, spec, device_type)
                 self.ep = e["ep"]
+                self.ep_tp: DeviceMesh | None = e["ep", "tp"] if spec.tp > 1 else self.ep  # (ep, tp) stacks
                 outer = _joined(e, ("dp_shard_mod_ep", "cp"), "dp_shard_mod_ep_cp", {})
                 self.expert_fsdp = (DeviceMesh._concatenate([e["dp_replicate"], outer]) if spec.dp_replicate > 1
                                     else outer)

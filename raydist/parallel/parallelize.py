@@ -114,7 +114,7 @@ def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_paral
         from raydist.parallel.fsdp import shard_experts
 
         for experts in [m for m in model.modules() if isinstance(m, GroupedExperts)]:
-            shard_experts(experts, mesh.ep)
+            shard_experts(experts, mesh.ep, mesh.ep_tp)
     apply_activation_checkpointing(model, layout.activation_checkpoint, layout.activation_checkpoint_k)
     if on_meta and not data_parallel.moves_model:
         materialize(model)  # the whole (TP-local) model: DDP and single replicas hold all of it

@@ -137,6 +137,20 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
+class MixtureOfExpertsParallel(ParallelStyle):
+    """A mixture of experts' feed-forward: the router replicated, every expert's MLP split Megatron's way
+    (gate and up by hidden unit, down by its inputs), the partial outputs reduced into the residual layout
+    (raydist.models.moe.MoEFeedForward.shard_tensor_parallel, which owns the module's names)."""
+
+    def __init__(self, layout: Placement):
+        super().__init__()
+        self.layout = layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.shard_tensor_parallel(device_mesh, self.layout)
+        return module
+
+
 def _block_style(role: str, cfg, tp: int, layout: Placement) -> ParallelStyle:
     """The style of a block module of `role` (raydist.models.gpt.block_roles says which module has which)."""
     if role == "column":
@@ -147,6 +161,8 @@ def _block_style(role: str, cfg, tp: int, layout: Placement) -> ParallelStyle:
         return ColwiseParallel() if cfg.num_kv_heads % tp == 0 else ReplicatedKVHeads(cfg.num_kv_heads, cfg.head_size)
     if role == "norm":
         return NormParallel(layout)
+    if role == "moe":
+        return MixtureOfExpertsParallel(layout)
     if role == "head_norm":
         # (B, T, heads, E) with this rank's heads: Shard(2), so each rank's weight gradient covers its heads
         # (with replicated kv heads, its query heads' share of them) and the sum over tp is the whole

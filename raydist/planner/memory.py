@@ -98,10 +98,13 @@ def _block_tensors(m) -> tuple[Tensor2D, ...]:
     with torch.device("meta"):
         block = TransformerBlock(m)
     roles = block_roles(m)
+    own = {f"{prefix}.{name}": split for prefix, module in block.named_modules()  # modules that split themselves
+           if hasattr(module, "tensor_parallel_splits") for name, split in module.tensor_parallel_splits().items()}
     out = []
     for name, p in block.named_parameters():
         module, kind = name.rsplit(".", 1)
-        split = {"column": 0, "kv": 0, "row": 1 if kind == "weight" else None}.get(roles.get(module))
+        split = own[name] if name in own else {"column": 0, "kv": 0, "row": 1 if kind == "weight" else None}.get(
+            roles.get(module))
         out.append(Tensor2D(p.shape[0], math.prod(p.shape[1:]), split, p.shape[1] if p.dim() == 3 else 0))
     return tuple(out)
 

@@ -295,6 +295,7 @@ class Trainer:
             figures[2:-1] = load.cpu()
         if self.world_size > 1:
             dist.all_reduce(figures, group=self.group)
+        figures[:-1] /= self.layout.tp  # tensor-parallel ranks route the same tokens: count them once
         total, count, load = float(figures[0]), float(figures[1]), figures[2:-1]
         out = {"moe_aux": round(total / max(count, 1), 6),
                "moe_load_max": round(float(load.max() / load.mean().clamp_min(1e-9)), 4),

@@ -159,8 +159,9 @@ def test_bad_moe_settings_are_refused(model, match):
 @pytest.mark.parametrize("degrees, match", [
     ({"dp_shard": 4, "ep": 3}, "parallel.ep=3 does not divide parallel.dp_shard=4"),
     ({"dp_shard": 10, "ep": 2}, "dp_shard / ep x cp = 5 ranks, which must divide model.moe_ffn_hidden=48"),
+    ({"tp": 32}, "parallel.tp=32 does not divide model.moe_ffn_hidden=48"),
 ])
-def test_expert_parallel_layouts_that_cannot_run_are_refused_by_name(degrees, match):
+def test_moe_layouts_that_cannot_run_are_refused_by_name(degrees, match):
     from raydist.parallel.layout import Layout, validate
     from raydist.parallel.mesh import MeshSpec
 
@@ -170,14 +171,6 @@ def test_expert_parallel_layouts_that_cannot_run_are_refused_by_name(degrees, ma
         MeshSpec(dp_shard=-1, ep=3).resolve(4)
 
 
-@pytest.mark.parametrize("degrees", [{"tp": 2}])
-def test_layouts_moe_does_not_have_yet_are_refused_by_name(degrees):
-    from raydist.parallel.layout import Layout, validate
-
-    layout = Layout.of(**degrees, micro_batch=1, num_microbatches=2)
-    [name] = degrees
-    assert any(f"parallel.{name}=2 with model.moe_experts=4" in p for p in validate(layout, ModelConfig(**MOE), 32))
-    assert not any("moe_experts" in p for p in validate(layout, ModelConfig(**{**MOE, "moe_experts": 0}), 32))
 
 
 # ---- training in parallel layouts equals the single process -------------------------------------------
@@ -212,8 +205,11 @@ def reference(tiny_data):
     ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, 4),
     ({"pp": 2, "pp_schedule": "1f1b", "dp_shard": 2, "ep": 2}, 4),
     ({"cp": 2, "cp_impl": "ring", "dp_shard": 2, "ep": 2}, 4),
+    ({"tp": 2}, 2),
+    ({"tp": 2, "sequence_parallel": True, "dp_shard": 2}, 4),
+    ({"dp_shard": 2, "ep": 2, "tp": 2}, 4),
 ], ids=["ddp2", "fsdp2", "hsdp2x2", "pp2-1f1b", "pp2-zbh1", "pp2xfsdp2", "cp2-ring", "cp2-ulysses-x-fsdp2",
-        "ep2", "ep4", "ep2xfsdp2", "ep2-hsdp2x2", "pp2xep2", "ep2xcp2"])
+        "ep2", "ep4", "ep2xfsdp2", "ep2-hsdp2x2", "pp2xep2", "ep2xcp2", "tp2", "tp2-sp-x-fsdp2", "ep2xtp2"])
 def test_moe_layout_equals_single_process(tiny_data, parallel, world):
     ref = reference(tiny_data)
     router = [n for n in ref.grads if n.endswith("feed_forward.router.weight")]
@@ -227,13 +223,15 @@ def test_moe_layout_equals_single_process(tiny_data, parallel, world):
     assert held == set(ref.grads)
 
 
-def test_expert_parallelism_splits_the_experts_and_a_wrong_gradient_scale_is_caught(tiny_data):
-    """ep 2: each rank holds half of each expert stack (the all-to-all path runs), and a planted bug that
-    leaves the experts' gradients ep times too large (tests/unit/ep_undivided.py) fails the equivalence."""
+@pytest.mark.parametrize("parallel, planted", [({"dp_shard": 2, "ep": 2}, "ep_undivided"),
+                                               ({"tp": 2}, "moe_tp_aux_whole")], ids=["ep2", "tp2"])
+def test_a_wrong_gradient_scale_under_expert_or_tensor_parallelism_is_caught(tiny_data, parallel, planted):
+    """Planted bugs the layouts' equivalence must catch: ep 2 leaving the experts' gradients ep times too large
+    (tests/unit/ep_undivided.py; it also shows the all-to-all path ran), tp 2 giving the balance loss its
+    whole gradient on every tp rank (tests/unit/moe_tp_aux_whole.py)."""
     ref = reference(tiny_data)
-    raw = moe_config(tiny_data, dp_shard=2, ep=2)
-    with pytest.raises(AssertionError, match="gradient"):
-        for rank in run_layout(raw, 2, imports=("ep_undivided",)):
+    with pytest.raises(AssertionError, match="gradient|losses"):
+        for rank in run_layout(moe_config(tiny_data, **parallel), 2, imports=(planted,)):
             assert_equivalent(ref, rank)
 
 
