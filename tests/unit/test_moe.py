@@ -312,12 +312,12 @@ def test_lora_on_attention_trains_a_moe_model_alike_under_fsdp(tiny_data):
         Config.from_dict({"model": MOE, "peft": {"method": "lora", "lora_targets": "mlp"}})
 
 
-@pytest.mark.parametrize("parallel", [{"dp_replicate": 2}, {"dp_replicate": 1, "dp_shard": 2, "ep": 2}],
-                         ids=["ddp2", "ep2"])
+@pytest.mark.parametrize("parallel", [{"dp_replicate": 2}, {"dp_replicate": 1, "dp_shard": 2, "ep": 2},
+                                      {"dp_replicate": 1, "tp": 2}], ids=["ddp2", "ep2", "tp2"])
 def test_the_metrics_log_the_balance_loss_and_every_routed_token(tiny_data, tmp_path, parallel):
     """A 2-rank run's metrics.jsonl: `moe_aux` near 1 (balanced is 1), and `moe_tokens_per_expert` counting
-    each training token's k choices in every block over both ranks' rows (evaluation's forwards not counted);
-    under ep the seconds spent in the all-to-alls (`moe_all_to_all_s`), absent without it."""
+    each training token's k choices in every block once (tp ranks route the same tokens; evaluation's forwards
+    not counted); under ep the seconds spent in the all-to-alls (`moe_all_to_all_s`), absent without it."""
     from raydist.testing import run_fit
 
     raw = tiny_config(tiny_data, model={**MOE, "moe_aux_coef": 0.1}, train={"steps": 4, "log_every": 2},
