@@ -225,8 +225,9 @@ class GroupedExperts(nn.Module):
         starts = (got_rows.cumsum(0) - got_rows).view(ranks, local)
         lengths = got.t().reshape(-1)  # (j, s) order
         seg_starts = starts.t().reshape(-1)
-        offsets = torch.repeat_interleave(seg_starts - (lengths.cumsum(0) - lengths), lengths)
-        regroup = torch.arange(int(lengths.sum()), device=xs.device) + offsets
+        total = sum(recv_splits)  # (known on the host: no further sync for the sizes below)
+        offsets = torch.repeat_interleave(seg_starts - (lengths.cumsum(0) - lengths), lengths, output_size=total)
+        regroup = torch.arange(total, device=xs.device) + offsets
         ys = expert_swiglu(rows[regroup], got.sum(0), w1, w3, w2, self.kernel)
         back = ys[regroup.argsort()]  # arrival order again
         return _AllToAll.apply(back, send_splits, recv_splits, group, self.clock)
