@@ -134,7 +134,8 @@ class Layout:
 
     # ---- text and data -----------------------------------------------------------------------------
     def mesh(self) -> dict[str, int]:
-        return self.degrees()
+        """The degrees, with ep where experts are split (records and estimates print this)."""
+        return {**self.degrees(), "ep": self.ep} if self.ep > 1 else self.degrees()
 
     def describe(self) -> str:
         parts = [f"{k}{v}" for k, v in self.degrees().items() if v > 1] or ["single"]

@@ -68,7 +68,7 @@ class RunLogger:
 
     def base(self) -> dict[str, Any]:
         t = self.trainer
-        return {"step": t.step, "world_size": t.world_size, "mesh": t.layout.degrees(),
+        return {"step": t.step, "world_size": t.world_size, "mesh": t.layout.mesh(),
                 "elapsed_s": round(time.time() - self.run_start, 3), "attempt": self.attempt,
                 "kernels": t.kernels_ran(), "kernels_selected": t.kernels}
 
@@ -248,13 +248,13 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     dist.all_gather_object(workers, {"host": socket.gethostname(), "pid": os.getpid()}, group=trainer.group)
     if events and not healed:
         kind = "start" if attempt["attempt"] == 1 else "restart"
-        events.event(kind, trainer.step, world_size=trainer.world_size, mesh=trainer.layout.degrees(),
+        events.event(kind, trainer.step, world_size=trainer.world_size, mesh=trainer.layout.mesh(),
                      idle_workers=dist.get_world_size() - trainer.world_size, layout=trainer.layout.reason,
                      workers=workers, weights=trainer.weights_from, strict_collectives=strict.active(), **attempt)
         previous = (resumed or {}).get("run", {}).get("world_size")
         if previous is not None and previous != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,
-                         mesh=trainer.layout.degrees())
+                         mesh=trainer.layout.mesh())
     logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], bookkeeping, events=events,
                        workers=workers)
     logger.gate = lead
@@ -311,7 +311,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         "train_wall_s": round(wall, 3),
         "tokens_per_s": round((trainer.step - start_step) * logger.tokens_per_step / max(wall, 1e-9), 2),
         "mfu": logger.last.get("mfu"), "mfu_peak_source": logger.peak_source, "world_size": trainer.world_size,
-        "mesh": trainer.layout.degrees(), "elapsed_s": round(time.time() - run_start, 3),
+        "mesh": trainer.layout.mesh(), "elapsed_s": round(time.time() - run_start, 3),
         "kernels": trainer.kernels_ran(), "kernels_selected": trainer.kernels, **trainer.param_counts,
     }
     if ckpt and lead():

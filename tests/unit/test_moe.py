@@ -331,6 +331,7 @@ def test_the_metrics_log_the_balance_loss_and_every_routed_token(tiny_data, tmp_
         assert sum(r["moe_tokens_per_expert"]) == 2 * per_step and len(r["moe_tokens_per_expert"]) == 4
         assert 1.0 <= r["moe_aux"] < 2.0 and r["moe_load_max"] >= 1.0
         assert (r.get("moe_all_to_all_s", 0) > 0) == ("ep" in parallel), r
+        assert r["mesh"].get("ep", 1) == parallel.get("ep", 1)  # the record names the split
 
 
 @pytest.mark.parametrize("parallel", [{"dp_shard": 4}, {"dp_shard": 4, "ep": 2}], ids=["fsdp4", "ep2xfsdp2"])
