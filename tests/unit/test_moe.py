@@ -208,8 +208,11 @@ def reference(tiny_data):
     ({"tp": 2}, 2),
     ({"tp": 2, "sequence_parallel": True, "dp_shard": 2}, 4),
     ({"dp_shard": 2, "ep": 2, "tp": 2}, 4),
+    ({"dp_shard": 2, "ep": 2, "train": {"activation_checkpoint": "full"}}, 2),
+    ({"pp": 2, "pp_schedule": "zbh1", "dp_shard": 2, "ep": 2}, 4),
 ], ids=["ddp2", "fsdp2", "hsdp2x2", "pp2-1f1b", "pp2-zbh1", "pp2xfsdp2", "cp2-ring", "cp2-ulysses-x-fsdp2",
-        "ep2", "ep4", "ep2xfsdp2", "ep2-hsdp2x2", "pp2xep2", "ep2xcp2", "tp2", "tp2-sp-x-fsdp2", "ep2xtp2"])
+        "ep2", "ep4", "ep2xfsdp2", "ep2-hsdp2x2", "pp2xep2", "ep2xcp2", "tp2", "tp2-sp-x-fsdp2", "ep2xtp2",
+        "ep2-recompute", "pp2-zbh1xep2"])
 def test_moe_layout_equals_single_process(tiny_data, parallel, world):
     ref = reference(tiny_data)
     router = [n for n in ref.grads if n.endswith("feed_forward.router.weight")]
@@ -217,7 +220,10 @@ def test_moe_layout_equals_single_process(tiny_data, parallel, world):
     assert len(router) == 2 and len(experts) == 6
     assert all(ref.grads[n].abs().sum() > 0 for n in router + experts)  # every expert got tokens
     held = set()
-    for rank in run_layout(moe_config(tiny_data, **parallel), world):
+    parallel = dict(parallel)
+    raw = moe_config(tiny_data, **{k: v for k, v in parallel.items() if k != "train"})
+    raw["train"].update(parallel.get("train", {}))  # (recompute re-runs the all-to-alls in backward)
+    for rank in run_layout(raw, world):
         assert_equivalent(ref, rank)
         held |= set(rank.grads)
     assert held == set(ref.grads)
