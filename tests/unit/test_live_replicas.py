@@ -29,7 +29,10 @@ from raydist.testing import LayoutResult, assert_equivalent, assert_same_steps, 
 
 STEPS, ALONE_STEPS = 6, 3
 WORKERS = 2  # per replica
-INSIDE = {"fsdp": {"dp_shard": 2}, "tp": {"tp": 2}, "cp": {"cp": 2}, "pp": {"pp": 2}}  # each replica's mesh
+INSIDE = {"fsdp": {"dp_shard": 2}, "tp": {"tp": 2}, "cp": {"cp": 2}, "pp": {"pp": 2},  # each replica's mesh
+          "ep": {"dp_shard": 2, "ep": 2}}  # (a mixture of experts, its experts split over the replica's 2 ranks)
+MOE = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=320,
+           moe_experts=4, moe_top_k=2, moe_ffn_hidden=48, moe_aux_coef=0.5)
 DROPPED = "layers.0.attention.wq.weight"  # (a tensor-parallel shard under tp)
 
 
@@ -188,7 +191,19 @@ def test_two_replicas_from_the_first_step_and_a_parameter_without_its_gradient_f
 @SPAWNS
 @pytest.mark.parametrize("inside", ["fsdp", "tp", "cp", "pp"])
 def test_a_late_replica_heals_rank_by_rank_and_the_run_stays_exact(reference, tmp_path, inside):
-    raw, single = reference
+    _late_replica_heals(*reference, tmp_path, inside)
+
+
+@SPAWNS
+def test_a_late_replica_of_a_mixture_of_experts_heals_its_expert_parallel_shards(tiny_data, tmp_path):
+    """Replicas of 2 ranks each holding half of every MoE block's experts (ep 2): the late replica receives
+    its ranks' experts from the ranks at the same coordinates, and the run stays the single process's."""
+    raw = tiny_config(tiny_data, model=MOE, train={"steps": STEPS})
+    [single] = run_layout(raw, 1, steps=STEPS, record_samples=True)
+    _late_replica_heals(raw, single, tmp_path, "ep")
+
+
+def _late_replica_heals(raw: dict, single: LayoutResult, tmp_path, inside: str) -> None:
     results = _run(_live(raw, inside), late=True, tmp=tmp_path)
     first, late = results[:WORKERS], results[WORKERS:]
     assert all(not r["healed"] for r in first) and all(r["healed"] for r in late)
