@@ -344,19 +344,18 @@ class MoEFeedForward(nn.Module):
         (`aux_share`), so the reduction sums it once."""
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-        def split(holder, name: str, placement) -> None:
-            weight = getattr(holder, name)
-            setattr(holder, name, nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, (placement,),
-                                                                 src_data_rank=None),
-                                               requires_grad=weight.requires_grad))
+        def split(holder, placement) -> None:
+            weight = holder.weight
+            holder.weight = nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, (placement,), src_data_rank=None),
+                                         requires_grad=weight.requires_grad)
 
         gate, up, down = self.experts.stacks()
         for holder, placement in ((gate, Shard(1)), (up, Shard(1)), (down, Shard(2)), (self.router, Replicate())):
-            split(holder, "weight", placement)
+            split(holder, placement)
         if self.shared is not None:
             gate, up, down = self.shared.projections()
             for holder, placement in ((gate, Shard(0)), (up, Shard(0)), (down, Shard(1))):
-                split(holder, "weight", placement)
+                split(holder, placement)
         self.tp_mesh, self.tp_layout, self.aux_share = tp_mesh, layout, 1.0 / tp_mesh.size()
 
     def tensor_parallel_splits(self) -> dict[str, int | None]:
@@ -420,4 +419,4 @@ def take_stats(module: nn.Module) -> tuple[torch.Tensor | None, int, torch.Tenso
 
 def take_all_to_all_seconds(module: nn.Module) -> float:
     """Seconds `module`'s expert-parallel all-to-alls took (forward and backward) since the last call."""
-    return sum(m.clock.take() for m in module.modules() if isinstance(m, GroupedExperts))
+    return sum(block.experts.clock.take() for block in moe_blocks(module))

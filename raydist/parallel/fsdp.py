@@ -109,10 +109,10 @@ def apply_fsdp(model, mesh: DeviceMesh, compute_dtype: torch.dtype, *, reshard_a
     blocks = list(model.layers.values())
     place = expert_placement(mesh.size(mesh.ndim - 1))  # the sharding dim (HSDP: the second)
     if expert_mesh is not None:
-        from raydist.models.moe import GroupedExperts
+        from raydist.models.moe import moe_blocks
 
-        for module in [m for block in blocks for m in block.modules() if isinstance(m, GroupedExperts)]:
-            apply_expert_fsdp(module, expert_mesh, mp, reshard_after_forward, dp_size)
+        for moe in moe_blocks(model):
+            apply_expert_fsdp(moe.experts, expert_mesh, mp, reshard_after_forward, dp_size)
     embedding = model.embedding if model.embedding is not None and not model.tied else None
     if embedding is not None:
         fully_shard(embedding, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -108,8 +108,8 @@ class Mesh:
       all-to-all stays among near ranks): `ep`, the ranks an MoE block's experts are split over, and
       `ep_tp`, (ep, tp) for expert stacks that tensor parallelism also splits (`ep` itself when tp = 1),
       `expert_fsdp`, what FSDP shards each expert over (dp_shard_mod_ep x cp; HSDP: with dp_replicate), as
-      torchtitan's `dp_shard_mod_ep` does. Both come from one unflattened mesh, so FSDP can join them into the
-      2-D mesh of an expert parameter (its `_concatenate`). Without ep both are None.
+      torchtitan's `dp_shard_mod_ep` does. All three come from one unflattened mesh, so FSDP can join them into
+      the mesh of an expert parameter (its `_concatenate`). Without ep they are None.
 
     A view over dims of which at most one has more than one rank is that dim's own mesh (`_joined`): a
     flattened copy would be a new process group over the same ranks, on NCCL a communicator of its own
@@ -152,7 +152,7 @@ class Mesh:
             if spec.ep > 1:
                 e = _expert_root(m, spec, device_type)
                 self.ep = e["ep"]
-                self.ep_tp: DeviceMesh | None = e["ep", "tp"] if spec.tp > 1 else self.ep  # (ep, tp) stacks
+                self.ep_tp = e["ep", "tp"] if spec.tp > 1 else self.ep  # (ep, tp) stacks
                 outer = _joined(e, ("dp_shard_mod_ep", "cp"), "dp_shard_mod_ep_cp", {})
                 self.expert_fsdp = (DeviceMesh._concatenate([e["dp_replicate"], outer]) if spec.dp_replicate > 1
                                     else outer)

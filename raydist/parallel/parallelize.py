@@ -110,11 +110,11 @@ def _parallelize_module(model: nn.Module, mesh: Mesh, layout: Layout, data_paral
 
         apply_context_parallel(model, mesh, layout.cp_impl)
     if layout.ep > 1:  # experts split over ep before FSDP shards each over the rest (raydist.parallel.fsdp)
-        from raydist.models.moe import GroupedExperts
+        from raydist.models.moe import moe_blocks
         from raydist.parallel.fsdp import shard_experts
 
-        for experts in [m for m in model.modules() if isinstance(m, GroupedExperts)]:
-            shard_experts(experts, mesh.ep, mesh.ep_tp)
+        for moe in moe_blocks(model):
+            shard_experts(moe.experts, mesh.ep, mesh.ep_tp)
     apply_activation_checkpointing(model, layout.activation_checkpoint, layout.activation_checkpoint_k)
     if on_meta and not data_parallel.moves_model:
         materialize(model)  # the whole (TP-local) model: DDP and single replicas hold all of it

@@ -62,7 +62,8 @@ import math
 from raydist.models.gpt import flops_per_token, param_counts
 from raydist.planner.hardware import Hardware, Link
 from raydist.planner.memory import (adapter_elements, block_activation_bytes, block_selective_bytes,
-                                    expert_elements, mlp_hidden, stage_elements, stage_trained_elements, trained_root_parts, trained_unit_elements)
+                                    expert_elements, mlp_hidden, stage_elements, stage_trained_elements,
+                                    trained_root_parts, trained_unit_elements)
 from raydist.planner.placement import Layout, Workload, holders, rank_layer_counts, trained_layer_counts
 from raydist.schedule.registry import schedule_kind
 from raydist.schedule.timeline import theoretical_bubble
