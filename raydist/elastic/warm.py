@@ -64,6 +64,13 @@ PRELOAD_CONTROLLER = ("ray.train.v2._internal.execution.checkpoint.sync_actor",
                       "ray.train.v2._internal.data_integration.dataset_manager")
 
 preloaded_at: float | None = None  # when `preload` finished in this process (None: it did not run)
+# The process title a spare takes when its preload is done. Ray titles an idle worker `ray::IDLE` from
+# before its core worker registers with the raylet (ray/_private/worker.py: connect), and runs the setup hook
+# after it registered and before its task loop, so this title says from outside (`ps`, /proc) that the
+# process is registered, preloaded and about to wait for work; Ray retitles it when it hosts something.
+# (Idle CPU was tried instead: an idle worker's main thread still ticks about 10 ms a second in Ray's task
+# loop, and on loaded CI machines the spares never looked quiet.)
+READY_TITLE = "ray::IDLE raydist-preloaded"
 
 
 def preload() -> None:
@@ -90,6 +97,13 @@ def preload() -> None:
         except Exception:  # not installed, or moved by a Ray upgrade: nothing to preload
             pass
     preloaded_at = time.time()
+    if os.environ.get("RAY_RAYLET_PID"):  # a Ray worker process (the raylet sets it), not a test's own
+        try:
+            from ray._raylet import setproctitle
+
+            setproctitle(READY_TITLE)
+        except Exception:  # only the title is missing then: the spare works, `ready_only` does not see it
+            pass
 
 
 def enabled(cfg) -> bool:
@@ -139,8 +153,8 @@ def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = Fa
     (this process's own by default) whose environment has RAY_JOB_ID=`job_id` (the raylet sets both for the
     job's workers; a job id alone is not unique: every cluster's first job is 01000000) and SPARE_ENV_VAR
     (workers' spares) or, with `controller`, CONTROLLER_ENV_VAR without SPARE_ENV_VAR (the controller's),
-    named `ray::IDLE` (Ray names a process after what it hosts) or, unless `ready_only`, still starting (its
-    python command line). [] where there is no /proc."""
+    named `ray::IDLE` (Ray names a process after what it hosts) or still starting (its python command line);
+    with `ready_only`, only those whose preload is done (READY_TITLE). [] where there is no /proc."""
     found = []
     try:
         pids = [p for p in os.listdir(proc) if p.isdigit()]
@@ -155,7 +169,7 @@ def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = Fa
                 title = f.read().split(b"\0")[0]
             if title.startswith(b"ray::") and not title.startswith(b"ray::IDLE"):
                 continue  # hosts a task or an actor
-            if ready_only and not title.startswith(b"ray::IDLE"):
+            if ready_only and title != READY_TITLE.encode():
                 continue
             with open(f"{proc}/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
@@ -167,28 +181,6 @@ def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = Fa
         if marked and job in env and raylet in env:
             found.append(int(pid))
     return sorted(found)
-
-
-def settled(pids: list[int], quiet_s: float = 1.0, proc: str = "/proc") -> bool:
-    """Whether the main thread of every process of `pids` used no CPU over `quiet_s`: a spare whose
-    `ray::IDLE` title shows only that it began connecting (Ray names the process before its core worker
-    registers with the raylet and before the setup hook runs) has then registered, preloaded and waits in
-    Ray's main loop (the core worker's own threads keep running). False when one is gone."""
-
-    def cpu_ticks() -> list[int]:
-        ticks = []
-        for pid in pids:
-            with open(f"{proc}/{pid}/task/{pid}/stat") as f:  # the main thread: after the command's ")", field 3 on
-                fields = f.read().rsplit(")", 1)[1].split()
-            ticks.append(int(fields[11]) + int(fields[12]))  # utime, stime (fields 14 and 15)
-        return ticks
-
-    try:
-        before = cpu_ticks()
-        time.sleep(quiet_s)
-        return cpu_ticks() == before
-    except OSError:
-        return False
 
 
 def request_spares(workers: int, controller_actors: int = 0, log=print) -> int | None:

@@ -47,13 +47,14 @@ def probe_class(ray):
 
 
 def two_spares(job, raylet):
-    """Two idle spares that have settled (registered with the raylet and preloaded: warm.settled); a spare
-    only named `ray::IDLE` may not be registered yet, and an actor created then starts a new process."""
-    def settled_two():
+    """Two idle spares that are ready (registered with the raylet and preloaded: warm.READY_TITLE), and no
+    third starting; a spare only named `ray::IDLE` may not be registered yet, and an actor created then starts
+    a new process."""
+    def ready_two():
         pids = warm.spare_pids(job, raylet, ready_only=True)
-        return pids if len(pids) == 2 and warm.settled(pids) and warm.spare_pids(job, raylet) == pids else None
+        return pids if len(pids) == 2 and warm.spare_pids(job, raylet) == pids else None
 
-    return wait_for(settled_two, 120, "two idle spares")
+    return wait_for(ready_two, 120, "two idle spares")
 
 
 def test_an_actor_with_the_workers_runtime_env_starts_in_a_preloaded_spare(ray_hooked):
@@ -93,8 +94,7 @@ def test_a_controllers_own_actors_start_in_spares_asked_for_by_its_worker(ray_ho
             worker = Probe.options(runtime_env=warm.worker_runtime_env()).remote()
             assert ray.get(worker.ask.remote(0, warm.CONTROLLER_ACTORS)) == 2  # two with the controller's env
             job, deadline = ray.get_runtime_context().get_job_id(), time.monotonic() + 120
-            while len(spares := warm.spare_pids(job, controller=True, ready_only=True)) < 2 \
-                    or not warm.settled(spares):  # (as two_spares)
+            while len(spares := warm.spare_pids(job, controller=True, ready_only=True)) < 2:  # (as two_spares)
                 assert time.monotonic() < deadline, "timed out waiting for two idle spares"
                 time.sleep(0.1)
             created = time.time()

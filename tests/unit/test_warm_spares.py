@@ -24,44 +24,21 @@ def test_spares_are_this_jobs_marked_processes_that_host_nothing_yet(tmp_path):
     job = {"RAY_JOB_ID": "01000000", "RAY_RAYLET_PID": "7"}
     mark, ctl = {**job, warm.SPARE_ENV_VAR: "1"}, {**job, warm.CONTROLLER_ENV_VAR: "0"}
     proc = fake_proc(tmp_path, {
-        11: ("ray::IDLE", mark),                                    # idle, ready
+        11: (warm.READY_TITLE, mark),                               # idle, preloaded
+        10: ("ray::IDLE", mark),                                    # idle, still preloading
         12: ("/venv/bin/python", mark),                             # still starting
         13: ("ray::RayTrainWorker.run_train_fn", mark),             # hosts a worker
         14: ("ray::IDLE", job),                                     # another idle process of the job
         15: ("ray::IDLE", {warm.SPARE_ENV_VAR: "1", "RAY_JOB_ID": "02000000"}),  # another job's spare
         16: ("ray::IDLE", ctl),                                     # a spare of the controller's env
         17: ("ray::SynchronizationActor", ctl),                     # hosts the controller's actor
-        18: ("ray::IDLE", {**mark, warm.CONTROLLER_ENV_VAR: "0"}),  # a worker's spare (workers have both)
+        18: (warm.READY_TITLE, {**mark, warm.CONTROLLER_ENV_VAR: "0"}),  # a worker's (workers have both)
         19: ("ray::IDLE", {**mark, "RAY_RAYLET_PID": "8"}),         # another cluster's, whose first job too
     })
-    assert warm.spare_pids("01000000", "7", proc=proc) == [11, 12, 18]
+    assert warm.spare_pids("01000000", "7", proc=proc) == [10, 11, 12, 18]
     assert warm.spare_pids("01000000", "7", ready_only=True, proc=proc) == [11, 18]
     assert warm.spare_pids("01000000", "7", controller=True, proc=proc) == [16]
     assert warm.spare_pids("01000000", "7", proc=str(tmp_path / "none")) == []
-
-
-def test_a_spare_has_settled_when_its_main_thread_used_no_cpu(tmp_path, monkeypatch):
-    """warm.settled reads the main thread's utime + stime (fields 14 and 15 of /proc/PID/task/PID/stat, the
-    command name may hold spaces and parentheses); the core worker's other threads do not count."""
-    def stat(pid, tid, utime, stime):
-        path = tmp_path / str(pid) / "task" / str(tid) / "stat"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{pid} (ray::IDLE (x) y) S 1 2 3 4 5 6 7 8 9 10 {utime} {stime} 0 0 20 0 3\n")
-
-    stat(5, 5, 100, 20)
-    stat(5, 6, 0, 0)
-    stat(9, 9, 7, 3)
-    proc = str(tmp_path)
-    assert warm.settled([5, 9], quiet_s=0.01, proc=proc)
-    assert not warm.settled([5, 10], quiet_s=0.01, proc=proc)  # one is gone
-
-    # The main thread still preloading: its ticks move during the wait; another thread's do not. The ticks
-    # move inside the wait itself (`time.sleep` replaced): a timer thread racing the reader on a loaded machine
-    # once rewrote the file while it was read (a clean-clone CI run read it empty).
-    for tid, want in ((5, False), (6, True)):
-        stat(5, tid, 0, 0)
-        monkeypatch.setattr(warm.time, "sleep", lambda seconds, tid=tid: stat(5, tid, 1, 0))
-        assert warm.settled([5], quiet_s=0.3, proc=proc) is want, tid
 
 
 def test_the_controllers_runtime_env_is_a_workers_without_the_marker():
@@ -94,20 +71,31 @@ def test_a_failed_request_is_one_warning_not_an_error(monkeypatch):
 
 
 def test_the_hook_preloads_only_in_a_workers_or_the_controllers_processes(monkeypatch):
+    """And titles a Ray worker process READY_TITLE when done (what `spare_pids(ready_only=True)` looks for)."""
     import sys
 
+    import ray._raylet
+
+    titles = []
+    monkeypatch.setattr(ray._raylet, "setproctitle", titles.append)
+    monkeypatch.setenv("RAY_RAYLET_PID", "7")
     monkeypatch.delenv(warm.SPARE_ENV_VAR, raising=False)
     monkeypatch.delenv(warm.CONTROLLER_ENV_VAR, raising=False)
     monkeypatch.setattr(warm, "preloaded_at", None)
     warm.preload()
-    assert warm.preloaded_at is None
+    assert warm.preloaded_at is None and titles == []
     monkeypatch.setenv(warm.CONTROLLER_ENV_VAR, "0")
     warm.preload()
     assert warm.preloaded_at is not None and set(warm.PRELOAD_CONTROLLER) <= set(sys.modules)
+    assert titles == [warm.READY_TITLE]
     monkeypatch.setattr(warm, "preloaded_at", None)
     monkeypatch.setenv(warm.SPARE_ENV_VAR, "1")
     warm.preload()
     assert warm.preloaded_at is not None and set(warm.PRELOAD) <= set(sys.modules)
+    assert titles == [warm.READY_TITLE] * 2
+    monkeypatch.delenv("RAY_RAYLET_PID")  # not a Ray worker (this test's process): its title stays
+    warm.preload()
+    assert titles == [warm.READY_TITLE] * 2
 
 
 def test_the_hook_is_the_module_function_ray_loads():
