@@ -20,7 +20,8 @@ from raydist.elastic.live import live_slice
 from ray_runs import Background, jsonl, ray_4cpu, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 from raydist.testing import run_fit
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]  # 50-80 s here, the default 180 s is tight on CI
+# 50-80 s here; 167-266 s in clean-clone CI runs (the tp case), too near 400 s for a run whose waits are bounded
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 EXACT_STEPS = 30  # the steps whose losses must equal the uninterrupted run's to 1e-4 (see the test)
 STEPS = 120
 

@@ -11,7 +11,7 @@ import pytest
 from raydist.config import Config, ConfigError, DataConfig
 from ray_runs import Background, ray_4cpu, records, wait_for  # noqa: F401  (ray_4cpu: a fixture)
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]  # 55-74 s in CI, 2-3x its time here
 
 
 def small(data: str, root, *extra) -> Config:

@@ -14,7 +14,7 @@ import pytest
 
 from cluster_harness import LocalHead, job_status
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]  # as `submit`'s own wait; 58-88 s in CI
 
 PROGRESS = re.compile(r"^step (\d+)/(\d+) \| loss \d+\.\d+", re.M)
 

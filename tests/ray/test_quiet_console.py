@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]  # 89-106 s in CI against the default 180 s
 
 REPO = Path(__file__).resolve().parents[2]
 RAY_INTERNALS = ("(raylet)", "(TrainController", "(RayTrainWorker", "core_worker", "UserWarning")

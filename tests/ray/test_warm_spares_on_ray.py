@@ -14,7 +14,7 @@ import pytest
 from raydist.elastic import warm
 from ray_runs import wait_for
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]  # its own waits: 120 s each
 
 
 @pytest.fixture
