@@ -162,14 +162,14 @@ def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = Fa
         return found
     raylet_pid = raylet_pid or os.environ.get("RAY_RAYLET_PID", "")
     job, spare = f"RAY_JOB_ID={job_id}".encode(), f"{SPARE_ENV_VAR}=".encode()
-    raylet = f"RAY_RAYLET_PID={raylet_pid}".encode()
+    raylet, ready = f"RAY_RAYLET_PID={raylet_pid}".encode(), READY_TITLE.encode()
     for pid in pids:
         try:
             with open(f"{proc}/{pid}/cmdline", "rb") as f:
                 title = f.read().split(b"\0")[0]
             if title.startswith(b"ray::") and not title.startswith(b"ray::IDLE"):
                 continue  # hosts a task or an actor
-            if ready_only and title != READY_TITLE.encode():
+            if ready_only and title != ready:
                 continue
             with open(f"{proc}/{pid}/environ", "rb") as f:
                 env = f.read().split(b"\0")
