@@ -65,6 +65,14 @@ def yield_to_ray(item: pytest.Item) -> None:
 STARVED_FACTOR = 3  # the timeout of a test not marked `ray` under xdist, over its own (or the default 180 s)
 
 
+def patience(seconds: float) -> float:
+    """A test's own wait (a child's result, a server coming up), in a process niced to LOW_PRIORITY: STARVED_FACTOR
+    times `seconds`, as its timeout got (`allow_for_low_priority`). A clean-clone CI run waited 400 s for the
+    ranks of test_live_replicas.py's tp case, a 20 s test alone, and failed with the test's timeout at 1,800 s
+    still far off. Not niced (a test run alone, or marked `ray`), `seconds`."""
+    return STARVED_FACTOR * seconds if os.nice(0) >= LOW_PRIORITY else seconds
+
+
 def allow_for_low_priority(config, items: list[pytest.Item]) -> None:
     """Under xdist, every test not marked `ray` gets STARVED_FACTOR times its timeout: at nice 19 it gets
     almost no CPU while the Ray tests keep both cores busy (a live-recovery run's four workers and its

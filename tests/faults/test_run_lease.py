@@ -13,6 +13,7 @@ import pytest
 import faults_fs  # noqa: F401  (registers objfile://)
 from fault_runs import files_under
 from raydist.checkpoint.lease import RunBusyError, RunLease, format_time
+from workers import patience
 
 
 def _race(run_dir: str, start, results) -> None:
@@ -41,7 +42,7 @@ def test_concurrent_starters_local_exactly_one_wins(tmp_path, stale):
             p.start()
         time.sleep(1.5)  # every process is importing/waiting
         start.set()
-        outcomes = [results.get(timeout=60) for _ in procs]
+        outcomes = [results.get(timeout=patience(60)) for _ in procs]
         for p in procs:
             p.join(timeout=60)
         winners = [o for o in outcomes if o[0] == "won"]

@@ -33,6 +33,7 @@ from raydist.config import Config, dump_toml
 from raydist.driver.follow import Follower
 from raydist.metrics.wandb_tracker import WandbTracker
 from raydist.parallel.runtime import free_port
+from workers import patience
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def mlflow_server(tmp_path_factory):
                              "--artifacts-destination", str(root / "artifacts"), "--workers", "1"],
                             stdout=log, stderr=subprocess.STDOUT)
     uri = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + patience(180)
     while True:
         try:
             with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:

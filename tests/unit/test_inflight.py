@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from raydist.elastic import inflight
 from raydist.parallel.runtime import spawn
+from workers import patience
 
 T0 = 1_795_000_000.0  # a wall-clock time, in seconds
 
@@ -109,7 +110,7 @@ def _late_peer() -> dict:
     work.wait()
     # the recorder's entry is retired on gloo's side of the work, which can lag the wait() returning: CI on a
     # loaded 2-core machine once read it as still queued right after the wait. Read until it goes (10 s at most)
-    deadline = time.monotonic() + 10.0
+    deadline = time.monotonic() + patience(10.0)
     after = inflight.gloo_recorder()
     while after and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
+from workers import patience
 
 LATE_S = 2.0  # how much later replica 1 asks for its first quorum
 
@@ -57,7 +58,7 @@ def _start_group(group_size: int, wait_s: float, started: int = 2) -> dict[int, 
             p.start()
         results = {}
         for _ in procs:
-            rec = out.get(timeout=120)
+            rec = out.get(timeout=patience(120))
             results[rec["replica"]] = rec
         for p in procs:
             p.join(30)

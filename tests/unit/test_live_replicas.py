@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import time
 
 import numpy as np
@@ -26,6 +27,7 @@ import torchft  # noqa: F401  (the test extra installs it; missing, this is an e
 from raydist.config import Config, ConfigError
 from raydist.parallel.runtime import free_port
 from raydist.testing import LayoutResult, assert_equivalent, assert_same_steps, run_layout, tiny_config
+from workers import patience
 
 STEPS, ALONE_STEPS = 6, 3
 WORKERS = 2  # per replica
@@ -111,13 +113,21 @@ def _run(raw: dict, late: bool, tmp, drop: str | None = None) -> list[dict]:
             if r == 0 or not late:
                 p.start()
         if late:  # replica 1 starts once replica 0 has stepped alone (a fixed wait was too short on a loaded machine)
-            deadline = time.monotonic() + 300
+            deadline = time.monotonic() + patience(300)
             while not os.path.exists(flag + ".alone") and time.monotonic() < deadline:
+                _all_alive(procs)
                 time.sleep(0.1)
             for (r, _), p in procs.items():
                 if r == 1:
                     p.start()
-        results = [out.get(timeout=400) for _ in procs]
+        results = []
+        deadline = time.monotonic() + patience(400)
+        while len(results) < len(procs):
+            try:
+                results.append(out.get(timeout=5))
+            except queue.Empty:
+                _all_alive(procs)
+                assert time.monotonic() < deadline, f"{len(results)} of {len(procs)} ranks reported"
         for p in procs.values():
             p.join(60)
             assert p.exitcode == 0
@@ -127,6 +137,12 @@ def _run(raw: dict, late: bool, tmp, drop: str | None = None) -> list[dict]:
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
+
+
+def _all_alive(procs: dict) -> None:
+    """A rank that exited before reporting fails the test now, not when the wait for its result runs out."""
+    dead = {key: p.exitcode for key, p in procs.items() if p.exitcode not in (None, 0)}
+    assert not dead, f"(replica, rank): exit code {dead}"
 
 
 def _check(results: list[dict], single: LayoutResult) -> None:
@@ -164,7 +180,8 @@ def _live(raw: dict, inside: str) -> dict:
 
 
 SPAWNS = pytest.mark.timeout(600)  # ~20 s alone; a loaded CI run took over 180 s to bring replica 0 to step 3
-# (its waits have their own bounds: 300 s for replica 0 alone, 400 s for each rank's result)
+# (its waits have their own bounds: 300 s for replica 0 alone, 400 s for every rank's result, each x3 when niced
+# under xdist, tests/workers.py)
 
 
 @SPAWNS

@@ -18,6 +18,7 @@ import torch
 from raydist.elastic.live import Membership, Replicas, live_slice
 from raydist.schedule.batch import largest_divisor
 from raydist.testing import run_layout, tiny_config
+from workers import patience
 
 STEPS, LOST_AT_STEP = 6, 4
 
@@ -112,7 +113,7 @@ def test_resplit_over_the_live_replicas_equals_the_single_process_step(tiny_data
         p.start()
     results = {}
     for _ in procs:
-        replica, *rest = out.get(timeout=300)
+        replica, *rest = out.get(timeout=patience(300))
         results[replica] = rest
     for p in procs:
         p.join(60)

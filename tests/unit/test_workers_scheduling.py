@@ -3,6 +3,8 @@ other file its own, and a test whose `ray` mark disagrees with its file fails th
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from workers import RAY_SCOPE, check_ray_files, scope_of
@@ -59,3 +61,23 @@ def test_under_xdist_the_niced_tests_get_three_times_their_timeout(monkeypatch):
     assert plain.get_closest_marker("timeout").args == (STARVED_FACTOR * 180.0,)
     assert slow.get_closest_marker("timeout").args == (STARVED_FACTOR * 400.0,)
     assert ray.get_closest_marker("timeout").args == (600,)  # the Ray tests keep their pace and their limits
+
+
+def test_a_niced_tests_own_waits_stretch_as_its_timeout_does():
+    """patience(): a wait inside a test niced to LOW_PRIORITY gets STARVED_FACTOR times as long (a child
+    process, since a process cannot take back its niceness)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from workers import LOW_PRIORITY, STARVED_FACTOR, patience
+
+    tests = str(Path(__file__).resolve().parent.parent)
+    probe = f"import os, sys; sys.path.insert(0, {tests!r}); from workers import patience; print(patience(10.0))"
+    assert patience(10.0) == (STARVED_FACTOR * 10.0 if os.nice(0) >= LOW_PRIORITY else 10.0)
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    niced = subprocess.run([sys.executable, "-c", f"import os; os.nice({LOW_PRIORITY}); " + probe],
+                           capture_output=True, text=True, check=True)
+    assert float(niced.stdout) == STARVED_FACTOR * 10.0
+    if os.nice(0) < LOW_PRIORITY:  # (under xdist this worker is niced already, and so is every child)
+        assert float(plain.stdout) == 10.0
