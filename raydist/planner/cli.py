@@ -2,7 +2,8 @@
 
     raydist plan workloads/gpt_tiny.toml --world 4 --device cpu [--calibrate] [--json] [--top 5]
     raydist plan CONFIG --world 16384 --gpus-per-node 8 --device h100
-    raydist plan --published all          # Llama 3 405B and Megatron 1T: paper layout vs planner's best
+    raydist plan --published table        # predicted against measured for published runs, with the error
+    raydist plan --published all          # the table, then Llama 3 405B and Megatron 1T: paper layout vs planner's best
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ def register_cli(subparsers) -> None:
                         "and store them for --device cpu plans")
     p.add_argument("--implemented-only", action="store_true",
                    help="only parallelisms this checkout implements (what parallel = \"auto\" uses)")
-    p.add_argument("--published", choices=["all", "llama3-405b", "megatron-1t"],
-                   help="compare published layouts with the planner's best under this cost model")
+    p.add_argument("--published", choices=["all", "table", "llama3-405b", "megatron-1t"],
+                   help="table: the cost model's predictions for published runs against what they measured; "
+                        "llama3-405b / megatron-1t: a published layout against the planner's best; all: both")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (repeatable)")
     p.set_defaults(func=cmd_plan)
@@ -127,9 +129,17 @@ def configured_estimate(cfg: Config, w: Workload, world: int, hw):
 
 def _published(args) -> int:
     from raydist.planner.published import PUBLISHED, compare, format_comparison, megatron_accounting
+    from raydist.planner.published_runs import format_table, predict_all, summary
 
-    keys = list(PUBLISHED) if args.published == "all" else [args.published]
     out = {}
+    if args.published in ("all", "table"):
+        predictions = predict_all()
+        if args.json:
+            out["table"] = {"runs": [p.to_dict() for p in predictions], "summary": summary(predictions)}
+        else:
+            print(format_table(predictions))
+            print()
+    keys = {"all": list(PUBLISHED), "table": []}.get(args.published, [args.published])
     for key in keys:
         pub = PUBLISHED[key]
         result = compare(pub, top=args.top)

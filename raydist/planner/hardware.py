@@ -101,12 +101,27 @@ class Hardware:
 # HDR port per GPU.
 HOPPER_MEASURED = dict(compute_efficiency=0.70, attention_efficiency=((2048, 0.70), (4096, 0.81), (8192, 0.89)),
                        elementwise=True, source="measured (GPU check suite, one H100, 2026-11-27)")
+# The H100 of Meta's Grand Teton hosts, which torchtitan's published H100 benchmarks ran on: 96 GB of HBM2e at
+# 2.4 TB/s, run at a 500 W power limit (torchtitan docs/performance.md). Its sustained peak "is between SXM and
+# NVL" (ibid.): the SXM's 989 TFLOP/s and the NVL's 835, taken at the midpoint (912, 0.922 of the SXM's), which
+# scales the measured efficiencies; MFU keeps the SXM's 989 as its denominator, as torchtitan's figures do.
+POWER_CAPPED_H100 = (989 + 835) / 2 / 989
+
+
+def _power_capped(measured: dict, factor: float) -> dict:
+    return dict(measured, compute_efficiency=measured["compute_efficiency"] * factor,
+                attention_efficiency=tuple((t, share * factor) for t, share in measured["attention_efficiency"]),
+                source=f"{measured['source']}, x{factor:.3f} for a 500 W limit (torchtitan's Grand Teton H100)")
+
+
 DEVICES: dict[str, Hardware] = {
     "h100": Hardware("h100", 989e12, 80 * GB, 3.35e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB),
                      **HOPPER_MEASURED),
     "h200": Hardware("h200", 989e12, 141 * GB, 4.8e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB),
                      **HOPPER_MEASURED),
     "a100": Hardware("a100", 312e12, 80 * GB, 2.0e12, Link(1e-6, 300 * GB), Link(10e-6, 25 * GB)),
+    "h100-hbm2e": Hardware("h100-hbm2e", 989e12, 96 * GB, 2.4e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB),
+                           **_power_capped(HOPPER_MEASURED, POWER_CAPPED_H100)),
 }
 DEVICE_NAMES = (*DEVICES, "cpu")
 
