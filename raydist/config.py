@@ -287,6 +287,21 @@ class RunFacts:
 # ---- helpers ---------------------------------------------------------------------------------------
 
 
+def read_run_config(run_dir: str) -> Config:
+    """The config a run was launched with, as its user gave it (RUN_DIR/config.toml, any fsspec URI); init_from is
+    dropped (the checkpoint holds every weight, the pretrained directory need not exist any more)."""
+    import tomllib
+
+    from raydist.store.run_store import RunStore
+
+    try:
+        text = RunStore(run_dir).read_text("config.toml")
+    except FileNotFoundError:
+        raise ConfigError(f"{run_dir} has no config.toml: not a raydist run directory (pass "
+                          "<checkpoint.storage>/<train.run_name>, or hf:DIR where a model may be one)") from None
+    return Config.from_dict(tomllib.loads(text), ["model.init_from="])
+
+
 def _positive(name: str, value: int) -> None:
     if value <= 0:
         raise ConfigError(f"{name}={value} must be a positive integer")

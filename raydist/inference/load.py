@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from raydist.checkpoint import storage
-from raydist.config import RUN_FACTS, Config, ConfigError, ModelConfig, RunFacts, hf_dir_of
+from raydist.config import RUN_FACTS, Config, ConfigError, ModelConfig, RunFacts, hf_dir_of, read_run_config
 from raydist.models import hf
 from raydist.models.gpt import GPT, build_model
 from raydist.models.peft import apply_peft
@@ -27,19 +27,6 @@ class LoadedModel:
     cfg: Config | None  # the run's config (None for hf:DIR)
     step: int | None  # the checkpoint's step (None for hf:DIR)
     source: str
-
-
-def read_run_config(run_dir: str) -> Config:
-    """The config a run was launched with, as its user gave it (RUN_DIR/config.toml); init_from is dropped (the
-    checkpoint holds every weight, the pretrained directory need not exist any more)."""
-    import tomllib
-
-    try:
-        text = RunStore(run_dir).read_text("config.toml")
-    except FileNotFoundError:
-        raise ConfigError(f"{run_dir} has no config.toml: not a raydist run directory (MODEL is a run "
-                          "directory or hf:DIR)") from None
-    return Config.from_dict(tomllib.loads(text), ["model.init_from="])
 
 
 def read_run_facts(run_dir: str) -> RunFacts | None:

@@ -2,6 +2,7 @@
 
     raydist plan workloads/gpt_tiny.toml --world 4 --device cpu [--calibrate] [--json] [--top 5]
     raydist plan CONFIG --world 16384 --gpus-per-node 8 --device h100
+    raydist plan --from-run runs/NAME     # the plan for a run against what it measured
     raydist plan --published table        # predicted against measured for published runs, with the error
     raydist plan --published all          # the table, then Llama 3 405B and Megatron 1T: paper layout vs planner's best
 """
@@ -31,7 +32,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("config", nargs="?", help="TOML config (model, seq_len, global_batch are read from it)")
     p.add_argument("--world", type=int, help="number of ranks (devices)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: 8; cpu: --world)")
-    p.add_argument("--device", default="h100", help=f"one of {', '.join(DEVICE_NAMES)} (default h100)")
+    p.add_argument("--device", default=None,
+                   help=f"one of {', '.join(DEVICE_NAMES)} (default h100; with --from-run the run's own device)")
     p.add_argument("--top", type=int, default=5, help="plans to print (default 5)")
     p.add_argument("--json", action="store_true", help='print {"plans": [...]} as JSON, best first')
     p.add_argument("--calibrate", action="store_true",
@@ -42,14 +44,31 @@ def register_cli(subparsers) -> None:
     p.add_argument("--published", choices=["all", "table", "llama3-405b", "megatron-1t"],
                    help="table: the cost model's predictions for published runs against what they measured; "
                         "llama3-405b / megatron-1t: a published layout against the planner's best; all: both")
+    p.add_argument("--from-run", metavar="RUN_DIR",
+                   help="the plan for a run's config and world against its measured step time, MFU and memory "
+                        "(metrics.jsonl); a CPU run is priced on this machine's --calibrate figures; with "
+                        "--calibrate, the workload's compute rate is fitted to this run's step first")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (repeatable)")
     p.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args) -> int:
+    args.device = args.device.lower() if args.device else None
+    if args.device is not None and args.device not in DEVICE_NAMES:
+        raise ConfigError(f"--device {args.device!r} is not one of {', '.join(DEVICE_NAMES)}")
     if args.published:
         return _published(args)
+    if args.from_run:
+        if args.calibrate:
+            from raydist.planner.from_run import calibrate_from_run
+
+            record, scale = calibrate_from_run(args.from_run)
+            if not args.json:
+                print(f"calibrated on this machine, then the compute rate scaled x{scale:.3g} to the run's measured "
+                      f"step; saved to {record['path']}")
+        return _from_run(args)
+    args.device = args.device or "h100"
     if args.calibrate:
         from raydist.planner.calibrate import calibrate, format_calibration
 
@@ -125,6 +144,14 @@ def configured_estimate(cfg: Config, w: Workload, world: int, hw):
     except ConfigError as exc:
         return f"invalid ({exc})"
     return estimate(w, layout, hw)
+
+
+def _from_run(args) -> int:
+    from raydist.planner.from_run import compare_run, format_comparison
+
+    comparison = compare_run(args.from_run, args.device, args.gpus_per_node)
+    print(json.dumps(comparison.to_dict(), indent=1) if args.json else format_comparison(comparison))
+    return 0
 
 
 def _published(args) -> int:

@@ -157,7 +157,7 @@ def _time_hint(term: str, est: Estimate) -> str:
         return (f" ({lay.pp_schedule}, p={lay.pp}, m={est.num_microbatches}, v={v}: {formula} = "
                 f"{est.time['bubble_fraction']:.1%})")
     if term == "dp_comm_exposed":
-        return f" ({lay.data_parallel_kind} over {lay.dp * lay.cp} ranks, {est.time['dp_comm']:.3g} s before overlap)"
+        return f" ({lay.data_parallel_kind.value} over {lay.dp * lay.cp} ranks, {est.time['dp_comm']:.3g} s before overlap)"
     if term == "tp_comm":
         return f" (tp={lay.tp}: 4 activation all-reduces per block per micro-batch)"
     if term == "recompute":

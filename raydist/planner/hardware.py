@@ -182,7 +182,9 @@ def cpu_hardware(world_size: int, gpus_per_node: int | None = None, calibration:
             hw = replace(hw, compute_efficiency=measured["compute_efficiency"],
                          block_overhead_s=measured["block_overhead_s"],
                          recompute_factors=dict(measured["recompute_factors"]),
-                         source=hw.source + " + this workload's forward/backward")
+                         source=hw.source + " + this workload's forward/backward"
+                         + (f", its rate fitted to {measured['fitted_to_run']['run_dir']}"
+                            if measured.get("fitted_to_run") else ""))
         elif world_size != cal.get("world_size"):
             hw = replace(hw, source=hw.source + f" (planning {world_size}: per-rank peak may differ)")
         return hw

@@ -28,6 +28,17 @@ def _table(rows: list[tuple[str, str]]) -> str:
     return f"<table>{body}</table>"
 
 
+def plan_comparison(data: RunData) -> str:
+    """`raydist plan --from-run`'s comparison of the cost model with the run, or why there is none."""
+    from raydist.errors import ConfigError
+    from raydist.planner.from_run import compare_run, format_comparison
+
+    try:
+        return format_comparison(compare_run(data.run_dir))
+    except (ConfigError, ValueError) as exc:
+        return f"n/a: {exc}"
+
+
 def render_html(data: RunData) -> str:
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>raydist run {html.escape(data.name)}</title>",
              f"<style>{STYLE}</style></head><body>",
@@ -51,6 +62,8 @@ def render_html(data: RunData) -> str:
         parts.append("<section id='event-list'><h2>Events</h2>" + _table(rows) + "</section>")
     else:
         parts.append("<section id='event-list'><h2>Events</h2><p>no data (no events.jsonl)</p></section>")
+    parts.append("<section id='plan'><h2>The plan against this run</h2><pre>" + html.escape(plan_comparison(data))
+                 + "</pre></section>")
     if data.warnings:
         parts.append("<section id='warnings'><h2>Warnings</h2><pre>" + html.escape("\n".join(data.warnings))
                      + "</pre></section>")
