@@ -88,3 +88,27 @@ def test_cli_prints_the_table_and_its_json(capsys):
     row = next(r for r in out["runs"] if r["key"] == "megatron-1t")
     assert row["published_mfu"] == 0.563 and row["device"] == "a100" and row["gpus"] == 512
     assert row["error"] == pytest.approx(row["predicted_mfu"] / row["published_mfu"] - 1, abs=1e-3)
+
+
+# ---- rankings that match practice ---------------------------------------------------------------------------
+
+def _top(seq_len: int, top: int) -> list:
+    from raydist.config import Config
+    from raydist.planner.enumerate import plan
+    from raydist.planner.placement import Workload
+
+    cfg = Config.load("workloads/llama3_8b.toml", [f"data.seq_len={seq_len}"])
+    w = Workload.from_config(cfg, 2)
+    plans, _ = plan(w, 8, hardware.get_hardware("h100", 8, 8), top=top)
+    return plans
+
+
+def test_llama3_8b_on_one_h100_node_is_fsdp_first_and_context_parallel_when_the_sequence_needs_it():
+    """Llama 3 8B at 8k on 8 H100s trains with FSDP (torchtitan's and everyone's choice): the top picks shard
+    data, not the sequence (ring attention's 1k-long blocks run its kernels slower than one 8k call; before
+    that was priced, cp8 ranked first). At 128k the activations fit only with the sequence split: cp."""
+    best = _top(8192, 2)
+    assert all(e.layout.cp == e.layout.tp == e.layout.pp == 1 and e.layout.dp_shard == 8 for e in best), \
+        [e.layout.describe() for e in best]
+    [long] = _top(131072, 1)
+    assert long.layout.cp > 1 and long.fits, long.layout.describe()
