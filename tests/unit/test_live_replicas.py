@@ -25,7 +25,6 @@ import torch
 import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
 
 from raydist.config import Config, ConfigError
-from raydist.parallel.runtime import free_port
 from raydist.testing import LayoutResult, assert_equivalent, assert_same_steps, run_layout, tiny_config
 from workers import patience
 
@@ -38,7 +37,31 @@ MOE = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128
 DROPPED = "layers.0.attention.wq.weight"  # (a tensor-parallel shard under tp)
 
 
-def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expected: int, flag: str | None,
+def _replica_store(rank: int, port_file: str):
+    """The replica's TCP store (what Ray Train's process group gives): rank 0 listens on a port the OS picks
+    and writes it to `port_file`, the other ranks read it there. A port picked by the test before starting the
+    late replica was taken by then in a clean-clone CI run (EADDRINUSE: replica 1 starts minutes later)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, WORKERS, is_master=True, timeout=timedelta(seconds=600),
+                              wait_for_workers=False)  # (the others learn its port from the file below)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(port_file + ".tmp", port_file)
+        return store
+    deadline = time.monotonic() + 600
+    while not os.path.exists(port_file):
+        assert time.monotonic() < deadline, f"no {port_file} from the replica's rank 0"
+        time.sleep(0.05)
+    with open(port_file) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, WORKERS, is_master=False, timeout=timedelta(seconds=600))
+
+
+def _worker(replica: int, rank: int, port_file: str, lighthouse: str, raw: dict, expected: int, flag: str | None,
             drop: str | None, out) -> None:
     import torch.distributed as dist
 
@@ -47,8 +70,9 @@ def _worker(replica: int, rank: int, port: int, lighthouse: str, raw: dict, expe
     from raydist.training.trainer import Trainer, TrainerOptions
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHFT_LIGHTHOUSE=lighthouse)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORKERS)
+    store = _replica_store(rank, port_file)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHFT_LIGHTHOUSE=lighthouse)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORKERS)
     cfg = Config.from_dict(raw)
     trainer = Trainer(cfg, torch.device("cpu"), replica_layout(cfg),
                       TrainerOptions(record_samples=True, capture_grads=True))
@@ -103,9 +127,9 @@ def _run(raw: dict, late: bool, tmp, drop: str | None = None) -> list[dict]:
     flag = str(tmp / "replica-1-asks") if late else None
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    ports = [free_port(), free_port()]
+    port_files = [str(tmp / f"replica-{r}.port") for r in (0, 1)]  # (each replica's rank 0 writes its store's)
     # late: replica 0 starts stepping without waiting for a second replica (expected 1)
-    procs = {(r, j): ctx.Process(target=_worker, args=(r, j, ports[r], lighthouse.address(), raw,
+    procs = {(r, j): ctx.Process(target=_worker, args=(r, j, port_files[r], lighthouse.address(), raw,
                                                        1 if late and r == 0 else 2, flag, drop, out))
              for r in (0, 1) for j in range(WORKERS)}
     try:
