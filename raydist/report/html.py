@@ -35,8 +35,10 @@ def plan_comparison(data: RunData) -> str:
 
     try:
         return format_comparison(compare_run(data.run_dir))
-    except (ConfigError, ValueError) as exc:
+    except ConfigError as exc:
         return f"n/a: {exc}"
+    except Exception as exc:  # (an auxiliary section: records it cannot read must not cost the whole report)
+        return f"n/a: {type(exc).__name__}: {exc}"
 
 
 def render_html(data: RunData) -> str:

@@ -127,3 +127,16 @@ def test_cli_and_report_show_the_comparison(run_dir, tmp_path, cache, capsys):
     assert "The plan against this run" in html and "step time" in html
     assert main(["plan", "--from-run", run_dir, "--device", "tpu"]) == 2  # one error line, before any pricing
     assert capsys.readouterr().err.strip().startswith("error: --device 'tpu' is not one of")
+
+
+def test_a_report_whose_plan_cannot_be_made_still_renders(tmp_path, cache):
+    """The report's plan section says why it has no comparison; the rest of the report is made as before."""
+    from raydist.report.data import RunData
+    from raydist.report.html import plan_comparison
+
+    run = tmp_path / "no-config"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "step_time_s": 0.1, "world_size": 2}) + "\n")
+    assert plan_comparison(RunData(str(run))).startswith("n/a: ") and "config.toml" in plan_comparison(RunData(str(run)))
+    (run / "config.toml").write_text("[model]\nnum_layers = 'two'\n")  # unreadable: still a line, not a crash
+    assert plan_comparison(RunData(str(run))).startswith("n/a: ")
