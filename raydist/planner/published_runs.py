@@ -206,13 +206,19 @@ def predict(run: PublishedRun) -> Prediction:
     """The cost model's estimate of the run's own layout; with open choices, the fastest that fits (else the
     fastest)."""
     hw = run.hardware()
-    layouts = [complete(run.workload, run.layout)]
-    for key, values in run.variants.items():
-        layouts = [lay.replace(**{key: value}) for lay in layouts for value in values]
-    options = [estimate(run.workload, complete(run.workload, lay), hw) for lay in layouts
+    options = [estimate(run.workload, complete(run.workload, lay), hw) for lay in variant_layouts(run)
                if not layout_problems(run.workload, lay)]
     best = min(options, key=lambda e: (not e.fits, e.step_time_s))
     return Prediction(run, best, run.published_mfu())
+
+
+def variant_layouts(run: PublishedRun) -> list[Layout]:
+    """The run's layout with every combination of the choices its source leaves open, not yet completed: a
+    stage partition completed before the variants kept 2 chunks per rank's under 4, and those were dropped."""
+    layouts = [run.layout]
+    for key, values in run.variants.items():
+        layouts = [lay.replace(**{key: value}) for lay in layouts for value in values]
+    return layouts
 
 
 def predict_all(runs=RUNS) -> list[Prediction]:

@@ -6,6 +6,7 @@ prints the table."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -36,6 +37,16 @@ def test_every_published_run_is_a_layout_the_runtime_accepts_on_its_own_world():
 def test_the_published_models_have_their_published_sizes(key, params):
     [run] = [run for run in RUNS if run.key == key]
     assert param_counts(run.workload.model)["total"] == pytest.approx(params, rel=0.04)
+
+
+def test_every_open_choice_of_a_published_run_is_priced():
+    from raydist.planner.cost_model import layout_problems
+    from raydist.planner.published_runs import variant_layouts
+
+    for run in RUNS:
+        layouts = variant_layouts(run)
+        assert len(layouts) == math.prod(len(values) for values in run.variants.values()), run.key
+        assert all(layout_problems(run.workload, lay) == [] for lay in layouts), run.key
 
 
 def test_tokens_per_second_rows_become_mfu_with_the_planners_flop_count():
