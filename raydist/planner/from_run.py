@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 
-from raydist.config import ConfigError, read_run_config
+from raydist.config import Config, ConfigError, read_run_config
 from raydist.planner.cost_model import Estimate, complete, estimate
 from raydist.planner.hardware import DEVICES, Hardware, get_hardware, workload_signature
 from raydist.planner.placement import Workload
@@ -74,25 +74,32 @@ def measured_figures(records: list[dict]) -> dict:
     world = attempt[-1].get("world_size")
     attempt = [r for r in attempt if r.get("world_size") == world]
     timed = attempt[1:] or attempt
+    tokens = [r["tokens_per_s"] for r in timed if r.get("tokens_per_s") is not None]
     mfus = [r["mfu"] for r in timed if r.get("mfu")]
     memory = [r["mem_peak_mb"] for r in timed if r.get("mem_peak_mb")]
     return {"step_time_s": statistics.median(r["step_time_s"] for r in timed),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed if r.get("tokens_per_s") is not None)
-            if any(r.get("tokens_per_s") is not None for r in timed) else None,
+            "tokens_per_s": statistics.median(tokens) if tokens else None,
             "mfu": statistics.median(mfus) if mfus else None,
             "mem_peak_gb": max(memory) * 2**20 / 1e9 if memory else None,
             "intervals": len(timed), "steps": [timed[0]["step"], timed[-1]["step"]],
             "world_size": world, "mesh": attempt[-1].get("mesh")}
 
 
-def compare_run(run_dir: str, device: str | None = None, gpus_per_node: int | None = None) -> RunComparison:
-    """The cost model's estimate of the run's own layout on its device against the run's measurements."""
+def _read_run(run_dir: str) -> tuple[Config, list[dict], dict, int]:
+    """(the run's config, its metrics records, `measured_figures` of them, the world it last trained on)."""
     cfg = read_run_config(run_dir)
     records = RunStore(run_dir).read_records("metrics.jsonl", [])
     if not records:
-        raise ConfigError(f"{run_dir} has no metrics.jsonl records; compare a run that logged a step")
+        raise ConfigError(f"{run_dir} has no metrics.jsonl records; use a run that logged a step")
     measured = measured_figures(records)
-    world = int(measured["world_size"] or cfg.ray.num_workers)
+    return cfg, records, measured, int(measured["world_size"] or cfg.ray.num_workers)
+
+
+def compare_run(run_dir: str, device: str | None = None, gpus_per_node: int | None = None,
+                run: tuple | None = None) -> RunComparison:
+    """The cost model's estimate of the run's own layout on its device against the run's measurements
+    (`run`: `_read_run`'s, when the caller read it already)."""
+    cfg, records, measured, world = run or _read_run(run_dir)
     device = device or run_device(records)
     layout = plan_layout(cfg, world)
     mesh = measured.get("mesh") or {}
@@ -133,17 +140,13 @@ def calibrate_from_run(run_dir: str) -> tuple[dict, float]:
     from raydist.planner.calibrate import calibrate
     from raydist.planner.hardware import save_calibration
 
-    cfg = read_run_config(run_dir)
-    records = RunStore(run_dir).read_records("metrics.jsonl", [])
-    if not records:
-        raise ConfigError(f"{run_dir} has no metrics.jsonl records; calibrate from a run that logged a step")
+    run = _read_run(run_dir)
+    cfg, records, measured, world = run
     if run_device(records) != "cpu":
         raise ConfigError(f"{run_dir} trained on a GPU; --calibrate measures this machine's CPU (a GPU run is "
                           "compared against the device's row without it)")
-    measured = measured_figures(records)
-    world = int(measured["world_size"] or cfg.ray.num_workers)
     record = calibrate(max(2, world), config=cfg, save=True)
-    comparison = compare_run(run_dir, "cpu")
+    comparison = compare_run(run_dir, "cpu", run=run)
     t = comparison.estimate.time
     compute = t["compute"] + t["recompute"]
     rest = t["total"] - compute
