@@ -14,16 +14,8 @@ import json
 
 from raydist.config import Config, ConfigError
 from raydist.planner.enumerate import ALL_FEATURES, implemented_features, plan
-from raydist.planner.hardware import DEVICE_NAMES, get_hardware
+from raydist.planner.hardware import DEVICE_NAMES, config_signature, get_hardware
 from raydist.planner.placement import Workload
-
-
-def workload_signature(cfg: Config) -> str:
-    import dataclasses
-
-    from raydist.planner.hardware import workload_signature as signature
-
-    return signature(dataclasses.asdict(cfg.model), cfg.data.seq_len)
 
 
 def register_cli(subparsers) -> None:
@@ -90,7 +82,7 @@ def cmd_plan(args) -> int:
     if args.gpus_per_node is not None and args.gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node={args.gpus_per_node} must be >= 1")
     cfg = Config.load(args.config, args.overrides)
-    hw = get_hardware(args.device, args.world, args.gpus_per_node, workload_signature(cfg))
+    hw = get_hardware(args.device, args.world, args.gpus_per_node, config_signature(cfg))
     w = Workload.from_config(cfg, hw.compute_dtype_bytes, name=args.config)
     features = implemented_features() if args.implemented_only else ALL_FEATURES
     plans, counts = plan(w, args.world, hw, top=args.top, features=features)

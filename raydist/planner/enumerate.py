@@ -143,13 +143,10 @@ def choose_layout(cfg: Config, world_size: int, gpus_per_node: int | None = None
 
     device: 'h100' | 'a100' | 'h200' | 'cpu' | 'auto' (CUDA device name when CUDA is visible, else cpu).
     """
-    import dataclasses
-
-    from raydist.planner.hardware import workload_signature
+    from raydist.planner.hardware import config_signature
 
     device = _resolve_device(device)
-    hw = get_hardware(device, world_size, gpus_per_node,
-                      workload_signature(dataclasses.asdict(cfg.model), cfg.data.seq_len))
+    hw = get_hardware(device, world_size, gpus_per_node, config_signature(cfg))
     w = Workload.from_config(cfg, hw.compute_dtype_bytes)
     limit = cfg.train.micro_batch  # set: an upper bound, as in an elastic run (Config.micro_batch_is_exact)
     fits, counts = enumerate_estimates(w, world_size, hw, features=implemented_features(),

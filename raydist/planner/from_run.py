@@ -19,7 +19,7 @@ import statistics
 
 from raydist.config import Config, ConfigError, read_run_config
 from raydist.planner.cost_model import Estimate, complete, estimate
-from raydist.planner.hardware import DEVICES, Hardware, get_hardware, workload_signature
+from raydist.planner.hardware import DEVICES, Hardware, config_signature, get_hardware
 from raydist.planner.placement import Workload
 from raydist.planner.policy import plan_layout
 from raydist.store.run_store import RunStore
@@ -107,8 +107,7 @@ def compare_run(run_dir: str, device: str | None = None, gpus_per_node: int | No
         raise ConfigError(f"the run's records say mesh {mesh}, but its config on {world} workers gives "
                           f"{layout.degrees()}; was the config edited after the run?")
     w = Workload.from_config(cfg, compute_dtype_bytes=4 if device == "cpu" else 2, name=cfg.train.run_name)
-    hw = get_hardware(device, layout.world_size, gpus_per_node,
-                      workload_signature=workload_signature(dataclasses.asdict(cfg.model), cfg.data.seq_len))
+    hw = get_hardware(device, layout.world_size, gpus_per_node, workload_signature=config_signature(cfg))
     return RunComparison(run_dir, device, world, hw, estimate(w, complete(w, layout), hw), measured)
 
 

@@ -132,6 +132,13 @@ def workload_signature(model: dict, seq_len: int) -> str:
     return "-".join(str(model[k]) for k in keys) + f"-s{seq_len}"
 
 
+def config_signature(cfg) -> str:
+    """`workload_signature` of a `raydist.config.Config`: its model and data.seq_len."""
+    from dataclasses import asdict
+
+    return workload_signature(asdict(cfg.model), cfg.data.seq_len)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("RAYDIST_CACHE") or Path.home() / ".cache" / "raydist")
 
