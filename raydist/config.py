@@ -211,6 +211,7 @@ class Config:
                 raise ConfigError(f"elastic.{key}={getattr(e, key)} must be > 0 (seconds)")
         if e.live_recovery:
             self._validate_live_recovery()
+        self._validate_sync()
 
     def _validate_live_recovery(self) -> None:
         """Live recovery runs replicas of dp_shard x cp x tp x pp workers each, every replica its own mesh (FSDP,
@@ -239,6 +240,23 @@ class Config:
                               f"ray.num_workers={self.ray.num_workers} but parallel.dp_replicate={p.dp_replicate} x "
                               f"({p.dp_shard} x {p.cp} x {p.tp} x {p.pp}) = {p.dp_replicate * per_replica}; set "
                               f"ray.num_workers={p.dp_replicate * per_replica}")
+
+    def _validate_sync(self) -> None:
+        e = self.elastic
+        if e.sync == "every_step":
+            return
+        if not e.live_recovery:
+            raise ConfigError(f"elastic.sync={e.sync!r} synchronises live recovery's replicas: set "
+                              "elastic.live_recovery=true with parallel.dp_replicate >= 2, or elastic.sync='every_step'")
+        _positive("elastic.sync_every", e.sync_every)
+        every = self.checkpoint.every_steps
+        if every % e.sync_every:
+            raise ConfigError(f"checkpoint.every_steps={every} is not a multiple of elastic.sync_every={e.sync_every}: "
+                              "a checkpoint is taken where the replicas are synchronised; set checkpoint.every_steps "
+                              f"to a multiple of {e.sync_every}")
+        if e.sync == "diloco" and not (e.outer_lr > 0 and 0 <= e.outer_momentum < 1):
+            raise ConfigError(f"elastic.outer_lr={e.outer_lr} and elastic.outer_momentum={e.outer_momentum}: the "
+                              "outer step needs outer_lr > 0 and 0 <= outer_momentum < 1 (DiLoCo's 0.7 and 0.9)")
 
     @property
     def elastic_enabled(self) -> bool:

@@ -250,6 +250,19 @@ class ElasticConfig:
     Ray Train replaces its whole replica and the replacement receives the live state from a peer (no
     restart, no reload). Needs dp_replicate >= 2, explicit degrees (no parallel.auto) and ray.num_workers =
     dp_replicate x dp_shard x cp x tp x pp."""
+    sync: str = "every_step"
+    """How live recovery's replicas meet: `every_step` (their gradients are summed every step: one
+    synchronous run), `diloco` (each replica takes sync_every steps with its own AdamW on its share of each
+    global batch, then the replicas average how far they moved and an outer Nesterov SGD step moves the
+    shared parameters: DiLoCo, Douillard et al., 2023; sync_every times fewer bytes between replicas) or
+    `local_sgd` (the same, the replicas' parameters averaged instead: Stich, 2019). Needs live_recovery."""
+    sync_every: int = 10
+    """Steps between the replicas' synchronisations under sync = diloco or local_sgd (H), and at the run's
+    last step; it divides checkpoint.every_steps (a checkpoint holds synchronised replicas)."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (the paper's 0.7)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (the paper's 0.9)."""
 
 
 @dataclass(frozen=True)
@@ -343,6 +356,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "kernels.matmul": ("auto", "triton", "torch"),
     "kernels.loss": ("auto", "triton", "plain"),
     "tracking.wandb_mode": ("online", "offline"),
+    "elastic.sync": ("every_step", "diloco", "local_sgd"),
 }
 
 SECTIONS: dict[str, type] = {

@@ -199,12 +199,19 @@ class Replicas:
         flat = torch.cat([g.detach().float().reshape(-1) for g in grads] +
                          [replica_loss.detach().float().reshape(1)]) * weight
         self.all_reduce_sum(flat)
+        self.sent_bytes += flat.numel() * flat.element_size()
         offset = 0
         for grad in grads:
             n = grad.numel()
             grad.copy_(flat[offset:offset + n].view_as(grad))
             offset += n
         return float(flat[-1])
+
+    def end_step(self, step: int, weight: float) -> bool:
+        """After the optimizer step that brought the Trainer to `step` (this replica's rows / the global batch:
+        `weight`): whether that step stands. Replicas that meet every step decided it in should_commit;
+        raydist.elastic.diloco's synchronise here."""
+        return True
 
     def is_leader(self) -> bool:
         """This replica writes the run's bookkeeping and durable checkpoints (rank 0 of the latest quorum)."""
@@ -226,6 +233,7 @@ class Replicas:
         """One more stateful part of the live state a replacement receives."""
 
     on_events: Callable[[list[tuple[str, dict[str, Any]]]], None] = staticmethod(lambda events: None)
+    sent_bytes = 0  # what this rank has put into all-reduces between replicas (metrics: replica_bytes)
 
     def summary(self, retried_steps: int) -> dict[str, Any]:
         return {"replica_steps_retried": retried_steps}

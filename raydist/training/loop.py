@@ -65,6 +65,7 @@ class RunLogger:
             [list(range(s * per_stage, (s + 1) * per_stage)) for s in range(trainer.layout.pp)])
         self.last: dict[str, Any] = {}
         self.gate: Callable[[], bool] = lambda: True  # live recovery: only the quorum's rank 0 writes
+        self._sent_at_record = 0  # the replica manager's sent_bytes at the last record
 
     def base(self) -> dict[str, Any]:
         t = self.trainer
@@ -128,6 +129,11 @@ class RunLogger:
             rec["val_loss"] = val_loss
         if getattr(stats, "replicas", None) is not None:
             rec["replicas"] = stats.replicas
+            # what this rank sent to the other replicas per step since the last record (every step's
+            # gradients, or a DiLoCo window's outer gradient at its end: raydist.elastic.diloco)
+            sent = self.trainer.replicas.sent_bytes
+            rec["replica_bytes_per_step"] = round((sent - self._sent_at_record) / max(steps, 1))
+            self._sent_at_record = sent
         if self.writer is not None and self.gate():
             self.writer.write(rec)
         self.last = rec

@@ -256,6 +256,7 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
     from raydist.training.loop import fit
     from raydist.training.trainer import Trainer, TrainerOptions
 
+    from raydist.elastic.diloco import replica_manager
     from raydist.elastic.live import TorchftReplicas
 
     cfg = Config.from_dict(payload["config"])  # the user's, as given
@@ -289,8 +290,9 @@ def ray_worker_entry(payload: dict[str, Any]) -> None:
                                                                data_path=facts.data_path))
         if live:  # after the trainer is built: the quorum waits for a replica only once it can step
             me = session.identity
-            trainer.replicas = TorchftReplicas(me.replica, device, cfg.elastic.collective_timeout_s, trainer.state_parts,
-                                               replicas=me.replicas, rank=me.rank, workers=me.size)
+            trainer.replicas = replica_manager(
+                TorchftReplicas(me.replica, device, cfg.elastic.collective_timeout_s, trainer.state_parts,
+                                replicas=me.replicas, rank=me.rank, workers=me.size), trainer)
         try:
             fit(trainer, facts.run_dir, session)
         finally:

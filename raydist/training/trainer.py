@@ -32,6 +32,7 @@ from raydist.data.readers import make_reader
 from raydist.data.sft import check_masked_layout
 from raydist.data.stream import SampleStream, Split
 from raydist.elastic.hang.trigger import group_timeout_s
+from raydist.elastic.diloco import OuterState, outer_optimizer
 from raydist.elastic.live import Replicas, SingleReplica
 from raydist.kernels import apply_kernels
 from raydist.metrics.actions import ACTIONS, doing
@@ -70,6 +71,7 @@ class StepStats:
         self._loss: float | None = None
         self.lr, self.step_time_s, self.data_wait_s, self.sample_ids = lr, step_time_s, data_wait_s, sample_ids
         self.replicas: int | None = None  # live recovery: replicas in this step's quorum
+        self.weight = 1.0  # live recovery: this replica's rows / the global batch
         self._output = output  # the runner's: this rank's compute time, the pipeline's step
         self.records_timeline = output is not None and output.timeline  # its `pipeline_timeline` will be read
         self._pipeline: dict | None = None
@@ -192,9 +194,12 @@ class Trainer:
         self.runner = make_runner(self.pm, self.layout, self.mesh, device, self.batches.needs, masked)
         self.optimizer = build_optimizer(self.pm.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
+        # replicas that meet every elastic.sync_every steps: the outer step (raydist.elastic.diloco)
+        self.outer = outer_optimizer(self.pm.model, cfg.elastic)
         self.step = 0  # optimizer steps done
         self.position = 0  # training samples consumed (global sample index of the next one)
         self.sample_log: list[np.ndarray] = []
+        self._sample_log_steps: list[int] = []  # the step of each entry (a rewound window drops its own)
         self.notes: dict = {}  # small JSON facts that survive restarts with the checkpoint (first_val_loss)
         self._unsettled: list[StepStats] = []  # steps whose loss is not yet reduced (`settle`)
         # the replica manager (raydist.elastic.live): a live replica's quorum, set before training; else one replica
@@ -344,8 +349,22 @@ class Trainer:
         """One optimizer step, as the replica manager (`self.replicas`) shares it: an ordinary run's single
         replica computes the whole global batch (`batch`, when given, is its rows); a live replica of a quorum
         its share, reduced over the quorum, committed only if the whole quorum finished, else redone with the
-        next quorum over the same global batch (raydist.elastic.live)."""
+        next quorum over the same global batch (raydist.elastic.live). Replicas that synchronise every H steps
+        (raydist.elastic.diloco) step alone; a window whose synchronisation failed is rewound to its start
+        and its steps are taken again here, to its end."""
         self._require_weights()
+        while True:
+            stats = self._step(batch)
+            reached = self.step
+            if self.replicas.end_step(reached, stats.weight):
+                return stats
+            if self.step < reached:  # rewound: those steps' samples will be trained again
+                self.retried_steps += reached - self.step
+                kept = sum(1 for s in self._sample_log_steps if s <= self.step)
+                del self.sample_log[kept:], self._sample_log_steps[kept:]
+            batch = None
+
+    def _step(self, batch: tuple[torch.Tensor | LocalBatch, np.ndarray | None] | None) -> StepStats:
         g, dp = self.layout.global_batch, self.layout.dp
         start = time.perf_counter()
         ACTIONS.step = self.step + 1  # what this rank is doing, for hang diagnosis (raydist.elastic.hang.heartbeat)
@@ -382,8 +401,9 @@ class Trainer:
         self.last_span, self.last_replica_span, self.last_quorum = share.span, share.replica_span, share.quorum
         if self.options.record_samples and ids is not None:
             self.sample_log.append(ids)
+            self._sample_log_steps.append(self.step)
         stats = StepStats(self, loss, grad_norm, lr, time.perf_counter() - start, data_wait, ids, out)
-        stats.replicas = share.replicas
+        stats.replicas, stats.weight = share.replicas, share.weight
         if not stats.settled:
             self._unsettled.append(stats)
         return stats
@@ -404,6 +424,7 @@ class Trainer:
             "data": AttributeState(self, "step", "position", fixed={"global_batch": self.layout.global_batch},
                                    on_load=self.close),
             "rng": RNGState(),
+            **({"outer": OuterState(self.outer)} if self.outer is not None and self.outer.momentum else {}),
             "run": AttributeState(self, "notes", fixed={"world_size": self.world_size,
                                                          "mesh": self.layout.degrees(),
                                                          "layout": self.layout.to_dict(),

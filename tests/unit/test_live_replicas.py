@@ -37,7 +37,7 @@ MOE = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128
 DROPPED = "layers.0.attention.wq.weight"  # (a tensor-parallel shard under tp)
 
 
-def _replica_store(rank: int, port_file: str):
+def _replica_store(rank: int, port_file: str, workers: int = WORKERS):
     """The replica's TCP store (what Ray Train's process group gives): rank 0 listens on a port the OS picks
     and writes it to `port_file`, the other ranks read it there. A port picked by the test before starting the
     late replica was taken by then in a clean-clone CI run (EADDRINUSE: replica 1 starts minutes later)."""
@@ -46,7 +46,7 @@ def _replica_store(rank: int, port_file: str):
     import torch.distributed as dist
 
     if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, WORKERS, is_master=True, timeout=timedelta(seconds=600),
+        store = dist.TCPStore("127.0.0.1", 0, workers, is_master=True, timeout=timedelta(seconds=600),
                               wait_for_workers=False)  # (the others learn its port from the file below)
         with open(port_file + ".tmp", "w") as f:
             f.write(str(store.port))
@@ -58,7 +58,7 @@ def _replica_store(rank: int, port_file: str):
         time.sleep(0.05)
     with open(port_file) as f:
         port = int(f.read())
-    return dist.TCPStore("127.0.0.1", port, WORKERS, is_master=False, timeout=timedelta(seconds=600))
+    return dist.TCPStore("127.0.0.1", port, workers, is_master=False, timeout=timedelta(seconds=600))
 
 
 def _worker(replica: int, rank: int, port_file: str, lighthouse: str, raw: dict, expected: int, flag: str | None,

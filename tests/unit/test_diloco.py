@@ -1,0 +1,272 @@
+"""DiLoCo and local SGD between live recovery's replicas (raydist.elastic.diloco), under plain torch.distributed
+with a real torchft Lighthouse (as tests/unit/test_live_replicas.py): two replicas, each its own gloo world
+(FSDP 2 inside, or one worker), against an independent reference.
+
+The reference is a single-process loop written here: the two replicas' model copies, each with its own AdamW,
+LR schedule and clipping, trained in turn on their halves of each global batch, and every H steps the outer
+step written by hand (Delta = theta_start - mean of the copies; Nesterov: buf <- mu buf + Delta, theta <-
+theta_start - lr (Delta + mu buf); local SGD: the mean). With AdamW inside, H = 1 is not synchronous data
+parallelism (each copy's AdamW sees only its half's gradient), so the reference models DiLoCo itself. Every
+replica's loss and gradient norm at every step and the parameters after the last step must match (1e-4);
+planted bugs in the outer step (momentum ignored, the outer gradient's sign flipped) must fail the check."""
+
+from __future__ import annotations
+
+import copy
+import math
+import multiprocessing as mp
+import os
+import queue
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
+
+from raydist.config import Config, ConfigError
+from raydist.parallel.runtime import spawn
+from raydist.testing import LayoutResult, assert_same_steps, tiny_config
+from test_live_replicas import _all_alive, _replica_store
+from workers import patience
+
+STEPS, REPLICAS = 8, 2
+
+
+def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: str, raw: dict, plant: str | None,
+            out) -> None:
+    import torch.distributed as dist
+
+    from raydist.elastic.diloco import replica_manager
+    from raydist.elastic.live import TorchftReplicas
+    from raydist.planner.policy import replica_layout
+    from raydist.training.trainer import Trainer, TrainerOptions
+
+    torch.set_num_threads(1)
+    store = _replica_store(rank, port_file, workers)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHFT_LIGHTHOUSE=lighthouse)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=workers)
+    cfg = Config.from_dict(raw)
+    trainer = Trainer(cfg, torch.device("cpu"), replica_layout(cfg), TrainerOptions(record_samples=True))
+    if plant == "momentum ignored":
+        trainer.outer.momentum = 0.0
+    elif plant == "sign flipped":
+        step = trainer.outer.step
+        trainer.outer.step = lambda starts, deltas: step(starts, [-d for d in deltas])
+    replicas = replica_manager(TorchftReplicas(replica, torch.device("cpu"), 60.0, trainer.state_parts,
+                                               replicas=REPLICAS, rank=rank, workers=workers), trainer)
+    trainer.replicas = replicas
+    replicas.join()
+    steps = []
+    while trainer.step < STEPS:
+        stats = trainer.train_step()
+        steps.append({"step": trainer.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
+                      "quorum": list(trainer.last_quorum), "span": list(trainer.last_replica_span)})
+    params = {k: v.numpy() for k, v in trainer.full_parameters().items()}
+    out.put({"replica": replica, "rank": rank, "steps": steps, "params": params, "sent": replicas.sent_bytes,
+             "local_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                                for p in trainer.pm.model.parameters() if p.requires_grad)})
+    time.sleep(1.0)  # the peer replica reads its last quorum before this Manager goes
+    replicas.shutdown()
+    trainer.close()
+    dist.destroy_process_group()
+
+
+def _run(raw: dict, workers: int, tmp, plant: str | None = None) -> list[dict]:
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = {(r, j): ctx.Process(target=_worker, args=(r, j, workers, str(tmp / f"replica-{r}.port"),
+                                                       lighthouse.address(), raw, plant, out))
+             for r in range(REPLICAS) for j in range(workers)}
+    try:
+        for p in procs.values():
+            p.start()
+        results, deadline = [], time.monotonic() + patience(400)
+        while len(results) < len(procs):
+            try:
+                results.append(out.get(timeout=5))
+            except queue.Empty:
+                _all_alive(procs)
+                assert time.monotonic() < deadline, f"{len(results)} of {len(procs)} ranks reported"
+        for p in procs.values():
+            p.join(60)
+            assert p.exitcode == 0
+        return sorted(results, key=lambda r: (r["replica"], r["rank"]))
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+
+
+# ---- the reference: the replicas' copies in one process -------------------------------------------------
+
+def _reference(raw: dict, every: int, outer_lr: float, momentum: float) -> dict:
+    """{"losses": [per replica rank, per step], "norms": the same, "params": the shared parameters after the
+    last step, "spans": per step the positions each replica rank trained}."""
+    from raydist.elastic.live import live_slice
+    from raydist.models.gpt import build_model
+    from raydist.training.trainer import Trainer
+
+    cfg = Config.from_dict({**raw, "parallel": {"dp_replicate": 1, "dp_shard": 1}, "ray": {"num_workers": 1},
+                            "elastic": {}})
+    t = cfg.train
+    data = Trainer(cfg, torch.device("cpu"))  # only reads the data: the rows at each position
+    models = [build_model(cfg.model, cfg.data.seq_len, seed=t.seed) for _ in range(REPLICAS)]
+
+    def adamw(model):
+        matrices = [p for p in model.parameters() if p.ndim >= 2]
+        vectors = [p for p in model.parameters() if p.ndim < 2]
+        return torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
+                                  {"params": vectors, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2),
+                                 eps=1e-8)
+
+    def lr_at(step: int) -> float:
+        if step < t.warmup_steps:
+            return t.lr * (step + 1) / t.warmup_steps
+        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+        return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    opts = [adamw(m) for m in models]
+    start = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    buf = {n: torch.zeros_like(p) for n, p in start.items()}
+    losses, norms, spans = [[] for _ in models], [[] for _ in models], []
+    for step in range(STEPS):
+        position = step * t.global_batch
+        spans.append([])
+        for r, (model, opt) in enumerate(zip(models, opts)):
+            span = live_slice(position, t.global_batch, r, REPLICAS)
+            tokens, _ = data.next_batch(span)
+            spans[-1].append(list(span))
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            norms[r].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
+            opt.step()
+            losses[r].append(loss.item())
+        if (step + 1) % every == 0 or step + 1 == STEPS:  # the outer step (and at the run's end)
+            with torch.no_grad():
+                for name in start:
+                    copies = [dict(m.named_parameters())[name] for m in models]
+                    delta = sum(start[name] - c for c in copies) / REPLICAS
+                    if momentum:
+                        buf[name] = momentum * buf[name] + delta
+                        delta = delta + momentum * buf[name]
+                    start[name] = start[name] - outer_lr * delta
+                    for c in copies:
+                        c.copy_(start[name])
+    data.close()
+    return {"losses": losses, "norms": norms, "params": {n: p.clone() for n, p in start.items()}, "spans": spans}
+
+
+_REFERENCES: dict = {}
+
+
+def reference(raw: dict, every: int, outer_lr: float, momentum: float) -> dict:
+    """One reference per (H, outer step) for the module (a world of one process, spawned)."""
+    key = (every, outer_lr, momentum)
+    if key not in _REFERENCES:
+        [_REFERENCES[key]] = spawn(_reference, 1, raw, every, outer_lr, momentum)
+    return _REFERENCES[key]
+
+
+def _raw(tiny_data: str, sync: str, every: int, dp_shard: int) -> dict:
+    raw = tiny_config(tiny_data, train={"steps": STEPS})  # global_batch 8: replicas 4 + 4 rows
+    return {**raw, "parallel": {"dp_replicate": REPLICAS, "dp_shard": dp_shard},
+            "ray": {"num_workers": REPLICAS * dp_shard},
+            "elastic": {"live_recovery": True, "sync": sync, "sync_every": every}}
+
+
+def _check(results: list[dict], ref: dict) -> None:
+    """Every rank's steps against its replica rank's in the reference; its parameters against the reference's
+    shared ones; both replicas trained the reference's rows at every step."""
+    for res in results:
+        ranks = {rec["quorum"][0] for rec in res["steps"]}
+        assert len(ranks) == 1 and all(rec["quorum"][1] == REPLICAS for rec in res["steps"]), res["steps"]
+        [r] = ranks
+        assert [rec["span"] for rec in res["steps"]] == [spans[r] for spans in ref["spans"]]
+        want = LayoutResult(ref["losses"][r], ref["norms"][r], {}, [])
+        got = LayoutResult([rec["loss"] for rec in res["steps"]], [rec["grad_norm"] for rec in res["steps"]], {}, [])
+        try:
+            assert_same_steps(want, got)
+        except AssertionError as exc:
+            raise AssertionError(f"replica {res['replica']} rank {res['rank']}: {exc}") from None
+        for name, param in res["params"].items():
+            expected = ref["params"][name]
+            error = float((torch.from_numpy(param) - expected).norm() / expected.norm())
+            assert error <= 1e-4, f"replica {res['replica']}: parameter {name} differs by {error:.2e}"
+    assert {r["replica"] for r in results} == set(range(REPLICAS))
+
+
+SPAWNS = pytest.mark.timeout(600)  # each run ~20 s alone; waits have their own bounds (patience)
+
+
+@SPAWNS
+@pytest.mark.parametrize("every", [1, 4])
+def test_diloco_with_fsdp_inside_each_replica_equals_the_reference(tiny_data, tmp_path, every):
+    raw = _raw(tiny_data, "diloco", every, dp_shard=2)
+    e = Config.from_dict(raw).elastic
+    results = _run(raw, 2, tmp_path)
+    _check(results, reference(raw, every, e.outer_lr, e.outer_momentum))
+    for res in results:  # the only bytes between replicas: one outer gradient per window, this rank's shards
+        assert res["sent"] == STEPS // every * 4 * res["local_numel"], (res["sent"], res["local_numel"])
+
+
+@SPAWNS
+def test_local_sgd_averages_the_replicas(tiny_data, tmp_path):
+    raw = _raw(tiny_data, "local_sgd", 4, dp_shard=1)
+    _check(_run(raw, 1, tmp_path), reference(raw, 4, 1.0, 0.0))
+
+
+@SPAWNS
+@pytest.mark.parametrize("plant", ["momentum ignored", "sign flipped"])
+def test_a_planted_outer_step_bug_fails_the_check(tiny_data, tmp_path, plant):
+    raw = _raw(tiny_data, "diloco", 4, dp_shard=1)
+    e = Config.from_dict(raw).elastic
+    results = _run(raw, 1, tmp_path, plant)
+    with pytest.raises(AssertionError, match="losses differ|gradient norms|parameter"):
+        _check(results, reference(raw, 4, e.outer_lr, e.outer_momentum))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"elastic": {"sync": "diloco"}}, "synchronises live recovery's replicas"),
+    ({"elastic": {"live_recovery": True, "sync": "diloco", "sync_every": 3}}, "checkpoint.every_steps=100 is not a multiple"),
+    ({"elastic": {"live_recovery": True, "sync": "diloco", "sync_every": 4, "outer_momentum": 1.0}},
+     "outer_momentum"),
+    ({"elastic": {"live_recovery": True, "sync": "sometimes"}}, "is not one of every_step, diloco, local_sgd"),
+])
+def test_a_sync_the_run_cannot_keep_is_refused_in_one_line(change, message):
+    raw = {"parallel": {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1}, "ray": {"num_workers": 2},
+           "train": {"steps": 100}}
+    for section, values in change.items():
+        raw.setdefault(section, {}).update(values)
+    with pytest.raises(ConfigError, match=message):
+        Config.from_dict(raw)
+
+
+def test_the_outer_step_is_torch_nesterov_sgd():
+    """OuterOptimizer's step on local shards equals torch.optim.SGD(nesterov=True) stepping the parameters from
+    their window's start along the outer gradient, over three windows (the momentum carried)."""
+    from raydist.elastic.diloco import OuterOptimizer
+
+    torch.manual_seed(0)
+    mine, theirs = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    theirs.load_state_dict(mine.state_dict())
+    outer = OuterOptimizer(mine, 0.7, 0.9)
+    sgd = torch.optim.SGD(theirs.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    for _ in range(3):
+        starts = [p.detach().clone() for p in mine.parameters()]
+        deltas = [torch.randn_like(p) for p in mine.parameters()]
+        outer.step(starts, deltas)
+        for p, d in zip(theirs.parameters(), deltas):
+            p.grad = d.clone()
+        sgd.step()
+        for a, b in zip(mine.parameters(), theirs.parameters()):
+            torch.testing.assert_close(a, b)
+    assert copy.deepcopy(outer.optimizer.state_dict())["state"]  # the momentum is optimizer state (checkpoints)
