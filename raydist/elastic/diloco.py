@@ -107,7 +107,8 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 
 class WindowStart:
     """What a rewind restores, on the host: the trained parameters' and the inner optimizer's local shards (no
-    optimizer state before its first step), the LR schedule, the step, data position and notes, the RNG. Taken
+    optimizer state before its first step), the LR schedule and the learning rates it set, the step, data
+    position and notes, the RNG. Taken
     by hand, not through the checkpoint's state dict: torch's distributed state dict initialises an optimizer
     that has not stepped (one zero step, which counts in AdamW's bias correction)."""
 
@@ -117,6 +118,7 @@ class WindowStart:
                               for k, v in trainer.optimizer.state[p].items()}
                       for p in trainer.outer.params if p in trainer.optimizer.state}
         self.schedule = copy.deepcopy(SchedulerState(trainer.scheduler).state_dict())
+        self.lrs = [group["lr"] for group in trainer.optimizer.param_groups]  # (the schedule's state lacks them)
         self.position = (trainer.step, trainer.position, copy.deepcopy(trainer.notes))
         self.rng = RNGState().state_dict()
 
@@ -137,6 +139,8 @@ class WindowStart:
                     state[key] = copy.deepcopy(value)
         trainer.optimizer.zero_grad(set_to_none=True)
         SchedulerState(trainer.scheduler).load_state_dict(copy.deepcopy(self.schedule))
+        for group, lr in zip(trainer.optimizer.param_groups, self.lrs):
+            group["lr"] = lr
         trainer.step, trainer.position, notes = self.position
         trainer.notes = copy.deepcopy(notes)
         RNGState().load_state_dict(self.rng)

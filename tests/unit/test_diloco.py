@@ -13,6 +13,7 @@ planted bugs in the outer step (momentum ignored, the outer gradient's sign flip
 from __future__ import annotations
 
 import copy
+import json
 import math
 import multiprocessing as mp
 import os
@@ -26,15 +27,21 @@ import torchft  # noqa: F401  (the test extra installs it; missing, this is an e
 
 from raydist.config import Config, ConfigError
 from raydist.parallel.runtime import spawn
-from raydist.testing import LayoutResult, assert_same_steps, tiny_config
+from raydist.testing import LayoutResult, assert_same_steps, run_layout, tiny_config
 from test_live_replicas import _all_alive, _replica_store
 from workers import patience
 
 STEPS, REPLICAS = 8, 2
 
 
+KILL_AT, REJOIN_AT = 6, 8  # the killed scenario: replica 1 dies after step 6 (inside the window 5-8); its
+# replacement joins at step 8's synchronisation, when replica 0 has redone that window alone
+
+
 def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: str, raw: dict, plant: str | None,
-            out) -> None:
+            flags: str | None, out) -> None:
+    """One rank of a replica. `flags` (the killed scenario): replica 1 exits after step KILL_AT; replica 0 waits
+    at REJOIN_AT until the replacement asks for its first quorum; a replacement says so first."""
     import torch.distributed as dist
 
     from raydist.elastic.diloco import replica_manager
@@ -56,45 +63,79 @@ def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: s
     replicas = replica_manager(TorchftReplicas(replica, torch.device("cpu"), 60.0, trainer.state_parts,
                                                replicas=REPLICAS, rank=rank, workers=workers), trainer)
     trainer.replicas = replicas
-    replicas.join()
+    replacement = flags is not None and os.path.exists(flags + ".alone")
+    if replacement and rank == 0:
+        open(flags + ".asks", "w").close()
+    healed = replicas.join()
     steps = []
-    while trainer.step < STEPS:
+
+    def samples() -> dict:
+        return {step: ids.tolist() for step, ids in zip(trainer._sample_log_steps, trainer.sample_log)}
+
+    while trainer.step < cfg.train.steps:
+        if flags is not None and replica == 0 and trainer.step == REJOIN_AT:
+            open(flags + ".alone", "w").close()
+            while not os.path.exists(flags + ".asks"):
+                time.sleep(0.1)
+            time.sleep(1.0)
         stats = trainer.train_step()
         steps.append({"step": trainer.step, "loss": stats.loss, "grad_norm": stats.grad_norm,
                       "quorum": list(trainer.last_quorum), "span": list(trainer.last_replica_span)})
+        if flags is not None and replica == 1 and not replacement and trainer.step == KILL_AT:
+            with open(f"{flags}.dead-{rank}.json", "w") as f:  # what it trained in its committed window
+                json.dump({s: ids for s, ids in samples().items() if s <= KILL_AT - KILL_AT % cfg.elastic.sync_every}, f)
+            os._exit(1)
     params = {k: v.numpy() for k, v in trainer.full_parameters().items()}
     out.put({"replica": replica, "rank": rank, "steps": steps, "params": params, "sent": replicas.sent_bytes,
              "local_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                                for p in trainer.pm.model.parameters() if p.requires_grad)})
+                                for p in trainer.pm.model.parameters() if p.requires_grad),
+             "healed": healed, "healed_at": replicas.healed_at, "retried": trainer.retried_steps,
+             "samples": samples()})
     time.sleep(1.0)  # the peer replica reads its last quorum before this Manager goes
     replicas.shutdown()
     trainer.close()
     dist.destroy_process_group()
 
 
-def _run(raw: dict, workers: int, tmp, plant: str | None = None) -> list[dict]:
+def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = False) -> list[dict]:
+    """Every rank's result, by (replica, replacement?, rank). `kill`: replica 1 dies inside its second window and
+    a replacement starts once replica 0 has redone that window alone."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = {(r, j): ctx.Process(target=_worker, args=(r, j, workers, str(tmp / f"replica-{r}.port"),
-                                                       lighthouse.address(), raw, plant, out))
-             for r in range(REPLICAS) for j in range(workers)}
+    flags = str(tmp / "flag") if kill else None
+
+    def process(r: int, j: int, port_file: str):
+        return ctx.Process(target=_worker, args=(r, j, workers, port_file, lighthouse.address(), raw, plant, flags,
+                                                 out))
+
+    procs = {(r, j): process(r, j, str(tmp / f"replica-{r}.port")) for r in range(REPLICAS) for j in range(workers)}
+    dying = {(1, j) for j in range(workers)} if kill else set()
     try:
         for p in procs.values():
             p.start()
+        if kill:  # the replacement starts once replica 0 has redone the failed window alone
+            deadline = time.monotonic() + patience(300)
+            while not os.path.exists(flags + ".alone"):
+                _all_alive({k: p for k, p in procs.items() if k not in dying})
+                assert time.monotonic() < deadline, "replica 0 never reached the rejoin step"
+                time.sleep(0.1)
+            for j in range(workers):
+                procs[(2, j)] = process(1, j, str(tmp / "replacement.port"))
+                procs[(2, j)].start()
         results, deadline = [], time.monotonic() + patience(400)
-        while len(results) < len(procs):
+        while len(results) < len(procs) - len(dying):
             try:
                 results.append(out.get(timeout=5))
             except queue.Empty:
-                _all_alive(procs)
+                _all_alive({k: p for k, p in procs.items() if k not in dying})
                 assert time.monotonic() < deadline, f"{len(results)} of {len(procs)} ranks reported"
-        for p in procs.values():
+        for key, p in procs.items():
             p.join(60)
-            assert p.exitcode == 0
-        return sorted(results, key=lambda r: (r["replica"], r["rank"]))
+            assert p.exitcode == (1 if key in dying else 0), (key, p.exitcode)
+        return sorted(results, key=lambda r: (r["replica"], r["healed"], r["rank"]))
     finally:
         for p in procs.values():
             if p.is_alive():
@@ -104,9 +145,10 @@ def _run(raw: dict, workers: int, tmp, plant: str | None = None) -> list[dict]:
 
 # ---- the reference: the replicas' copies in one process -------------------------------------------------
 
-def _reference(raw: dict, every: int, outer_lr: float, momentum: float) -> dict:
-    """{"losses": [per replica rank, per step], "norms": the same, "params": the shared parameters after the
-    last step, "spans": per step the positions each replica rank trained}."""
+def _reference(raw: dict, every: int, outer_lr: float, momentum: float, counts: tuple[int, ...] | None) -> dict:
+    """{"losses": per step, per replica rank; "norms": the same; "spans": per step, the positions each replica
+    rank trained; "params": the shared parameters after the last step}. `counts`: the replicas of each window
+    (REPLICAS in all by default): a replica that joins receives replica 0's model and AdamW state (healing)."""
     from raydist.elastic.live import live_slice
     from raydist.models.gpt import build_model
     from raydist.training.trainer import Trainer
@@ -115,7 +157,8 @@ def _reference(raw: dict, every: int, outer_lr: float, momentum: float) -> dict:
                             "elastic": {}})
     t = cfg.train
     data = Trainer(cfg, torch.device("cpu"))  # only reads the data: the rows at each position
-    models = [build_model(cfg.model, cfg.data.seq_len, seed=t.seed) for _ in range(REPLICAS)]
+    windows = -(-t.steps // every)
+    counts = counts or (REPLICAS,) * windows
 
     def adamw(model):
         matrices = [p for p in model.parameters() if p.ndim >= 2]
@@ -130,15 +173,22 @@ def _reference(raw: dict, every: int, outer_lr: float, momentum: float) -> dict:
         progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
         return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
-    opts = [adamw(m) for m in models]
+    models = [build_model(cfg.model, cfg.data.seq_len, seed=t.seed)]
+    opts = [adamw(models[0])]
     start = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     buf = {n: torch.zeros_like(p) for n, p in start.items()}
-    losses, norms, spans = [[] for _ in models], [[] for _ in models], []
-    for step in range(STEPS):
+    losses, norms, spans = [], [], []
+    for step in range(t.steps):
+        count = counts[step // every]
+        while len(models) < count:  # a replica joins: replica 0's state
+            models.append(copy.deepcopy(models[0]))
+            opts.append(adamw(models[-1]))
+            opts[-1].load_state_dict(copy.deepcopy(opts[0].state_dict()))  # (load_state_dict shares tensors)
+        del models[count:], opts[count:]
         position = step * t.global_batch
-        spans.append([])
+        losses.append([]), norms.append([]), spans.append([])
         for r, (model, opt) in enumerate(zip(models, opts)):
-            span = live_slice(position, t.global_batch, r, REPLICAS)
+            span = live_slice(position, t.global_batch, r, count)
             tokens, _ = data.next_batch(span)
             spans[-1].append(list(span))
             for group in opt.param_groups:
@@ -147,14 +197,15 @@ def _reference(raw: dict, every: int, outer_lr: float, momentum: float) -> dict:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
             opt.zero_grad()
             loss.backward()
-            norms[r].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
+            norms[-1].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
             opt.step()
-            losses[r].append(loss.item())
-        if (step + 1) % every == 0 or step + 1 == STEPS:  # the outer step (and at the run's end)
+            losses[-1].append(loss.item())
+        if (step + 1) % every == 0 or step + 1 == t.steps:  # the outer step (and at the run's end)
             with torch.no_grad():
                 for name in start:
                     copies = [dict(m.named_parameters())[name] for m in models]
-                    delta = sum(start[name] - c for c in copies) / REPLICAS
+                    delta = sum((span[1] - span[0]) / t.global_batch * (start[name] - c)
+                                for span, c in zip(spans[-1], copies))
                     if momentum:
                         buf[name] = momentum * buf[name] + delta
                         delta = delta + momentum * buf[name]
@@ -168,11 +219,11 @@ def _reference(raw: dict, every: int, outer_lr: float, momentum: float) -> dict:
 _REFERENCES: dict = {}
 
 
-def reference(raw: dict, every: int, outer_lr: float, momentum: float) -> dict:
-    """One reference per (H, outer step) for the module (a world of one process, spawned)."""
-    key = (every, outer_lr, momentum)
+def reference(raw: dict, every: int, outer_lr: float, momentum: float, counts: tuple[int, ...] | None = None) -> dict:
+    """One reference per (steps, H, outer step, replica counts) for the module (a world of one process, spawned)."""
+    key = (raw["train"]["steps"], every, outer_lr, momentum, counts)
     if key not in _REFERENCES:
-        [_REFERENCES[key]] = spawn(_reference, 1, raw, every, outer_lr, momentum)
+        [_REFERENCES[key]] = spawn(_reference, 1, raw, every, outer_lr, momentum, counts)
     return _REFERENCES[key]
 
 
@@ -184,14 +235,15 @@ def _raw(tiny_data: str, sync: str, every: int, dp_shard: int) -> dict:
 
 
 def _check(results: list[dict], ref: dict) -> None:
-    """Every rank's steps against its replica rank's in the reference; its parameters against the reference's
-    shared ones; both replicas trained the reference's rows at every step."""
+    """Every rank's steps against its replica rank's in the reference (the rows it trained, its loss and
+    gradient norm); its parameters after the last step against the reference's shared ones."""
     for res in results:
-        ranks = {rec["quorum"][0] for rec in res["steps"]}
-        assert len(ranks) == 1 and all(rec["quorum"][1] == REPLICAS for rec in res["steps"]), res["steps"]
-        [r] = ranks
-        assert [rec["span"] for rec in res["steps"]] == [spans[r] for spans in ref["spans"]]
-        want = LayoutResult(ref["losses"][r], ref["norms"][r], {}, [])
+        ran = [rec["step"] - 1 for rec in res["steps"]]
+        ranks = [rec["quorum"][0] for rec in res["steps"]]
+        assert [rec["quorum"][1] for rec in res["steps"]] == [len(ref["spans"][s]) for s in ran], res["steps"]
+        assert [rec["span"] for rec in res["steps"]] == [ref["spans"][s][r] for s, r in zip(ran, ranks)]
+        want = LayoutResult([ref["losses"][s][r] for s, r in zip(ran, ranks)],
+                            [ref["norms"][s][r] for s, r in zip(ran, ranks)], {}, [])
         got = LayoutResult([rec["loss"] for rec in res["steps"]], [rec["grad_norm"] for rec in res["steps"]], {}, [])
         try:
             assert_same_steps(want, got)
@@ -201,7 +253,6 @@ def _check(results: list[dict], ref: dict) -> None:
             expected = ref["params"][name]
             error = float((torch.from_numpy(param) - expected).norm() / expected.norm())
             assert error <= 1e-4, f"replica {res['replica']}: parameter {name} differs by {error:.2e}"
-    assert {r["replica"] for r in results} == set(range(REPLICAS))
 
 
 SPAWNS = pytest.mark.timeout(600)  # each run ~20 s alone; waits have their own bounds (patience)
@@ -214,6 +265,7 @@ def test_diloco_with_fsdp_inside_each_replica_equals_the_reference(tiny_data, tm
     e = Config.from_dict(raw).elastic
     results = _run(raw, 2, tmp_path)
     _check(results, reference(raw, every, e.outer_lr, e.outer_momentum))
+    assert {r["replica"] for r in results} == set(range(REPLICAS))
     for res in results:  # the only bytes between replicas: one outer gradient per window, this rank's shards
         assert res["sent"] == STEPS // every * 4 * res["local_numel"], (res["sent"], res["local_numel"])
 
@@ -232,6 +284,33 @@ def test_a_planted_outer_step_bug_fails_the_check(tiny_data, tmp_path, plant):
     results = _run(raw, 1, tmp_path, plant)
     with pytest.raises(AssertionError, match="losses differ|gradient norms|parameter"):
         _check(results, reference(raw, 4, e.outer_lr, e.outer_momentum))
+
+
+@SPAWNS
+def test_a_replica_killed_inside_a_window_the_survivor_redoes_it_and_a_replacement_heals(tiny_data, tmp_path):
+    """Replica 1 dies after step 6, inside the window of steps 5-8. Replica 0's synchronisation at step 8 fails,
+    it rewinds to step 4 and redoes the window alone (the whole global batch of each step); its replacement
+    joins at the next window's quorum and heals from it (parameters, AdamW state, outer momentum, position);
+    both train steps 9-12. Equal to the reference with windows of 2, 1 and 2 replicas (the replacement holding
+    replica 0's state), and every sample of every step trained once by the work that stood."""
+    raw = _raw(tiny_data, "diloco", 4, dp_shard=1)
+    raw["train"] = {**raw["train"], "steps": 12}
+    e = Config.from_dict(raw).elastic
+    results = _run(raw, 1, tmp_path, kill=True)
+    survivor, replacement = results
+    assert (survivor["replica"], survivor["healed"], replacement["replica"], replacement["healed"]) == (0, False, 1, True)
+    assert survivor["retried"] == 4 and replacement["healed_at"] == REJOIN_AT
+    ref = reference(raw, 4, e.outer_lr, e.outer_momentum, counts=(2, 1, 2))
+    # the survivor's steps 5-7 as the loop saw them are the failed window's: the steps that stood are checked
+    stood = dict(survivor, steps=[rec for rec in survivor["steps"] if not KILL_AT - 1 <= rec["step"] < REJOIN_AT])
+    assert [rec["quorum"][1] for rec in stood["steps"]] == [2] * 4 + [1] + [2] * 4
+    _check([stood, replacement], ref)
+    with open(tmp_path / "flag.dead-0.json") as f:
+        dead = {int(k): v for k, v in json.load(f).items()}
+    [single] = run_layout(tiny_config(tiny_data, train={"steps": 12}), 1, steps=12, record_samples=True)
+    for step in range(1, 13):
+        trained = sorted(i for log in (survivor["samples"], replacement["samples"], dead) for i in log.get(step, []))
+        assert trained == sorted(single.sample_ids[step - 1].tolist()), f"step {step}"
 
 
 @pytest.mark.parametrize("change, message", [
