@@ -377,6 +377,21 @@ def cuda_timer(device: torch.device | str, *, rep_budget_s: float = 0.25, max_re
     return timer
 
 
+def wall_clock_timer(device: torch.device | str = "cpu") -> Timer:
+    """A Timer by the wall clock around one forward + backward: for the CPU, where the Triton candidate runs
+    under the interpreter (TRITON_INTERPRET=1) and its time says nothing about a GPU (the decision path's
+    tests, and the GPU suite's code run on a CPU)."""
+    device = torch.device(device)
+
+    def timer(shape: Shape, candidate: str) -> float:
+        step = forward_backward(shape, candidate, device)
+        start = time.perf_counter()
+        step()
+        return (time.perf_counter() - start) * 1e3
+
+    return timer
+
+
 def default_chooser(device: torch.device | str, budget_s: float = 120.0) -> KernelChooser:
     """A chooser on CUDA `device` with the CUDA-event timer and the cache file `choice_cache_path()`."""
     device = torch.device(device)
