@@ -2,17 +2,30 @@
 
     chosen = apply_kernels(model, cfg.kernels, device)   # {"attention": "triton", "matmul": "triton"}
 
-attention: `auto` -> sdpa; `triton` | `sdpa` | `eager` as asked, or a ConfigError with the fix.
-matmul:    `auto` -> torch (cuBLAS on CUDA); `triton` | `torch`.
+attention: `auto` -> measured on CUDA (below), sdpa on the CPU; `triton` | `sdpa` | `eager` as asked, or a
+           ConfigError with the fix.
+matmul:    `auto` -> measured on CUDA per linear shape, torch on the CPU; `triton` | `torch`.
 loss:      `auto` -> fused (the head's matmul and the loss a chunk of tokens at a time, the chunks'
            elementwise work in torch); `triton` (the same, that work in raydist.kernels.cross_entropy's
            kernels) | `plain` (the logits, then the loss).
 
-Why `auto` is torch's kernels on CUDA too: measured on one H100 (torch 2.11, Triton 3.6, the GPU suite of
-2026-11-27, figures in benchmarks/results/gpu_suite_h100.json), the Triton attention's forward+backward ran at
-0.65-0.66x the speed of `F.scaled_dot_product_attention` (flash) at Llama 3 8B/70B heads for T = 2k-8k, the
-Triton matmul at 0.82-0.88x cuBLAS on the MLP GEMMs, and an 8B-shaped stack of 4 blocks at T = 8192 reached
-35.5% MFU with both Triton kernels against 43.6% with torch's. Triton stays one setting away.
+`auto` on CUDA is decided by measurement (raydist.kernels.choice): the Triton kernel against SDPA / cuBLAS,
+forward + backward, at each shape the run will use, the faster kept, cached per device, versions and shape.
+Why measure rather than fix a choice: on one H100 (torch 2.11, Triton 3.6, the GPU suite of 2026-11-27,
+benchmarks/results/gpu_suite_h100.json) the Triton attention ran at 0.65-0.66x SDPA's speed at Llama 3
+8B/70B heads and the Triton matmul at 0.82-0.88x cuBLAS's, but another GPU, shape or compiler release
+can reverse either, and a per-shape pick costs a few seconds once per device.
+
+Where and when: at model build, from the shapes the config fixes (`Workload.of`: micro-batch, sequence
+length over cp, local heads under tp, the compute dtype), never inside a training step. A Trainer's rank 0
+decides (`shared_choices`: it alone times, on its GPU, before any weight is allocated) and every rank
+installs its picks, so the ranks of a run run the same kernels (numerics and speed alike) whatever each
+would have measured; a restart reads the picks back from the cache file. Untimed, torch's: shapes the
+Triton kernel lacks (head dims outside SUPPORTED_HEAD_DIMS), linears that tensor parallelism hands DTensors,
+the head when it computes the fused loss (its matmuls are torch's chunks), LoRA-adapted and expert modules,
+attention under context parallelism (ring / Ulysses choose their own blocks). Calls at other shapes
+(evaluation batches, generation) run what was installed. The CPU never times: Triton runs there only
+under its interpreter. The picks and both times go to the metrics (`kernels_measured` in summary.json).
 
 The Triton matmul is installed by changing the class of each plain `nn.Linear` to `TritonLinear` and of each
 `FeedForward` to `TritonFeedForward` (same instance, same parameters, same names: checkpoints and
