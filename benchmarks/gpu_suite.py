@@ -18,6 +18,9 @@ each part in its own process under its own time budget:
 2. attention: benchmarks/kernels.py's causal GQA attention at the Llama 3 8B/70B heads, forward+backward,
    Triton vs `F.scaled_dot_product_attention`, T = 2k, 4k, 8k (4k with --quick), bf16;
 3. gemm: the MLP GEMMs of 4096 x 14336 and 8192 x 28672 over 8192 tokens, Triton vs `torch.matmul`, bf16;
+   auto: what `kernels = auto` picks at one Llama 3 8B and 70B block over one sequence of T = 8192 (4096
+   with --quick), bf16: the run's own decision (raydist.kernels.choice: Triton against SDPA / cuBLAS,
+   forward + backward, CUDA events), each distinct shape's pick and both times (benchmarks/kernels.py);
 4. mfu: the MFU of a Llama-3-8B-shaped stack of 4 blocks at T = 8192 (benchmarks/mfu.py), Triton kernels
    and torch's, 10 timed steps (3 with --quick);
 5. loss: the loss of 8,192 tokens (4,096 with --quick) at V = 128256, D = 4096 under bf16 autocast, plain,
@@ -27,7 +30,8 @@ each part in its own process under its own time budget:
    Mixtral 8x7B's shapes in bf16: the loop over experts, torch._grouped_mm and the Triton grouped GEMM
    (benchmarks/grouped_gemm.py): forward + backward seconds, TFLOP/s, speedup and error against the loop.
 
-Budgets (seconds): tests 400, attention 50, gemm 40, mfu 60, loss 40, moe 30, and all together at most --budget-s (550):
+Budgets (seconds): tests 400, attention 50, gemm 40, auto 60 (40 of it measuring), mfu 60, loss 40, moe 30,
+and all together at most --budget-s (550):
 a part that runs out is killed with its processes and recorded as timed out (with the outcomes of the
 tests that finished), and a part with under 15 s of the total left is not started. The JSON is rewritten
 after every part, so a failure or a kill leaves what was measured. So the command ends within about 9.5
@@ -65,11 +69,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_RAY = ROOT / "tests" / "gpu" / "no_ray"  # a sitecustomize that blocks `import ray` and logs each attempt
-BUDGET_S = {"tests": 400.0, "attention": 50.0, "gemm": 40.0, "mfu": 60.0, "loss": 40.0, "moe": 30.0}
+BUDGET_S = {"tests": 400.0, "attention": 50.0, "gemm": 40.0, "auto": 60.0, "mfu": 60.0, "loss": 40.0, "moe": 30.0}
 TOTAL_BUDGET_S = 550.0
 MIN_PART_S = 15.0  # a part is not started with less of the total budget left
 PER_TEST_TIMEOUT_S = 150.0  # pytest-timeout, where installed: one hung test does not eat the whole budget
-BENCHMARKS = ("attention", "gemm", "mfu", "loss", "moe")
+BENCHMARKS = ("attention", "gemm", "auto", "mfu", "loss", "moe")
 
 
 def test_paths() -> list[str]:
@@ -245,6 +249,8 @@ def benchmark(name: str, quick: bool) -> list[dict]:
         return kernel_bench.llama_attention_rows([4096] if quick else [2048, 4096, 8192], torch.bfloat16, 16384)
     if name == "gemm":
         return kernel_bench.llama_gemm_rows(8192, torch.bfloat16)
+    if name == "auto":
+        return kernel_bench.llama_auto_rows(4096 if quick else 8192, budget_s=BUDGET_S["auto"] - 20.0)
     if name == "mfu":
         return mfu_bench.mfu_rows(layers=4, seq_len=8192, batch=1, steps=3 if quick else 10)
     if name == "loss":

@@ -176,6 +176,49 @@ def llama_gemm_rows(tokens: int, dtype: torch.dtype, device: str = "cuda", shape
     return rows
 
 
+# Llama 3's blocks (Dubey et al., 2024) for what `kernels = auto` picks: the model dims above, 128k vocabulary.
+LLAMA_MODELS = {"llama3-8b": {"d_model": 4096, "num_heads": 32, "num_kv_heads": 8, "ffn_hidden": 14336},
+                "llama3-70b": {"d_model": 8192, "num_heads": 64, "num_kv_heads": 8, "ffn_hidden": 28672}}
+
+
+def llama_auto_rows(seq_len: int, micro_batch: int = 1, device: str = "cuda", budget_s: float = 40.0,
+                    models: dict | None = None, vocab_size: int = 128256) -> list[dict]:
+    """What `kernels = auto` picks at one block of each Llama 3 shape (one GPU, no tensor parallelism,
+    bf16, `micro_batch` sequences of `seq_len`): the run's own decision path (`select.choose_auto` with the
+    CUDA-event timer, forward + backward), without the cache file so that every shape is measured here. One
+    row per distinct shape: the pick, both times, and why a shape was not measured (the fused-loss head;
+    the measuring budget `budget_s`, shared by the models, once spent). On a CPU (tests) the Triton
+    candidate runs under the interpreter, timed by the wall clock."""
+    from raydist.config import KernelsConfig, ModelConfig
+    from raydist.kernels.choice import KernelChooser, cuda_timer, wall_clock_timer
+    from raydist.kernels.select import Workload, choose_auto
+    from raydist.models.gpt import GPT
+
+    if torch.device(device).type == "cuda":
+        chooser = KernelChooser(torch.cuda.get_device_name(device), cuda_timer(device), None, budget_s=budget_s)
+    else:
+        chooser = KernelChooser(str(device), wall_clock_timer(device), None, budget_s=budget_s)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    workload = Workload(micro_batch, seq_len, dtype)
+    rows = []
+    for model, dims in (models or LLAMA_MODELS).items():
+        with torch.device("meta"):  # shapes only: the timer makes its own inputs
+            gpt = GPT(ModelConfig(num_layers=1, vocab_size=vocab_size, **dims), seq_len)
+        choices = choose_auto(gpt, KernelsConfig(), workload, chooser)
+        modules: dict[str, list[str]] = {}
+        for name, pick in choices.modules.items():
+            modules.setdefault(pick.shape, []).append(name.removeprefix("layers.0."))
+        for pick in choices.picks():
+            row = {"model": model, **pick.record(), "modules": modules.get(pick.shape, [])}
+            if pick.triton_ms and pick.torch_ms:
+                row["triton_speedup"] = pick.torch_ms / pick.triton_ms  # > 1: Triton faster
+            rows.append(row)
+            times = (f"triton {pick.triton_ms:8.3f} ms  torch {pick.torch_ms:8.3f} ms" if pick.triton_ms is not None
+                     and pick.torch_ms is not None else pick.source)
+            print(f"auto      {model:10s} {pick.shape:58s} -> {pick.kernel:6s} {times}", flush=True)
+    return rows
+
+
 def attention_rows(seq_lens: list[int], dtype: torch.dtype, heads: int, head_dim: int, tokens: int) -> list[dict]:
     """TFLOP/s of flash vs sdpa; the batch keeps B*T = tokens (at least 1 sequence)."""
     from raydist.kernels import flash_attention

@@ -66,6 +66,7 @@ def measure_mfu(cfg: ModelConfig, seq_len: int, batch: int, *, steps: int = 10, 
     step time, tokens/s, achieved TFLOP/s, MFU, peak memory and the kernels that ran."""
     from raydist.config import KernelsConfig
     from raydist.kernels import apply_kernels
+    from raydist.kernels.select import Workload
     from raydist.metrics.flops import peak_flops
     from raydist.metrics.kernels import kernel_calls, kernels_ran
     from raydist.models.gpt import GPT, flops_per_token, param_counts
@@ -76,7 +77,8 @@ def measure_mfu(cfg: ModelConfig, seq_len: int, batch: int, *, steps: int = 10, 
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it trains: no host copy of the weights
         model = GPT(cfg, seq_len)
-    chosen = apply_kernels(model, KernelsConfig(*kernels), device)
+    # (`auto` on CUDA times the kernels at this run's shapes first; the head here computes logits, not the fused loss)
+    chosen = apply_kernels(model, KernelsConfig(*kernels), device, Workload(batch, seq_len, dtype, fused_loss=False))
     apply_activation_checkpointing(model, activation_checkpoint)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), device=device)

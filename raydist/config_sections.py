@@ -282,10 +282,11 @@ class RayConfig:
 @dataclass(frozen=True)
 class KernelsConfig:
     attention: str = "auto"
-    """`auto` (sdpa: flash attention on CUDA, faster than the Triton kernel on an H100: README's GPU check
-    suite), `triton`, `sdpa`, `eager`."""
+    """`auto` (on CUDA the faster of the Triton kernel and sdpa, timed at the run's shape when the model
+    is built, cached per device; sdpa on the CPU), `triton`, `sdpa`, `eager`."""
     matmul: str = "auto"
-    """`auto` (torch: cuBLAS on CUDA, faster than the Triton matmul on an H100), `triton`, `torch`."""
+    """`auto` (on CUDA the faster of the Triton matmul and cuBLAS at each linear's shape, timed as
+    attention's; torch on the CPU), `triton`, `torch`."""
     loss: str = "auto"
     """`auto`: the head's matmul and the cross-entropy run together, a chunk of tokens at a time, never
     holding the whole (B, T, V) logits or their gradient (one more head matmul in backward), in every

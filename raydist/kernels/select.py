@@ -2,17 +2,30 @@
 
     chosen = apply_kernels(model, cfg.kernels, device)   # {"attention": "triton", "matmul": "triton"}
 
-attention: `auto` -> sdpa; `triton` | `sdpa` | `eager` as asked, or a ConfigError with the fix.
-matmul:    `auto` -> torch (cuBLAS on CUDA); `triton` | `torch`.
+attention: `auto` -> measured on CUDA (below), sdpa on the CPU; `triton` | `sdpa` | `eager` as asked, or a
+           ConfigError with the fix.
+matmul:    `auto` -> measured on CUDA per linear shape, torch on the CPU; `triton` | `torch`.
 loss:      `auto` -> fused (the head's matmul and the loss a chunk of tokens at a time, the chunks'
            elementwise work in torch); `triton` (the same, that work in raydist.kernels.cross_entropy's
            kernels) | `plain` (the logits, then the loss).
 
-Why `auto` is torch's kernels on CUDA too: measured on one H100 (torch 2.11, Triton 3.6, the GPU suite of
-2026-11-27, figures in benchmarks/results/gpu_suite_h100.json), the Triton attention's forward+backward ran at
-0.65-0.66x the speed of `F.scaled_dot_product_attention` (flash) at Llama 3 8B/70B heads for T = 2k-8k, the
-Triton matmul at 0.82-0.88x cuBLAS on the MLP GEMMs, and an 8B-shaped stack of 4 blocks at T = 8192 reached
-35.5% MFU with both Triton kernels against 43.6% with torch's. Triton stays one setting away.
+`auto` on CUDA is decided by measurement (raydist.kernels.choice): the Triton kernel against SDPA / cuBLAS,
+forward + backward, at each shape the run will use, the faster kept, cached per device, versions and shape.
+Why measure rather than fix a choice: on one H100 (torch 2.11, Triton 3.6, the GPU suite of 2026-11-27,
+benchmarks/results/gpu_suite_h100.json) the Triton attention ran at 0.65-0.66x SDPA's speed at Llama 3
+8B/70B heads and the Triton matmul at 0.82-0.88x cuBLAS's, but another GPU, shape or compiler release
+can reverse either, and a per-shape pick costs a few seconds once per device.
+
+Where and when: at model build, from the shapes the config fixes (`Workload.of`: micro-batch, sequence
+length over cp, local heads under tp, the compute dtype), never inside a training step. A Trainer's rank 0
+decides (`shared_choices`: it alone times, on its GPU, before any weight is allocated) and every rank
+installs its picks, so the ranks of a run run the same kernels (numerics and speed alike) whatever each
+would have measured; a restart reads the picks back from the cache file. Untimed, torch's: shapes the
+Triton kernel lacks (head dims outside SUPPORTED_HEAD_DIMS), linears that tensor parallelism hands DTensors,
+the head when it computes the fused loss (its matmuls are torch's chunks), LoRA-adapted and expert modules,
+attention under context parallelism (ring / Ulysses choose their own blocks). Calls at other shapes
+(evaluation batches, generation) run what was installed. The CPU never times: Triton runs there only
+under its interpreter. The picks and both times go to the metrics (`kernels_measured` in summary.json).
 
 The Triton matmul is installed by changing the class of each plain `nn.Linear` to `TritonLinear` and of each
 `FeedForward` to `TritonFeedForward` (same instance, same parameters, same names: checkpoints and
@@ -29,6 +42,9 @@ tokens, never the whole logits, vocabulary-parallel on a tensor-parallel head (`
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,8 +52,10 @@ from torch import nn
 from raydist.errors import ConfigError
 from raydist.kernels import runtime
 from raydist.kernels.attention import SUPPORTED_HEAD_DIMS, triton_causal_attention
+from raydist.kernels.choice import AttentionShape, KernelChooser, MatmulShape, Pick, default_chooser
 from raydist.kernels.cross_entropy import TRITON_CHUNKS
 from raydist.kernels.matmul import linear, swiglu
+from raydist.metrics.kernels import record_choice
 from raydist.models.gpt import FeedForward, eager_attention, sdpa_attention
 from raydist.models.loss import TORCH_CHUNKS, linear_cross_entropy
 
@@ -103,11 +121,13 @@ class TritonFeedForward(FeedForward):
 
 def resolve_kernels(cfg, device: torch.device | str, head_dim: int) -> dict[str, str]:
     """{"attention": ..., "matmul": ..., "loss": ...}: what will run, or a ConfigError naming the setting and
-    the fix. `cfg` holds the choices (`.attention`, `.matmul`, `.loss`: the `[kernels]` section)."""
+    the fix. `cfg` holds the choices (`.attention`, `.matmul`, `.loss`: the `[kernels]` section). An `auto`
+    stays "auto" where it is decided by measurement (CUDA with Triton importable: `apply_kernels`)."""
     device = torch.device(device)
+    measured = measures_auto(device)
     attention = cfg.attention
     if attention == "auto":
-        attention = "sdpa"  # faster than the Triton kernel where measured (the module's docstring)
+        attention = "auto" if measured else "sdpa"  # (the CPU: Triton runs only under the interpreter)
     elif attention == "triton":
         runtime.require_triton(device, "kernels.attention=triton")
         if head_dim not in SUPPORTED_HEAD_DIMS:
@@ -118,7 +138,7 @@ def resolve_kernels(cfg, device: torch.device | str, head_dim: int) -> dict[str,
         raise ConfigError(f"kernels.attention={attention!r} is not one of auto, triton, sdpa, eager")
     matmul = cfg.matmul
     if matmul == "auto":
-        matmul = "torch"  # cuBLAS beat the Triton matmul where measured (the module's docstring)
+        matmul = "auto" if measured else "torch"
     elif matmul == "triton":
         runtime.require_triton(device, "kernels.matmul=triton")
     elif matmul != "torch":
@@ -131,6 +151,146 @@ def resolve_kernels(cfg, device: torch.device | str, head_dim: int) -> dict[str,
     elif loss != "plain":
         raise ConfigError(f"kernels.loss={loss!r} is not one of auto, triton, plain")
     return {"attention": attention, "matmul": matmul, "loss": loss}
+
+
+def measures_auto(device: torch.device | str) -> bool:
+    """True where `auto` is decided by timing: a CUDA device, Triton importable. (On a CPU Triton runs
+    only under its interpreter, which no run would choose: `auto` is torch's kernels there, untimed.)"""
+    return torch.device(device).type == "cuda" and runtime.triton_import_error() is None
+
+
+# ---- `auto` by measurement ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each kernel call sees on one rank, known from the config before the model exists: the shapes
+    `auto` measures at (`Workload.of` for a Trainer's)."""
+
+    micro_batch: int = 1
+    seq_len: int = 0  # tokens of a whole sequence (context parallelism divides it); 0: the model's max_seq_len
+    dtype: torch.dtype = torch.bfloat16  # the compute dtype the kernels see (autocast's or FSDP's)
+    tp: int = 1
+    cp: int = 1
+    fused_loss: bool = True  # the head computes the loss with its matmul (chunked in torch: nothing to time)
+
+    @classmethod
+    def of(cls, cfg, layout, compute_dtype: torch.dtype) -> "Workload":
+        """A Trainer's: `cfg` the run's Config, `layout` its Layout."""
+        return cls(layout.micro_batch, cfg.data.seq_len, compute_dtype, layout.tp, layout.cp,
+                   cfg.kernels.loss != "plain")
+
+
+@dataclass
+class KernelChoices:
+    """What `auto` picked: the attention's pick (None when attention was not `auto`) and each linear
+    module's and SwiGLU feed-forward's, by module name in the unparallelized model (the same on every rank)."""
+
+    attention: Pick | None = None
+    modules: dict[str, Pick] = field(default_factory=dict)
+
+    def picks(self) -> list[Pick]:
+        """Each distinct shape's pick once, attention first (what the metrics record)."""
+        seen: dict[tuple[str, str], Pick] = {}
+        for pick in ([self.attention] if self.attention else []) + list(self.modules.values()):
+            seen.setdefault((pick.shape, pick.source), pick)
+        return list(seen.values())
+
+    def to_json(self) -> str:
+        return json.dumps({"attention": self.attention.record() if self.attention else None,
+                           "modules": {name: pick.record() for name, pick in self.modules.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> "KernelChoices":
+        raw = json.loads(text)
+        attention = Pick.from_record(raw["attention"]) if raw["attention"] else None
+        return cls(attention, {name: Pick.from_record(r) for name, r in raw["modules"].items()})
+
+
+def _unmeasured(kind: str, shape: str, reason: str) -> Pick:
+    return Pick(kind, shape, "torch", None, None, reason)
+
+
+def choose_auto(model: nn.Module, cfg, workload: Workload, chooser: KernelChooser) -> KernelChoices:
+    """Decide each `auto` kernel of `model` (a GPT, on any device, meta included) at `workload`'s shapes
+    with `chooser`; nothing is installed. Linears that will hold DTensors (tensor parallelism), the head that
+    computes the fused loss, LoRA-adapted and expert modules keep torch's kernels, unmeasured."""
+    mc = model.cfg
+    seq_len = workload.seq_len or model.max_seq_len
+    tokens = workload.micro_batch * (seq_len // workload.cp)  # M of every linear on this rank
+    dtype = str(workload.dtype).removeprefix("torch.")
+    choices = KernelChoices()
+    if cfg.attention == "auto":
+        shape = AttentionShape(workload.micro_batch, mc.num_heads // workload.tp, mc.num_kv_heads // workload.tp,
+                               seq_len, mc.head_size, dtype)
+        if workload.cp > 1:  # ring or Ulysses attention replace the call (parallel/context.py picks the blocks)
+            choices.attention = _unmeasured("attention", shape.key(), "context parallelism runs its own attention")
+        else:
+            choices.attention = chooser.choose(shape)
+    if cfg.matmul != "auto":
+        return choices
+    from raydist.models.moe import GroupedExperts
+
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts) or any(hasattr(m, "lora_a") for m in module.children()):
+            continue
+        if type(module) is FeedForward:
+            gate, _, _ = module.projections()
+            shape = MatmulShape(tokens, gate.in_features, gate.out_features, dtype, swiglu=True)
+        elif type(module) in (nn.Linear, TorchLinear):
+            shape = MatmulShape(tokens, module.in_features, module.out_features, dtype, bias=module.bias is not None)
+            if module is model.head and workload.fused_loss:
+                choices.modules[name] = _unmeasured(shape.kind, shape.key(),
+                                                    "the head computes the fused loss (torch's chunked matmuls)")
+                continue
+        else:
+            continue
+        if workload.tp > 1:
+            choices.modules[name] = _unmeasured(shape.kind, shape.key(), "tensor parallelism hands it DTensors")
+        else:
+            choices.modules[name] = chooser.choose(shape)
+    return choices
+
+
+def shared_choices(model: nn.Module, cfg, device: torch.device, workload: Workload, group=None,
+                   chooser: KernelChooser | None = None) -> KernelChoices | None:
+    """Rank 0 of `group` decides (`choose_auto`, timing on its device), every rank gets its decision: the
+    ranks of a run run the same kernels, whatever each would have measured. None when nothing is `auto`
+    on a device that measures. A failure on rank 0 is raised on every rank."""
+    if not measures_auto(device) or "auto" not in (cfg.attention, cfg.matmul):
+        return None
+    import torch.distributed as dist
+
+    shared = dist.is_initialized() and dist.get_world_size(group) > 1
+    text = None
+    if not shared or dist.get_rank(group) == 0:
+        try:
+            text = choose_auto(model, cfg, workload, chooser or default_chooser(device)).to_json()
+        except Exception as exc:
+            if not shared:
+                raise
+            text = json.dumps({"error": f"{type(exc).__name__}: {exc}"})
+    if shared:
+        box = [text]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        text = box[0]
+    if "error" in json.loads(text):
+        raise RuntimeError(f"kernels = auto: measuring the kernels on rank 0 failed: {json.loads(text)['error']}")
+    return KernelChoices.from_json(text)
+
+
+def install_choices(model: nn.Module, choices: KernelChoices) -> str:
+    """Install the measured matmul picks (a Triton class where Triton won, else the torch path); returns
+    the selection's name: "triton", "torch", or "torch+triton" where shapes picked differently."""
+    modules = dict(model.named_modules())
+    kernels = set()
+    for name, pick in choices.modules.items():
+        module = modules[name]
+        kernels.add(pick.kernel)
+        if pick.kernel == "triton":
+            module.__class__ = TritonFeedForward if isinstance(module, FeedForward) else TritonLinear
+    install_torch_matmul(model)  # every other plain nn.Linear (the Triton FeedForward's gate and up included)
+    return "+".join(sorted(kernels)) or "torch"
 
 
 def install_triton_matmul(model: nn.Module) -> int:
@@ -164,16 +324,29 @@ def install_torch_matmul(model: nn.Module) -> int:
     return changed
 
 
-def apply_kernels(model: nn.Module, cfg, device: torch.device | str) -> dict[str, str]:
+def apply_kernels(model: nn.Module, cfg, device: torch.device | str, workload: Workload | None = None,
+                  choices: KernelChoices | None = None, chooser: KernelChooser | None = None) -> dict[str, str]:
     """Install the selected kernels into a GPT built by models.gpt.build_model; returns the selection.
 
     Call after building the model and before parallelizing it (the DTensor fallbacks above are a safety
-    net, not the intended layout).
+    net, not the intended layout). Where `auto` is measured (`measures_auto`) it installs `choices` (a
+    Trainer's, from `shared_choices`), or decides now at `workload`'s shapes (default: one sequence of the
+    model's max_seq_len in bf16) with `chooser` (default: CUDA events and the cache file); the picks go to
+    the metrics (`raydist.metrics.kernels.kernel_choices`).
     """
     model_cfg = model.cfg
     chosen = resolve_kernels(cfg, device, model_cfg.head_size)
+    if "auto" in (chosen["attention"], chosen["matmul"]):
+        if choices is None:
+            choices = choose_auto(model, cfg, workload or Workload(), chooser or default_chooser(device))
+        if chosen["attention"] == "auto":
+            chosen["attention"] = "triton" if choices.attention.kernel == "triton" else "sdpa"
+        for pick in choices.picks():
+            record_choice(pick.record())
     model.set_attention(ATTENTION_FNS[chosen["attention"]])
-    if chosen["matmul"] == "triton":
+    if chosen["matmul"] == "auto":
+        chosen["matmul"] = install_choices(model, choices)
+    elif chosen["matmul"] == "triton":
         install_triton_matmul(model)
     else:
         install_torch_matmul(model)

@@ -49,8 +49,8 @@ def _prune_fp32(configs, named_args, **kwargs):
     return small or configs[:1]
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Keyed on the shape: each (T, S, head_dim, causal, dtypes) is
-# tuned once per process.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Keyed on the shape and layout (KEY): each (T, S, head_dim, causal,
+# strides, dtypes) is tuned once per process.
 FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 2),
                         (64, 64, 4, 2)])
 BWD_DKDV_CONFIGS = _configs([(32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3),
@@ -58,7 +58,11 @@ BWD_DKDV_CONFIGS = _configs([(32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2), (6
 BWD_DQ_CONFIGS = _configs([(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (128, 64, 8, 2), (64, 32, 4, 3),
                            (128, 64, 4, 3)])
 PRUNE = {"early_config_prune": _prune_fp32}
-KEY = ["T_Q", "T_K", "HEAD_DIM", "CAUSAL", "stride_qt", "stride_kt"]  # (strides: layouts tune apart)
+# Keyed on the sequence-axis stride of every tensor a kernel reads, so layouts tune apart: the model's (B, T, H,
+# E) views against contiguous (B, H, T, E) blocks (ring attention), and dO's layout, which need not be q's
+# (the autotuner adds the dtypes itself).
+KEY = ["T_Q", "T_K", "HEAD_DIM", "CAUSAL", "stride_qt", "stride_kt", "stride_vt"]
+BWD_KEY = KEY + ["stride_dot"]
 
 
 # Only Triton *builtins* below, plus our own @triton.jit helpers: Triton's standard-library functions
@@ -201,7 +205,7 @@ def _dkdv_tiles(dk, dv, k, v, q_base, do_base, LSE, DELTA, row_base, stride_qt, 
     return dk, dv
 
 
-@triton.autotune(configs=BWD_DKDV_CONFIGS, key=KEY, prune_configs_by=PRUNE)
+@triton.autotune(configs=BWD_DKDV_CONFIGS, key=BWD_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, DO, LSE, DELTA, DK, DV,
                    stride_qb, stride_qh, stride_qt, stride_qe,
@@ -279,7 +283,7 @@ def _dq_tiles(dq, q, do, lse_log2, delta, k_base, v_base, stride_kt, stride_ke, 
     return dq
 
 
-@triton.autotune(configs=BWD_DQ_CONFIGS, key=KEY, prune_configs_by=PRUNE)
+@triton.autotune(configs=BWD_DQ_CONFIGS, key=BWD_KEY, prune_configs_by=PRUNE)
 @triton.jit
 def _attn_bwd_dq(Q, K, V, DO, LSE, DELTA, DQ,
                  stride_qb, stride_qh, stride_qt, stride_qe,

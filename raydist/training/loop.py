@@ -318,7 +318,8 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         "tokens_per_s": round((trainer.step - start_step) * logger.tokens_per_step / max(wall, 1e-9), 2),
         "mfu": logger.last.get("mfu"), "mfu_peak_source": logger.peak_source, "world_size": trainer.world_size,
         "mesh": trainer.layout.mesh(), "elapsed_s": round(time.time() - run_start, 3),
-        "kernels": trainer.kernels_ran(), "kernels_selected": trainer.kernels, **trainer.param_counts,
+        "kernels": trainer.kernels_ran(), "kernels_selected": trainer.kernels,
+        "kernels_measured": trainer.kernel_choices, **trainer.param_counts,
     }
     if ckpt and lead():
         session.phase("save")

@@ -35,6 +35,7 @@ from raydist.elastic.hang.trigger import group_timeout_s
 from raydist.elastic.diloco import OuterState, outer_optimizer
 from raydist.elastic.live import Replicas, SingleReplica
 from raydist.kernels import apply_kernels
+from raydist.kernels.select import Workload, shared_choices
 from raydist.metrics.actions import ACTIONS, doing
 from raydist.metrics.kernels import kernel_calls, kernels_ran
 from raydist.models.gpt import GPT
@@ -171,7 +172,12 @@ class Trainer:
         check_pipeline_stages(cfg.peft.method, cfg.peft.trainable_last_layers, self.layout)
         apply_peft(model, cfg.peft, cfg.train.seed)  # adapters / frozen weights, before any parallel wrap
         self.param_counts = parameter_counts(model)  # trainable and total, unsharded (summary.json)
-        self.kernels = apply_kernels(model, cfg.kernels, device)  # which attention / matmul paths were chosen
+        # `auto` on CUDA: rank 0 times the kernels at this run's shapes now, before any weight exists (no timing
+        # inside a step), and every rank installs its picks (raydist.kernels.select.shared_choices)
+        workload = Workload.of(cfg, self.layout, self.compute_dtype)
+        choices = shared_choices(model, cfg.kernels, device, workload, self.group)
+        self.kernels = apply_kernels(model, cfg.kernels, device, workload, choices)  # the paths chosen
+        self.kernel_choices = [p.record() for p in choices.picks()] if choices else []  # (summary.json)
         self._kernel_calls_at_start = kernel_calls()  # what ran since: kernels_ran()
         # "init" (keyed random init, then model.init_from's pretrained weights), "checkpoint" (loaded), or
         # None (deferred: neither yet)

@@ -313,3 +313,38 @@ def test_expert_kernels_match_the_loop(device, kernel, tokens, dtype):
     for got, want in zip(results[kernel], results["loop"]):
         assert rel_err(got, want) < TOL[dtype]
     assert results[kernel][1 + 1][3].abs().max() == 0  # w1's gradient for the expert without tokens
+
+
+# ---- `kernels = auto`: the measured choice ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_auto_times_both_kernels_and_keeps_the_faster(device, tmp_path):
+    """raydist.kernels.choice with its real CUDA-event timer on the GPU (on the CPU the same steps under the
+    interpreter, timed by the wall clock): forward + backward of each candidate at an attention, a linear
+    and a SwiGLU shape; the pick is the faster, both times land in the cache file, and a second chooser
+    reads them instead of timing."""
+    from raydist.kernels.choice import (AttentionShape, ChoiceCache, KernelChooser, MatmulShape, cuda_timer,
+                                        wall_clock_timer)
+
+    if device == "cuda":
+        timer, name = cuda_timer(device), torch.cuda.get_device_name(device)
+        t, e, m, dtype = 1024, 64, 2048, "bfloat16"
+    else:
+        timer, name = wall_clock_timer(), "cpu (interpreter)"
+        t, e, m, dtype = 32, 16, 48, "float32"
+    shapes = [AttentionShape(2, 4, 2, t, e, dtype), MatmulShape(m, 256, 512, dtype),
+              MatmulShape(m, 256, 512, dtype, swiglu=True)]
+    cache = ChoiceCache(tmp_path / "kernel_choices.json")
+    chooser = KernelChooser(name, timer, cache, budget_s=300)
+    picks = [chooser.choose(shape) for shape in shapes]
+    for pick in picks:
+        assert pick.source == "measured" and pick.triton_ms > 0 and pick.torch_ms > 0, pick
+        assert pick.kernel == ("triton" if pick.triton_ms < pick.torch_ms else "torch"), pick
+    assert 0 < chooser.spent_s <= 300
+
+    def untimed(shape, candidate):
+        raise AssertionError("read from the cache, not timed")
+
+    again = KernelChooser(name, untimed, ChoiceCache(cache.path))
+    assert [again.choose(shape).kernel for shape in shapes] == [p.kernel for p in picks]

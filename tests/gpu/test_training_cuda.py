@@ -4,8 +4,8 @@ memory (async saves stage through pinned host memory).
 
 World size 1 everywhere (one GPU is what a check machine has), but with the backends and devices of a real
 run: NCCL initialised eagerly on cuda:0 (`raydist.parallel.runtime.spawn(device="cuda")`), CUDA tensors, the
-device's default kernels (`kernels = auto`: flash SDPA and cuBLAS; the Triton ones are test_kernels_cuda.py's),
-bf16. Each test also runs on the CPU (gloo, fp32, torch's kernels), so that its body is proven to run; the
+device's default kernels (`kernels = auto`: on CUDA whichever of Triton and SDPA / cuBLAS the run measured
+faster at its shapes, raydist.kernels.choice; the Triton kernels' own tests are test_kernels_cuda.py's), bf16. Each test also runs on the CPU (gloo, fp32, torch's kernels), so that its body is proven to run; the
 CUDA cases are skipped without a GPU (tests/gpu/conftest.py).
 """
 
@@ -20,9 +20,25 @@ from raydist.parallel.runtime import spawn
 from raydist.testing import run_fit, tiny_config
 
 SMALL = dict(num_layers=2, d_model=128, num_heads=2, num_kv_heads=1, ffn_hidden=352, vocab_size=320)  # head dim 64
-# what `kernels = auto` runs on each device
-AUTO_KERNELS = {"cuda": {"attention": "sdpa", "matmul": "torch", "loss": "fused"},
-                "cpu": {"attention": "sdpa", "matmul": "torch", "loss": "fused"}}
+# what `kernels = auto` runs on the CPU (on CUDA: measured, `check_auto_kernels`)
+CPU_AUTO_KERNELS = {"attention": "sdpa", "matmul": "torch", "loss": "fused"}
+
+
+def check_auto_kernels(selected: dict, ran: dict, measured: list[dict] | None, device: str) -> None:
+    """`auto`'s selection on `device`, and that what ran is what was selected (no fallback). On CUDA the
+    selection is the measured picks: each measured shape's kernel is the faster of its two times."""
+    if device == "cpu":
+        assert selected == CPU_AUTO_KERNELS
+    else:
+        assert selected["attention"] in ("triton", "sdpa") and selected["loss"] == "fused", selected
+        assert set(selected["matmul"].split("+")) <= {"torch", "triton"}, selected
+    assert set(ran["attention"]) == {selected["attention"]}, ran
+    assert set(ran["matmul"]) <= set(selected["matmul"].split("+")), ran  # never torch_fallback
+    if measured is not None:
+        timed = [m for m in measured if m["source"] in ("measured", "cache")]
+        assert bool(timed) == (device == "cuda"), measured
+        for m in timed:
+            assert m["kernel"] == ("triton" if m["triton_ms"] < m["torch_ms"] else "torch"), m
 
 
 def cuda_config(data: str, **sections) -> dict:
@@ -47,10 +63,7 @@ def test_fit_on_cuda_with_nccl(tiny_data, tmp_path, monkeypatch, device):
     [reference] = run_fit(raw, 1, str(tmp_path / "reference"))
     summary = json.loads((tmp_path / "reference" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 8
-    expected = AUTO_KERNELS[device]
-    assert summary["kernels_selected"] == expected
-    ran = summary["kernels"]
-    assert set(ran["attention"]) == {expected["attention"]} and set(ran["matmul"]) == {expected["matmul"]}, ran
+    check_auto_kernels(summary["kernels_selected"], summary["kernels"], summary["kernels_measured"], device)
     assert summary["final_val_loss"] < summary["first_val_loss"]
     assert all(torch.isfinite(torch.tensor(reference.losses)))
     committed = sorted(p.parent.name for p in (tmp_path / "reference" / "checkpoints").glob("step_*/COMMIT.json"))
@@ -76,6 +89,8 @@ def _fsdp_bf16(steps: int) -> dict:
     stores in, and the kernels that ran under FSDP."""
     from raydist.config import KernelsConfig, ModelConfig
     from raydist.kernels import apply_kernels
+    from raydist.kernels.choice import default_chooser
+    from raydist.kernels.select import Workload
     from raydist.parallel.layout import Layout
     from raydist.metrics.kernels import kernel_calls, kernels_ran
     from raydist.models.gpt import build_model
@@ -90,10 +105,11 @@ def _fsdp_bf16(steps: int) -> dict:
     # one batch every step: the model memorises it, so the loss must fall (on fresh random tokens it need not)
     tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0)).to(device)
     out = {}
+    chooser = default_chooser(device) if device.type == "cuda" else None  # one decision for both models
     for name, strategy in (("fsdp", FSDP(mesh, device, torch.bfloat16)),
                            ("autocast", NoDataParallel(mesh, device, torch.bfloat16))):
         model = build_model(cfg, 64, seed=0)
-        apply_kernels(model, KernelsConfig(), device)
+        chosen = apply_kernels(model, KernelsConfig(), device, Workload(2, 64, torch.bfloat16), chooser=chooser)
         module, loss_fn = _parallelize_module(model, mesh, layout, strategy, device)
         seen = []
         hook = model.layers["0"].attention.wq.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
@@ -109,7 +125,7 @@ def _fsdp_bf16(steps: int) -> dict:
         hook.remove()
         param = model.layers["0"].attention.wq.weight
         out[name] = {"losses": losses, "compute_dtype": str(seen[0]), "param_dtype": str(param.dtype),
-                     "param_type": type(param).__name__, "kernels": kernels_ran(since=before)}
+                     "param_type": type(param).__name__, "kernels": kernels_ran(since=before), "chosen": chosen}
     return out
 
 
@@ -118,10 +134,9 @@ def test_fsdp_bf16_mixed_precision_on_cuda(device):
     fsdp, autocast = result["fsdp"], result["autocast"]
     assert fsdp["param_type"] == "DTensor" and fsdp["param_dtype"] == "torch.float32"  # fp32 master shards
     assert fsdp["compute_dtype"] == "torch.bfloat16" and autocast["compute_dtype"] == "torch.bfloat16"
-    # FSDP2 hands the blocks plain unsharded tensors in forward: the device's kernels run, no fallback
-    expected = AUTO_KERNELS[device]
-    assert set(fsdp["kernels"]["matmul"]) == {expected["matmul"]}, fsdp["kernels"]
-    assert set(fsdp["kernels"]["attention"]) == {expected["attention"]}, fsdp["kernels"]
+    # FSDP2 hands the blocks plain unsharded tensors in forward: the selected kernels run, no fallback
+    check_auto_kernels(fsdp["chosen"], fsdp["kernels"], None, device)
+    assert fsdp["chosen"] == autocast["chosen"]  # the second model's decision: the first's, from memory
     assert fsdp["losses"][-1] < fsdp["losses"][0]
     for a, b in zip(fsdp["losses"], autocast["losses"]):  # two bf16 paths: close, not equal
         assert abs(a - b) <= 2e-2 * abs(b), (fsdp["losses"], autocast["losses"])

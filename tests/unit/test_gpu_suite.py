@@ -192,8 +192,8 @@ def test_main_records_each_part_and_writes_the_json_after_each(tmp_path, monkeyp
     assert status == 1
     figures = json.loads(out.read_text())
     assert [(n, p["status"]) for n, p in figures["parts"].items()] == [
-        ("tests", "passed"), ("attention", "passed"), ("gemm", "failed"), ("mfu", "not run"), ("loss", "not run"),
-        ("moe", "not run")]
+        ("tests", "passed"), ("attention", "passed"), ("gemm", "failed"), ("auto", "not run"), ("mfu", "not run"),
+        ("loss", "not run"), ("moe", "not run")]
     assert figures["parts"]["gemm"]["budget_s"] == 40 and figures["parts"]["mfu"]["why"] == "10 s of the suite's budget left"
     assert figures["benchmarks"]["gemm"]["output_tail"] == "boom" and figures["tests"]["passed"] == 3
     assert figures["status"] == "failed" and figures["wall_s"] == 190
@@ -229,6 +229,12 @@ def test_benchmark_code_runs_under_the_interpreter(monkeypatch):
     gemms = kernel_bench.llama_gemm_rows(40, torch.float32, device="cpu", shapes={"tiny": {"d_model": 64, "ffn": 96}})
     assert [(g["proj"], g["K"], g["N"]) for g in gemms] == [("up", 64, 96), ("down", 96, 64)]
     assert all(g["max_rel_err"] < 1e-4 and g["triton_fwd_tflops"] > 0 for g in gemms)
+    # what `auto` picks: one block's distinct shapes, each measured (the head: the fused loss, untimed)
+    auto = kernel_bench.llama_auto_rows(16, device="cpu", vocab_size=128, models={
+        "tiny": {"d_model": 64, "num_heads": 4, "num_kv_heads": 2, "ffn_hidden": 96}})
+    assert [r["kind"] for r in auto] == ["attention", "matmul", "matmul", "swiglu", "matmul", "matmul", "matmul"]
+    assert all(r["source"] == "measured" and r["triton_speedup"] > 0 for r in auto[:-1])
+    assert auto[-1]["modules"] == ["output"] and auto[-1]["triton_ms"] is None
 
     cfg = ModelConfig(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=96, vocab_size=128)
     row = mfu_bench.measure_mfu(cfg, 16, 2, steps=1, warmup=1, device="cpu", kernels=("triton", "triton"),
