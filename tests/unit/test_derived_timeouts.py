@@ -101,6 +101,15 @@ def test_a_group_whose_timeout_torch_cannot_change_leaves_the_limit_to_the_watch
     assert moved.enforced_by == "watchdog" and moved.watchdog_s == moved.collective_s == pytest.approx(3.0)
 
 
+def test_a_timeouts_event_is_one_console_line():
+    from raydist.driver.console import describe_event
+
+    line = describe_event({"kind": "timeouts", "step": 40, "collective_s": 31.5, "watchdog_s": 63.0, "measured_s": 10.5,
+                           "steps": 20, "enforced_by": "groups", "factor": 3.0, "floor_s": 30.0, "ceiling_s": 300.0})
+    assert line == ("timeouts at step 40: collectives 31.5s, step watchdog 63s (3 x the longest step, 10.5s; floor 30s, "
+                    "ceiling 300s)")
+
+
 def test_the_ray_session_hands_the_limits_to_its_watchdog_and_monitor_and_takes_them_back():
     from types import SimpleNamespace
 
@@ -165,7 +174,8 @@ def test_a_stopped_rank_is_found_hung_within_three_measured_steps_plus_the_floor
     """Rank 1 stops itself (SIGSTOP) before step 13 (tests/unit/stopped_rank.py; every step takes 0.5 s more);
     rank 0's next collective
     waits for it and fails at the derived limit: on gloo it raises, under NCCL's rules (strict) the group's
-    timeout ends the process. With the limit left at the ceiling (a broken derivation) it would wait 60 s or more (the spawned world group: 300 s)."""
+    timeout ends the process. With the limit left at the ceiling (a broken derivation) it would wait 60 s or
+    more (the spawned world group's own timeout is 300 s)."""
     if backend == "gloo":
         request.getfixturevalue("plain_gloo")
     floor_s, stop_after = 1.0, 12
