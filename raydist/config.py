@@ -206,7 +206,12 @@ class Config:
             raise ConfigError(f"monitor.straggler_factor={mon.straggler_factor} must be > 1 (how many times the "
                               "median rank's busy time), or 0 to turn straggler events off")
         _positive("monitor.straggler_intervals", mon.straggler_intervals)
-        for key in ("collective_timeout_s", "startup_timeout_s", "checkpoint_timeout_s", "group_start_timeout_s"):
+        if e.timeout_factor != 0 and not e.timeout_factor > 1:
+            raise ConfigError(f"elastic.timeout_factor={e.timeout_factor} must be > 1 (how many times the longest "
+                              "measured step a collective may wait), or 0 for the fixed elastic.collective_timeout_s")
+        _positive("elastic.timeout_warmup_steps", e.timeout_warmup_steps)
+        for key in ("collective_timeout_s", "timeout_floor_s", "startup_timeout_s", "checkpoint_timeout_s",
+                    "group_start_timeout_s"):
             if not getattr(e, key) > 0:
                 raise ConfigError(f"elastic.{key}={getattr(e, key)} must be > 0 (seconds)")
         if e.live_recovery:

@@ -226,7 +226,24 @@ class ElasticConfig:
     it raises; on NCCL and under the strict mode raydist's hang monitor ends the worker after naming the
     rank that never arrived (those groups' own timeout is set later, as a backstop). A training step, an
     evaluation or a report to Ray Train that makes no progress for twice as long ends the worker (the step
-    watchdog)."""
+    watchdog). After warm-up the step phase's limits are derived from measured steps (timeout_factor) and
+    this is their ceiling."""
+    timeout_factor: float = 3.0
+    """k of the limits derived from measured steps (raydist.elastic.hang.timeouts): after
+    timeout_warmup_steps steps of an attempt, a collective on the training groups may wait k times the longest
+    step of the recent window (every rank's, gathered at each logged step), never less than timeout_floor_s nor
+    more than collective_timeout_s, and the step watchdog allows twice that (the same where a group's timeout
+    cannot be changed: the watchdog then enforces it). A stopped rank is found within a few of its steps; a
+    slow one is inside every rank's measurement (every step waits for it) and gets a `straggler` event; one
+    that becomes more than k times slower between two logged steps is taken for a stopped one. Evaluations,
+    saves and the step after them keep the fixed limits; so does live recovery. The values are in each metrics
+    record (`timeouts`) and a `timeouts` event when they change. 0: the fixed collective_timeout_s throughout."""
+    timeout_floor_s: float = 30.0
+    """The shortest derived collective timeout (seconds): short steps do not make a pause of a few seconds
+    (a garbage collection, a slow read, the host's other load) a hang."""
+    timeout_warmup_steps: int = 20
+    """Steps of each attempt that are not measured for the derived timeouts (the first ones compile, fill
+    caches and wait for the data); until the first logged step after them, collective_timeout_s applies."""
     startup_timeout_s: float = 900.0
     """The watchdog's limit for a worker's start: building and parallelizing the model, loading the
     checkpoint, and the first step (which waits for the first data)."""

@@ -297,6 +297,12 @@ def describe_event(ev: dict[str, Any]) -> str | None:
                              for c in ev.get("culprits") or []) or "no rank could be named"
         return (f"warning: hang at step {ev.get('step')} ({ev.get('trigger')}): {culprits}; "
                 f"stacks in {ev.get('stacks')}; the run restarts")
+    if kind == "timeouts":
+        enforcer = "" if ev.get("enforced_by") != "watchdog" else ", enforced by the step watchdog"
+        return (f"timeouts at step {ev.get('step')}: collectives {ev.get('collective_s', 0):.3g}s, step watchdog "
+                f"{ev.get('watchdog_s', 0):.3g}s ({ev.get('factor', 0):g} x the longest step, "
+                f"{ev.get('measured_s', 0):.3g}s; floor {ev.get('floor_s', 0):g}s, ceiling "
+                f"{ev.get('ceiling_s', 0):g}s{enforcer})")
     if kind == "straggler":
         return (f"warning: straggler: rank {ev.get('rank')} (pid {ev.get('pid')} on {ev.get('host')}) is "
                 f"{ev.get('ratio', 0):.2f}x the median rank's busy time for {ev.get('intervals')} logged intervals "

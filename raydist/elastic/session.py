@@ -1,8 +1,9 @@
-"""The elastic session: what a training loop asks of whatever runs its workers, in five calls.
+"""The elastic session: what a training loop asks of whatever runs its workers, in seven calls.
 
     layout = session.start(cfg)        # a Layout for this worker, or Idle (fits no layout this attempt)
     session.phase(name)                # resume, first_step, step, evaluate, save, report: limits per phase
     session.heartbeat(step)            # after every step: progress is being made (watchdogs, idle peers)
+    session.step_limits(limits)        # the step phase's limits derived from measured steps (None: fixed)
     session.commit(step, uri, metrics) # a checkpoint committed: the substrate may record it
     session.fail(error)                # this worker is failing: say so before the substrate restarts it
     session.finish(summary)            # the run completed on this worker
@@ -104,6 +105,11 @@ class Session:
     def phase(self, name: str) -> None:
         """The worker enters a phase of its life (resume, first_step, step, evaluate, save, report), each
         with its own time limit for a watchdog."""
+
+    def step_limits(self, limits) -> None:
+        """The step phase's limits derived from measured steps (a raydist.elastic.hang.timeouts.StepLimits:
+        the step watchdog's `watchdog_s`, the hang monitor's `collective_s`), or None: the fixed ones again.
+        The process groups' own timeouts are set by the caller."""
 
     def commit(self, step: int, uri: str, metrics: dict) -> None:
         pass

@@ -92,6 +92,14 @@ class StrictProcessGroup(dist.ProcessGroup):
     def describe(self) -> str:
         return f"group '{self._name}' (ranks {self.global_ranks})"
 
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """The timeout of operations issued from now on, as ProcessGroupNCCL::setTimeout sets the one each new
+        work reads (torch's `_set_pg_timeout` knows only gloo and NCCL; raydist.elastic.hang.timeouts calls this).
+        A unit waits `timeout` from its issue (`Unit.wait_gloo`); the gloo groups beneath get it too."""
+        self.timeout = timeout
+        for inner in (self.inner, self.side):
+            inner._set_default_timeout(timeout)
+
     # ---- issue -----------------------------------------------------------------------------------------
     def _check(self, name: str, tensors: list[torch.Tensor]) -> None:
         for t in tensors:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from raydist import strict
 from raydist.checkpoint import CheckpointManager, compat
 from raydist.checkpoint.manager import read_extra
+from raydist.elastic.hang.timeouts import StepTimeouts, training_groups
 from raydist.elastic.session import LocalSession, Session
 from raydist.metrics.background import BackgroundWriter
 from raydist.metrics.flops import run_peak_flops
@@ -43,8 +44,10 @@ class RunLogger:
     """Rank 0 writes metrics.jsonl; every rank keeps the interval's timings."""
 
     def __init__(self, trainer: Trainer, run_dir: str | None, run_start: float, attempt: int,
-                 background=None, events: EventLog | None = None, workers: list[dict] | None = None):
+                 background=None, events: EventLog | None = None, workers: list[dict] | None = None,
+                 timeouts: StepTimeouts | None = None):
         self.trainer = trainer
+        self.timeouts = timeouts  # derived from the gathered step times (raydist.elastic.hang.timeouts)
         self.events, self.workers = events, workers or []
         self.rank0 = dist.get_rank() == 0
         self.writer = MetricsWriter(run_dir, background=background) if run_dir and self.rank0 else None
@@ -82,14 +85,17 @@ class RunLogger:
 
     def _ranks(self, rec: dict) -> None:
         """Per-rank step and busy time percentiles of the interval (a collective over the active ranks), and
-        on rank 0 the straggler rule (raydist.metrics.stragglers)."""
-        mine = {"step_time_s": percentiles(self.step_times), "busy_s": percentiles([s.busy_s for s in self.busy_steps])}
+        on rank 0 the straggler rule (raydist.metrics.stragglers); every rank's longest step of the interval
+        goes to the derived timeouts (the same list on every rank, so every rank derives the same limits)."""
+        mine = {"step_time_s": percentiles(self.step_times), "busy_s": percentiles([s.busy_s for s in self.busy_steps]),
+                "longest_step_s": self.timeouts.take() if self.timeouts is not None else None}
         self.step_times, self.busy_steps = [], []
-        if self.trainer.world_size == 1:
-            return
-        gathered: list = [None] * self.trainer.world_size
-        dist.all_gather_object(gathered, mine, group=self.trainer.group)
-        if not self.rank0:
+        gathered: list = [mine]
+        if self.trainer.world_size > 1:
+            gathered = [None] * self.trainer.world_size
+            dist.all_gather_object(gathered, mine, group=self.trainer.group)
+        self._timeouts(rec, [g["longest_step_s"] for g in gathered])
+        if not self.rank0 or self.trainer.world_size == 1:
             return
         rec["ranks"] = per_rank(gathered)
         for found in self.stragglers.update(rec["ranks"]["busy_s"]["p50"]):
@@ -97,6 +103,20 @@ class RunLogger:
             if self.events is not None:
                 self.events.event("straggler", self.trainer.step, host=where.get("host"), pid=where.get("pid"),
                                   factor=self.trainer.cfg.monitor.straggler_factor, **found)
+
+    def _timeouts(self, rec: dict, longest: list[float | None]) -> None:
+        """Every rank: the derived limits (applied there when they move); rank 0: `timeouts` in the record and
+        a `timeouts` event when they moved."""
+        if self.timeouts is None:
+            return
+        moved = self.timeouts.update(self.trainer.step, longest)
+        if not self.rank0 or self.timeouts.derived is None:
+            return
+        rec["timeouts"] = self.timeouts.record()
+        if moved is not None and self.events is not None:
+            e = self.trainer.cfg.elastic
+            self.events.event("timeouts", self.trainer.step, **moved.to_dict(), factor=e.timeout_factor,
+                              floor_s=e.timeout_floor_s, ceiling_s=e.collective_timeout_s)
 
     def record(self, stats: StepStats | None, val_loss: float | None = None, loss: float | None = None) -> dict:
         rec = self.base()
@@ -261,8 +281,20 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         if previous is not None and previous != trainer.world_size:
             events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,
                          mesh=trainer.layout.mesh())
+    e = cfg.elastic
+    # the step phase's limits from measured steps (not with live recovery: a step there includes torchft's
+    # quorum, which waits for a joining replica as long as its own timeout allows)
+    timeouts = StepTimeouts(session, lambda: training_groups(trainer.checkpoint_group),
+                            factor=0.0 if e.live_recovery else e.timeout_factor, floor_s=e.timeout_floor_s,
+                            ceiling_s=e.collective_timeout_s, warmup_steps=e.timeout_warmup_steps,
+                            start_step=trainer.step, interval_s=cfg.monitor.heartbeat_interval_s)
+
+    def phase(name: str) -> None:
+        session.phase(name)
+        timeouts.phase(name)
+
     logger = RunLogger(trainer, run_dir, run_start, attempt["attempt"], bookkeeping, events=events,
-                       workers=workers)
+                       workers=workers, timeouts=timeouts)
     logger.gate = lead
     first_val = last_val = None
     pending = None
@@ -282,18 +314,19 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
             session.phase("step")
         pending = None
         session.heartbeat(trainer.step)
+        timeouts.step_done(trainer.step)
         logger.add_step(stats)
         done = trainer.step == t.steps
         logged = trainer.step % t.log_every == 0 or done
         val = None
         if t.eval_every and (trainer.step % t.eval_every == 0 or done):
-            session.phase("evaluate")
+            phase("evaluate")
             val = last_val = trainer.evaluate()
-            session.phase("step")
+            phase("step")
         if ckpt and every and trainer.step % every == 0 and not done and lead():
-            session.phase("save")  # waits for the save in flight, stages (and writes, when blocking)
+            phase("save")  # waits for the save in flight, stages (and writes, when blocking)
             ckpt.save(blocking=not cfg.checkpoint.async_save)
-            session.phase("step")
+            phase("step")
         if goodput:
             goodput.on_progress(trainer.step, logged)
         if trainer.options.record_samples and run_dir and trainer.last_span is not None:
@@ -322,7 +355,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         "kernels_measured": trainer.kernel_choices, **trainer.param_counts,
     }
     if ckpt and lead():
-        session.phase("save")
+        phase("save")
         ckpt.save(blocking=True)
     if goodput:
         summary.update(goodput.summary(trainer.step, logger.tokens_per_step))

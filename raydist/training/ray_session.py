@@ -8,7 +8,8 @@ raydist adds here:
   idle workers follow (`control.ControlChannel`), giving up if rank 0's heartbeat stops;
 - committed checkpoints are reported to Ray Train (no upload: they already are on the run's storage);
 - a step watchdog ends a worker whose training stops making progress (`control.Watchdog`), so a hang no
-  collective notices becomes a failure Ray Train restarts;
+  collective notices becomes a failure Ray Train restarts; after warm-up its limit for a step, and the
+  monitor's for a collective, are derived from measured steps (`step_limits`, raydist.elastic.hang.timeouts);
 - where collectives never raise in Python (NCCL, the strict-collectives mode), the hang monitor watches this
   rank's in-flight collectives (raydist.elastic.inflight) and, when one has waited longer than
   `elastic.collective_timeout_s`, diagnoses and ends the worker, before the group's own (later) timeout
@@ -71,6 +72,7 @@ class RaySession(Session):
                        "first_step": e.startup_timeout_s, "step": step_s,
                        "evaluate": step_s * max(1, cfg.train.eval_batches), "save": e.checkpoint_timeout_s,
                        "report": step_s}
+        self.fixed_step_s = step_s  # the step phase's limit without derived ones (step_limits)
         self.monitor: HangMonitor | None = None
         try:  # what each rank is doing, published for hang diagnosis (never a reason to fail training;
             # live recovery's replicas meet only through torchft: not monitored)
@@ -145,12 +147,17 @@ class RaySession(Session):
         self.watchdog._exit()
 
     def _collective_stuck(self, op: dict) -> None:
-        """The monitor saw `op` pending longer than elastic.collective_timeout_s (its thread calls this): a
+        """The monitor saw `op` pending longer than its limit (elastic.collective_timeout_s, or the one derived
+        from measured steps: step_limits) (its thread calls this): a
         thread of its own diagnoses and ends the worker, so the monitor keeps beating and answering the
         diagnoser's stack request meanwhile."""
         waited = time.time() - op["since"]
+        limit = self.monitor.collective_timeout_s if self.monitor is not None else None
+        derived = limit is not None and limit != self.cfg.elastic.collective_timeout_s
         trigger = (f"collective stuck: {inflight.describe_op(op)} pending for {waited:.0f}s "
-                   f"(elastic.collective_timeout_s={self.cfg.elastic.collective_timeout_s:g})")
+                   + (f"(limit {limit:.3g}s derived from measured steps, elastic.timeout_factor="
+                      f"{self.cfg.elastic.timeout_factor:g})" if derived else
+                      f"(elastic.collective_timeout_s={self.cfg.elastic.collective_timeout_s:g})"))
         threading.Thread(target=self._end_stuck, args=(trigger, op), daemon=True, name="raydist-hang").start()
 
     def _end_stuck(self, trigger: str, op: dict) -> None:
@@ -181,6 +188,18 @@ class RaySession(Session):
     def phase(self, name: str) -> None:
         self.watchdog.phase(name, self.limits[name])
         ACTIONS.enter(name)
+
+    def step_limits(self, limits) -> None:
+        """The step phase's derived limits (raydist.elastic.hang.timeouts), or None for the fixed ones: the
+        watchdog's limit for the step phase, at once if the worker is in it, and the hang monitor's limit
+        for a pending collective."""
+        step_s = limits.watchdog_s if limits is not None else self.fixed_step_s
+        self.limits["step"] = step_s
+        if self.watchdog is not None and self.watchdog.name == "step":
+            self.watchdog.timeout_s = step_s
+        if self.monitor is not None and self.monitor.collective_timeout_s is not None:
+            self.monitor.collective_timeout_s = (limits.collective_s if limits is not None
+                                                 else self.cfg.elastic.collective_timeout_s)
 
     def heartbeat(self, step: int) -> None:
         if self.watchdog is not None:
