@@ -49,6 +49,7 @@ def _replica(replica: int, raw: dict, lighthouse: str, out) -> None:
     trainer = Trainer(cfg, torch.device("cpu"), replica_layout(cfg))
     replicas = replica_manager(TorchftReplicas(replica, torch.device("cpu"), 120.0, trainer.state_parts,
                                                replicas=REPLICAS), trainer)
+    replicas.writes_checkpoints = False  # (no checkpoint: the inner states are not gathered for one)
     trainer.replicas = replicas
     replicas.join()
     losses, start = [], time.perf_counter()
@@ -100,6 +101,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--every", type=int, default=8, help="DiLoCo's H")
+    ap.add_argument("--outer-lr", type=float, default=None, help="elastic.outer_lr (the config's default)")
+    ap.add_argument("--outer-momentum", type=float, default=None, help="elastic.outer_momentum")
     ap.add_argument("--json", action="store_true", help="one JSON line")
     args = ap.parse_args()
     from raydist.driver.launcher import ensure_data
@@ -114,9 +117,14 @@ def main() -> None:
     results = {}
     for sync in ("every_step", "diloco"):
         raw["elastic"].update(live_recovery=True, sync=sync, sync_every=args.every)
+        for key in ("outer_lr", "outer_momentum"):
+            if getattr(args, key) is not None:
+                raw["elastic"][key] = getattr(args, key)
         results[sync] = run(raw)
     sync, diloco = results["every_step"], results["diloco"]
-    summary = {"benchmark": "diloco", "steps": args.steps, "every": args.every, "every_step": sync, "diloco": diloco,
+    summary = {"benchmark": "diloco", "steps": args.steps, "every": args.every,
+               "outer_lr": raw["elastic"].get("outer_lr"), "outer_momentum": raw["elastic"].get("outer_momentum"),
+               "every_step": sync, "diloco": diloco,
                "val_loss_ratio": round(diloco["val_loss"] / sync["val_loss"], 4),
                "bytes_ratio": round(sync["bytes_per_rank"] / max(diloco["bytes_per_rank"], 1), 2)}
     if args.json:

@@ -246,8 +246,48 @@ class Config:
                               f"({p.dp_shard} x {p.cp} x {p.tp} x {p.pp}) = {p.dp_replicate * per_replica}; set "
                               f"ray.num_workers={p.dp_replicate * per_replica}")
 
+    def replica_label_selectors(self) -> list[dict[str, str]]:
+        """ray.replica_labels as one Ray label selector per replica ([] when empty)."""
+        text = self.ray.replica_labels.strip()
+        if not text:
+            return []
+        selectors = []
+        for entry in text.split(";"):
+            pairs, depth, current = [], 0, ""
+            for ch in entry + ",":  # split on commas outside in(...) / !in(...)
+                depth += ch == "("
+                depth -= ch == ")"
+                if ch == "," and depth == 0:
+                    pairs.append(current.strip())
+                    current = ""
+                else:
+                    current += ch
+            selector = {}
+            for pair in pairs:
+                key, eq, value = pair.partition("=")
+                if not eq or not key.strip() or not value.strip():
+                    raise ConfigError(f"ray.replica_labels={self.ray.replica_labels!r}: {pair!r} is not key=value; "
+                                      "write one selector per replica, e.g. 'zone=us-east-1a; zone=us-east-1b'")
+                selector[key.strip()] = value.strip()
+            selectors.append(selector)
+        return selectors
+
     def _validate_sync(self) -> None:
         e = self.elastic
+        labels = self.replica_label_selectors()
+        if labels and not e.live_recovery:
+            raise ConfigError(f"ray.replica_labels={self.ray.replica_labels!r} places live recovery's replicas: set "
+                              "elastic.live_recovery=true, or ray.replica_labels=''")
+        if labels and len(labels) != self.parallel.dp_replicate:
+            raise ConfigError(f"ray.replica_labels={self.ray.replica_labels!r} has {len(labels)} selectors for "
+                              f"parallel.dp_replicate={self.parallel.dp_replicate} replicas; give one per replica, "
+                              "separated by ';'")
+        seen = []
+        for selector in labels:  # replicas that share a selector sit side by side (see launcher.worker_label_selectors)
+            if selector in seen and selector != seen[-1]:
+                raise ConfigError(f"ray.replica_labels={self.ray.replica_labels!r}: replicas with the same selector "
+                                  f"{selector} must be next to each other; reorder the list")
+            seen.append(selector)
         if e.sync == "every_step":
             return
         if not e.live_recovery:
@@ -261,7 +301,7 @@ class Config:
                               f"to a multiple of {e.sync_every}")
         if e.sync == "diloco" and not (e.outer_lr > 0 and 0 <= e.outer_momentum < 1):
             raise ConfigError(f"elastic.outer_lr={e.outer_lr} and elastic.outer_momentum={e.outer_momentum}: the "
-                              "outer step needs outer_lr > 0 and 0 <= outer_momentum < 1 (DiLoCo's 0.7 and 0.9)")
+                              "outer step needs outer_lr > 0 and 0 <= outer_momentum < 1 (e.g. DiLoCo's 0.7 and 0.9)")
 
     @property
     def elastic_enabled(self) -> bool:

@@ -286,10 +286,13 @@ class CheckpointManager:
     def load(self, found: Found, parts: dict[str, Stateful]) -> dict:
         """Loads `found` into `parts` (tensors resharded to their current layout, each chunk checked against
         its checksum as it is read); returns the parts' JSON state as saved ({part name: dict})."""
+        json_state = read_extra(found.uri)
+        for name, part in parts.items():  # a part whose tensors depend on what was saved is told first
+            if hasattr(part, "before_load"):
+                part.before_load(json_state.get(name, {}))
         tensors, _, owners = split_state(parts)
         reader = storage.SafeReader(found.uri, chunks=found.commit.get("chunks"))
         dcp.load(tensors, storage_reader=reader, process_group=self.group)
-        json_state = read_extra(found.uri)
         merge_state(parts, tensors, owners, json_state)
         return json_state
 

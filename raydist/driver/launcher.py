@@ -163,6 +163,20 @@ def first_layout(cfg: Config) -> tuple[Layout, int]:
     raise errors[0]
 
 
+def worker_label_selectors(cfg: Config) -> list[dict[str, str]]:
+    """Each worker's Ray label selector (placement-group bundle i: worker i) from ray.replica_labels: replica
+    r's selector for workers [r W, (r + 1) W). Ray Train orders the started workers by node, in the order
+    their nodes first appear in bundle order, and raydist.elastic.replica_groups cuts that order into
+    replicas of W. With selectors that match disjoint sets of nodes (zones), and replicas sharing a selector
+    side by side (the config checks it), the workers of each selector's nodes are a contiguous run of whole
+    replicas in that order, so every replica runs on its selector's nodes. A replaced replica restarts at its
+    bundles, under the same labels."""
+    from raydist.elastic.live import workers_per_replica
+
+    selectors = cfg.replica_label_selectors()
+    return [dict(s) for s in selectors for _ in range(workers_per_replica(cfg))]
+
+
 def worker_payload(lp: LaunchPlan, use_gpu: bool, start_time: float, record_samples: bool = False,
                    driver_node: str | None = None) -> dict[str, Any]:
     """What every worker receives (raydist.training.ray_session.ray_worker_entry), as data: the user's config
@@ -182,7 +196,8 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
 
     cfg, facts = lp.cfg, lp.facts
     scaling = ScalingConfig(num_workers=lp.num_workers, use_gpu=use_gpu,
-                            resources_per_worker=worker_resources(cfg, use_gpu), placement_strategy="PACK")
+                            resources_per_worker=worker_resources(cfg, use_gpu), placement_strategy="PACK",
+                            label_selector=worker_label_selectors(cfg) or None)
     if cfg.elastic_enabled:
         scaling.elastic_resize_monitor_interval_s = cfg.elastic.resize_check_interval_s
     payload = worker_payload(lp, use_gpu, start_time, record_samples, ray.get_runtime_context().get_node_id())

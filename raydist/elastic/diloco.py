@@ -24,10 +24,13 @@ A window, on every replica of its quorum:
     not committed (a replica died inside the window): the state goes back to the window's start and the
              survivors redo the whole window with the next quorum, so every sample is trained once.
 
-Checkpoints are taken only where the replicas are synchronised (checkpoint.every_steps and train.steps are
-multiples of H), so the checkpoint's model is theta_start of the next window: the outer momentum is the only
-state DiLoCo adds to it (`OuterState`, resharded like the inner optimizer's through torch's distributed
-state dict). The replica manager's step (torchft's measure of who is behind) counts windows.
+Checkpoints are taken only where the replicas are synchronised (checkpoint.every_steps is a multiple of H;
+the run's last step ends a window), so the checkpoint's model is theta_start of the next window. DiLoCo adds
+two things to it: the outer momentum (`OuterState`, resharded like the inner optimizer's through torch's
+distributed state dict) and every replica's own AdamW state (`ReplicaOptimizers`: the replicas differ only
+there; gathered in the same all-reduce as the outer gradient of the window before a save), so a resumed run
+continues as the uninterrupted one would. The replica manager's step (torchft's measure of who is behind)
+counts windows.
 """
 
 from __future__ import annotations
@@ -88,16 +91,25 @@ class OuterState:
 
     def __init__(self, outer: OuterOptimizer):
         self.outer = outer
+        self._absent = False  # loading a checkpoint without it (saved under every-step sync): momentum stays 0
+
+    def before_load(self, saved: dict[str, Any]) -> None:
+        self._absent = not saved
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        if self._absent:
+            return {}
         state = get_optimizer_state_dict(self.outer.model, self.outer.optimizer, options=OPTIONS)
         return {"outer_optim": state}  # (SGD's settings are JSON as they are: no tuples to list)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        if self._absent:
+            self._absent = False
+            return
         set_optimizer_state_dict(self.outer.model, self.outer.optimizer, dict(state["outer_optim"]), options=OPTIONS)
 
 
@@ -147,6 +159,61 @@ class WindowStart:
         trainer.close()  # the data stream reopens at the window's start
 
 
+class ReplicaOptimizers:
+    """Every replica's inner AdamW state, as a checkpoint part the leader saves: replicas differ only there
+    after a synchronisation, so a resumed run that gave every replica the leader's moments would not be the
+    uninterrupted one. The states are gathered at the synchronisation that precedes a save (`WindowedReplicas`);
+    slot k is quorum rank k's, saved as DTensors laid out like the leader's own moments (resharded on load).
+    Loading, quorum rank k takes slot k over the leader's moments it loaded with the model (slot 0 is the
+    leader's own; a rank beyond the saved count keeps them)."""
+
+    def __init__(self, replicas: "WindowedReplicas"):
+        self.replicas = replicas
+        self._load_slots = 0  # the saved count, told before a load (CheckpointManager.load's before_load)
+
+    def _named(self) -> list[tuple[str, torch.Tensor, str, torch.Tensor]]:
+        """(parameter name, parameter, AdamW key, its state tensor) of every trained parameter, in one order."""
+        trainer = self.replicas.trainer
+        names = {id(p): trainer.pm.aliases.get(n, n) for n, p in trainer.pm.model.named_parameters()}
+        return [(names[id(p)], p, key, value) for p in self.replicas.outer.params
+                for key, value in sorted(trainer.optimizer.state.get(p, {}).items()) if isinstance(value, torch.Tensor)]
+
+    def state_dict(self) -> dict[str, Any]:
+        slots = self.replicas.gathered or []
+        if self._load_slots:  # a load: the template of this rank's slot
+            rank = self.replicas.inner.begin_step()[0]  # (after join: the first quorum's rank)
+            if 0 < rank < self._load_slots:
+                return {"replica_optims": {f"r{rank}": {f"{name}.{key}": torch.zeros_like(value)
+                                                        for name, _, key, value in self._named()}},
+                        "slots": self._load_slots}
+            return {"slots": self._load_slots}
+        out: dict[str, Any] = {}
+        for k, flat in enumerate(slots[1:], start=1):
+            offset, slot = 0, {}
+            for name, _, key, value in self._named():
+                local = local_shard(value)
+                piece = flat[offset:offset + local.numel()].view_as(local).to(local.dtype)
+                offset += local.numel()
+                if hasattr(value, "device_mesh"):
+                    from torch.distributed.tensor import DTensor
+
+                    piece = DTensor.from_local(piece, value.device_mesh, value.placements, shape=value.shape,
+                                               stride=value.stride())
+                slot[f"{name}.{key}"] = piece
+            out[f"r{k}"] = slot
+        return {"replica_optims": out, "slots": len(slots)} if out else {"slots": len(slots)}
+
+    def before_load(self, saved: dict[str, Any]) -> None:
+        self._load_slots = int(saved.get("slots", 0))
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._load_slots = 0
+        for slot in state.get("replica_optims", {}).values():
+            for name, _, key, value in self._named():
+                local_shard(value).copy_(local_shard(slot[f"{name}.{key}"]))
+
+
 class WindowedReplicas(Replicas):
     """A replica manager (`inner`, raydist.elastic.live.TorchftReplicas) whose replicas synchronise every
     `elastic.sync_every` steps (module doc). The Trainer steps with it as with any replica manager; its
@@ -157,6 +224,8 @@ class WindowedReplicas(Replicas):
         """Windows of `trainer.cfg.elastic.sync_every` steps, and one ending at the run's last step."""
         self.inner, self.trainer, self.outer = inner, trainer, trainer.outer
         self.every, self.last = trainer.cfg.elastic.sync_every, trainer.cfg.train.steps
+        self.save_every = trainer.cfg.checkpoint.every_steps
+        self.gathered: list[torch.Tensor] | None = None  # every replica's inner state at the last save's sync
         self._quorum: tuple[int, int] | None = None  # (rank, count) of the open window
         self._starts: list[torch.Tensor] = []  # the trained parameters' local shards at the window's start
         self._saved: WindowStart | None = None  # the state at the window's start, on the host
@@ -185,7 +254,19 @@ class WindowedReplicas(Replicas):
         params = self.outer.params
         flat = torch.cat([(start - local_shard(p).detach()).float().reshape(-1)
                           for p, start in zip(params, self._starts)]) * weight
+        saves = self.writes_checkpoints and (step == self.last or (self.save_every and step % self.save_every == 0))
+        if saves:  # a checkpoint follows: every replica's inner state rides on the same all-reduce, in its slot
+            mine = torch.cat([local_shard(v).detach().float().reshape(-1)
+                              for *_, v in ReplicaOptimizers(self)._named()])
+            rank, count = self._quorum
+            slots = torch.zeros(count, mine.numel())
+            slots[rank] = mine
+            flat = torch.cat([flat, slots.reshape(-1)])
         self.all_reduce_sum(flat)
+        if saves:
+            n = sum(start.numel() for start in self._starts)
+            self.gathered = list(flat[n:].view(count, -1))
+            flat = flat[:n]
         committed = self.inner.should_commit()  # (the next window's begin_step asks for a new quorum)
         self._quorum = None
         if not committed:  # a replica was lost inside the window: every replica rewinds to its start
@@ -200,6 +281,9 @@ class WindowedReplicas(Replicas):
         self.outer.step(self._starts, deltas)
         self._rewound = False
         return True
+
+    def checkpoint_parts(self) -> dict[str, Any]:
+        return {"replica_optims": ReplicaOptimizers(self)}
 
     # ---- the rest is the inner manager's -------------------------------------------------------------
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:

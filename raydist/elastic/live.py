@@ -213,6 +213,10 @@ class Replicas:
         raydist.elastic.diloco's synchronise here."""
         return True
 
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """Stateful parts a durable checkpoint holds beyond the Trainer's (and a replacement does not need)."""
+        return {}
+
     def is_leader(self) -> bool:
         """This replica writes the run's bookkeeping and durable checkpoints (rank 0 of the latest quorum)."""
         return True
@@ -234,6 +238,7 @@ class Replicas:
 
     on_events: Callable[[list[tuple[str, dict[str, Any]]]], None] = staticmethod(lambda events: None)
     sent_bytes = 0  # what this rank has put into all-reduces between replicas (metrics: replica_bytes)
+    writes_checkpoints = True  # the run saves durable checkpoints (fit says; replicas may prepare for them)
 
     def summary(self, retried_steps: int) -> dict[str, Any]:
         return {"replica_steps_retried": retried_steps}

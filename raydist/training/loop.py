@@ -183,7 +183,7 @@ class _Checkpoints:
             problems = compat.differences(saved, compat.compat_record(self.trainer.cfg, self.trainer.manifest))
             if problems:
                 raise compat.refuse(self.manager.root.rsplit("/checkpoints", 1)[0], newest.step, problems)
-        found, state = self.manager.load_newest(self.trainer.state_parts())
+        found, state = self.manager.load_newest(self.trainer.checkpoint_parts())
         if found is None:
             return None
         for message in found.skipped:
@@ -193,7 +193,7 @@ class _Checkpoints:
         return state
 
     def save(self, blocking: bool) -> None:
-        stall = self.manager.save(self.trainer.step, self.trainer.state_parts(), blocking=blocking)
+        stall = self.manager.save(self.trainer.step, self.trainer.checkpoint_parts(), blocking=blocking)
         if self.goodput:
             self.goodput.add_checkpoint_stall(stall)
 
@@ -253,6 +253,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         if writer is not None:
             writer.gate = lead
     _attach_replicas(trainer, replicas, goodput, events)
+    replicas.writes_checkpoints = ckpt is not None
     session.phase("resume")
     # A replacement replica receives the live state from a peer in its first quorum: no storage round trip
     healed = replicas.join()

@@ -437,6 +437,11 @@ class Trainer:
                                                          "compat": compat_record(self.cfg, self.manifest)}),
         }
 
+    def checkpoint_parts(self) -> dict[str, Stateful]:
+        """What a durable checkpoint holds: the state parts and the replica manager's own (DiLoCo's replicas'
+        inner optimizers)."""
+        return {**self.state_parts(), **self.replicas.checkpoint_parts()}
+
     def kernels_ran(self) -> dict[str, dict[str, int]]:
         """{module type: {kernel path: calls}} this Trainer's steps and evaluations ran (raydist.metrics.kernels):
         what actually executed, fallbacks included, where `self.kernels` is what was selected."""

@@ -34,14 +34,17 @@ from workers import patience
 STEPS, REPLICAS = 8, 2
 
 
+SAVE_AT = 4  # the resumed scenario: a checkpoint at step 4, resumed to step 8
 KILL_AT, REJOIN_AT = 6, 8  # the killed scenario: replica 1 dies after step 6 (inside the window 5-8); its
 # replacement joins at step 8's synchronisation, when replica 0 has redone that window alone
 
 
 def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: str, raw: dict, plant: str | None,
-            flags: str | None, out) -> None:
+            flags: str | None, ckpt: tuple[str, str] | None, out) -> None:
     """One rank of a replica. `flags` (the killed scenario): replica 1 exits after step KILL_AT; replica 0 waits
-    at REJOIN_AT until the replacement asks for its first quorum; a replacement says so first."""
+    at REJOIN_AT until the replacement asks for its first quorum; a replacement says so first. `ckpt` (run
+    directory, what): "save" stops after step SAVE_AT, the leader saving a checkpoint there; "resume" (or
+    "resume_leaders_moments", a planted bug: without the replicas' own AdamW states) starts from it."""
     import torch.distributed as dist
 
     from raydist.elastic.diloco import replica_manager
@@ -68,11 +71,22 @@ def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: s
         open(flags + ".asks", "w").close()
     healed = replicas.join()
     steps = []
+    last = cfg.train.steps
+    if ckpt is not None:
+        from raydist.checkpoint import CheckpointManager
+
+        manager = CheckpointManager(ckpt[0], keep=1, group=trainer.checkpoint_group, log=lambda *_: None)
+        if ckpt[1] == "save":
+            last = SAVE_AT
+        else:
+            parts = trainer.checkpoint_parts() if ckpt[1] == "resume" else trainer.state_parts()
+            manager.load(manager.latest(), parts)
+            replicas.set_step(trainer.step)
 
     def samples() -> dict:
         return {step: ids.tolist() for step, ids in zip(trainer._sample_log_steps, trainer.sample_log)}
 
-    while trainer.step < cfg.train.steps:
+    while trainer.step < last:
         if flags is not None and replica == 0 and trainer.step == REJOIN_AT:
             open(flags + ".alone", "w").close()
             while not os.path.exists(flags + ".asks"):
@@ -85,6 +99,9 @@ def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: s
             with open(f"{flags}.dead-{rank}.json", "w") as f:  # what it trained in its committed window
                 json.dump({s: ids for s, ids in samples().items() if s <= KILL_AT - KILL_AT % cfg.elastic.sync_every}, f)
             os._exit(1)
+    if ckpt is not None and ckpt[1] == "save" and replicas.is_leader():
+        manager.save(trainer.step, trainer.checkpoint_parts(), blocking=True)
+        manager.wait()
     params = {k: v.numpy() for k, v in trainer.full_parameters().items()}
     out.put({"replica": replica, "rank": rank, "steps": steps, "params": params, "sent": replicas.sent_bytes,
              "local_numel": sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
@@ -97,7 +114,8 @@ def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: s
     dist.destroy_process_group()
 
 
-def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = False) -> list[dict]:
+def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = False,
+         ckpt: tuple[str, str] | None = None) -> list[dict]:
     """Every rank's result, by (replica, replacement?, rank). `kill`: replica 1 dies inside its second window and
     a replacement starts once replica 0 has redone that window alone."""
     from torchft.coordination import LighthouseServer
@@ -109,7 +127,7 @@ def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = Fa
 
     def process(r: int, j: int, port_file: str):
         return ctx.Process(target=_worker, args=(r, j, workers, port_file, lighthouse.address(), raw, plant, flags,
-                                                 out))
+                                                 ckpt, out))
 
     procs = {(r, j): process(r, j, str(tmp / f"replica-{r}.port")) for r in range(REPLICAS) for j in range(workers)}
     dying = {(1, j) for j in range(workers)} if kill else set()
@@ -234,9 +252,10 @@ def _raw(tiny_data: str, sync: str, every: int, dp_shard: int) -> dict:
             "elastic": {"live_recovery": True, "sync": sync, "sync_every": every}}
 
 
-def _check(results: list[dict], ref: dict) -> None:
+def _check(results: list[dict], ref: dict, final: bool = True) -> None:
     """Every rank's steps against its replica rank's in the reference (the rows it trained, its loss and
-    gradient norm); its parameters after the last step against the reference's shared ones."""
+    gradient norm); its parameters after the last step against the reference's shared ones (`final`: the
+    rank ran to the reference's last step)."""
     for res in results:
         ran = [rec["step"] - 1 for rec in res["steps"]]
         ranks = [rec["quorum"][0] for rec in res["steps"]]
@@ -249,7 +268,7 @@ def _check(results: list[dict], ref: dict) -> None:
             assert_same_steps(want, got)
         except AssertionError as exc:
             raise AssertionError(f"replica {res['replica']} rank {res['rank']}: {exc}") from None
-        for name, param in res["params"].items():
+        for name, param in res["params"].items() if final else ():
             expected = ref["params"][name]
             error = float((torch.from_numpy(param) - expected).norm() / expected.norm())
             assert error <= 1e-4, f"replica {res['replica']}: parameter {name} differs by {error:.2e}"
@@ -349,3 +368,130 @@ def test_the_outer_step_is_torch_nesterov_sgd():
         for a, b in zip(mine.parameters(), theirs.parameters()):
             torch.testing.assert_close(a, b)
     assert copy.deepcopy(outer.optimizer.state_dict())["state"]  # the momentum is optimizer state (checkpoints)
+
+
+@SPAWNS
+@pytest.mark.parametrize("resume", ["resume", "resume_leaders_moments"])
+def test_a_resumed_run_equals_the_uninterrupted_one(tiny_data, tmp_path, resume):
+    """Two replicas save at step 4 (the leader writes the checkpoint, with every replica's inner AdamW state
+    gathered at that synchronisation) and stop; two new ones resume from it and train to step 8: every step
+    and the final parameters equal the uninterrupted reference. Resuming every replica with the leader's
+    moments only (the checkpoint's model_optim, a planted bug) fails the check."""
+    raw = _raw(tiny_data, "diloco", 4, dp_shard=1)
+    raw["checkpoint"] = {"every_steps": 4}
+    e = Config.from_dict(raw).elastic
+    run_dir = str(tmp_path / "run")
+    (tmp_path / "save").mkdir()
+    saved = _run(raw, 1, tmp_path / "save", ckpt=(run_dir, "save"))
+    assert [rec["step"] for r in saved for rec in r["steps"]] == [1, 2, 3, 4] * 2
+    (tmp_path / "resume").mkdir()
+    resumed = _run(raw, 1, tmp_path / "resume", ckpt=(run_dir, resume))
+    assert all([rec["step"] for rec in r["steps"]] == [5, 6, 7, 8] for r in resumed)
+    ref = reference(raw, 4, e.outer_lr, e.outer_momentum)
+    if resume == "resume":
+        _check(saved, ref, final=False)
+        _check(resumed, ref)
+    else:
+        with pytest.raises(AssertionError, match="losses differ|gradient norms|parameter"):
+            _check(resumed, ref)
+
+
+def _outer_trainer(raw: dict, run_dir: str):
+    from raydist.checkpoint import CheckpointManager
+    from raydist.planner.policy import replica_layout
+    from raydist.training.trainer import Trainer
+
+    cfg = Config.from_dict(raw)
+    trainer = Trainer(cfg, torch.device("cpu"), replica_layout(cfg))
+    return trainer, CheckpointManager(run_dir, keep=1, group=trainer.checkpoint_group, log=lambda *_: None)
+
+
+def _momentum(trainer) -> dict[str, torch.Tensor]:
+    state = trainer.outer.optimizer.state
+    return {name: (lambda b: b.full_tensor() if hasattr(b, "full_tensor") else b)(state[p]["momentum_buffer"]).clone()
+            for name, p in trainer.pm.model.named_parameters() if p in state}
+
+
+def _save_outer(raw: dict, run_dir: str) -> dict:
+    from raydist.parallel.clip import local_shard
+
+    trainer, manager = _outer_trainer(raw, run_dir)
+    try:
+        trainer.train_step()
+        for scale in (0.01, -0.02):  # two outer steps: the momentum holds both
+            starts = [local_shard(p).detach().clone() for p in trainer.outer.params]
+            trainer.outer.step(starts, [scale * s for s in starts])
+        manager.save(trainer.step, trainer.state_parts(), blocking=True)
+        manager.wait()
+        return _momentum(trainer)
+    finally:
+        trainer.close()
+
+
+def _load_outer(raw: dict, run_dir: str) -> dict:
+    trainer, manager = _outer_trainer(raw, run_dir)
+    try:
+        manager.load(manager.latest(), trainer.state_parts())
+        return _momentum(trainer)
+    finally:
+        trainer.close()
+
+
+def test_the_outer_momentum_is_checkpointed_and_resharded(tiny_data, tmp_path):
+    """A replica of FSDP 2 saves DiLoCo's outer momentum with its checkpoint; a replica of one worker loads it
+    whole (resharded like AdamW's moments)."""
+    run_dir = str(tmp_path / "run")
+    saved = spawn(_save_outer, 2, _raw(tiny_data, "diloco", 4, dp_shard=2), run_dir)[0]
+    [loaded] = spawn(_load_outer, 1, _raw(tiny_data, "diloco", 4, dp_shard=1), run_dir)
+    assert saved and saved.keys() == loaded.keys()
+    for name, buf in saved.items():
+        assert buf.abs().sum() > 0, name
+        torch.testing.assert_close(loaded[name], buf, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_replicas_are_placed_by_node_label():
+    """ray.replica_labels: one selector per replica, expanded to each worker's (Ray Train's per-bundle
+    label_selector) in replica order; bad lists are one error line."""
+    from raydist.driver.launcher import worker_label_selectors
+
+    raw = {"parallel": {"dp_replicate": 3, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 1}, "ray": {"num_workers": 6},
+           "elastic": {"live_recovery": True, "sync": "diloco"},
+           "train": {"steps": 100}}
+    cfg = Config.from_dict({**raw, "ray": {**raw["ray"], "replica_labels": "zone=a; zone=a; zone=b, gpu=in(h100,h200)"}})
+    assert worker_label_selectors(cfg) == [{"zone": "a"}] * 4 + [{"zone": "b", "gpu": "in(h100,h200)"}] * 2
+    assert worker_label_selectors(Config.from_dict(raw)) == []
+    for labels, message in [("zone=a; zone=b", "2 selectors for parallel.dp_replicate=3"),
+                            ("zone=a; zone=b; zone=a", "must be next to each other"),
+                            ("zone=a; zone; zone=b", "'zone' is not key=value")]:
+        with pytest.raises(ConfigError, match=message):
+            Config.from_dict({**raw, "ray": {**raw["ray"], "replica_labels": labels}})
+    with pytest.raises(ConfigError, match="places live recovery's replicas"):
+        Config.from_dict({"ray": {"replica_labels": "zone=a"}})
+
+
+def _save_plain(raw: dict, run_dir: str) -> None:
+    trainer, manager = _outer_trainer(raw, run_dir)
+    try:
+        trainer.train_step()
+        manager.save(trainer.step, trainer.state_parts(), blocking=True)
+        manager.wait()
+    finally:
+        trainer.close()
+
+
+def test_a_diloco_run_resumes_a_checkpoint_saved_with_every_step_sync(tiny_data, tmp_path):
+    """Switching elastic.sync to diloco on resume: the checkpoint has no outer momentum; it starts at zero."""
+    run_dir = str(tmp_path / "run")
+    every_step = _raw(tiny_data, "every_step", 4, dp_shard=1)
+    spawn(_save_plain, 1, every_step, run_dir)
+    [loaded] = spawn(_load_outer_step, 1, _raw(tiny_data, "diloco", 4, dp_shard=1), run_dir)
+    assert loaded == (1, {})
+
+
+def _load_outer_step(raw: dict, run_dir: str) -> tuple[int, dict]:
+    trainer, manager = _outer_trainer(raw, run_dir)
+    try:
+        manager.load(manager.latest(), trainer.checkpoint_parts())
+        return trainer.step, _momentum(trainer)
+    finally:
+        trainer.close()
