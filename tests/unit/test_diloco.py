@@ -65,6 +65,7 @@ def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: s
         trainer.outer.step = lambda starts, deltas: step(starts, [-d for d in deltas])
     replicas = replica_manager(TorchftReplicas(replica, torch.device("cpu"), 60.0, trainer.state_parts,
                                                replicas=REPLICAS, rank=rank, workers=workers), trainer)
+    replicas.writes_checkpoints = ckpt is not None  # (as fit sets it: no inner states gathered without a save)
     trainer.replicas = replicas
     replacement = flags is not None and os.path.exists(flags + ".alone")
     if replacement and rank == 0:
