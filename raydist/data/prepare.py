@@ -39,6 +39,7 @@ from raydist.data import sft
 from raydist.data.tokenizer import get_tokenizer
 from raydist.errors import DataError
 from raydist.store.atomic import write_json_atomic
+from raydist.store.cache import cache_dir
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -53,7 +54,7 @@ class Document:
 def default_data_path(cfg: DataConfig) -> str:
     """Where the corpus is prepared when data.path is empty: a cache entry named by every setting that
     changes the prepared data (so changing any of them prepares afresh instead of reusing stale shards)."""
-    root = os.environ.get("RAYDIST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "raydist"))
+    root = str(cache_dir())
     settings = repr((cfg.corpus, cfg.text_column, cfg.tokenizer, cfg.seq_len, cfg.val_fraction, cfg.shard_rows,
                      cfg.max_corpus_mb, cfg.row_group_rows))
     name = "stdlib" if cfg.corpus == "stdlib" else "corpus"

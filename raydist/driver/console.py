@@ -28,6 +28,7 @@ import sys
 import threading
 from typing import Any, TextIO
 
+from raydist.store.cache import cache_dir
 from raydist.store.run_store import RunStore
 
 
@@ -88,8 +89,7 @@ class Console:
             return
         store = RunStore(run_dir)
         local_logs = store.local_path("logs")  # None on object stores: logs go to a local cache, copied up after
-        cache = os.path.expanduser(os.environ.get("RAYDIST_CACHE", "~/.cache/raydist"))
-        logs = local_logs or os.path.join(cache, "logs", run_name)
+        logs = local_logs or str(cache_dir() / "logs" / run_name)
         os.makedirs(logs, exist_ok=True)
         for stream in (sys.stdout, sys.stderr):
             stream.flush()

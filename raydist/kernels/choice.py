@@ -42,6 +42,8 @@ from typing import Callable, Union
 
 import torch
 
+from raydist.store.cache import cache_dir
+
 log = logging.getLogger(__name__)
 
 CANDIDATES = ("triton", "torch")
@@ -158,8 +160,6 @@ def versions() -> str:
 
 
 def choice_cache_path() -> Path:
-    from raydist.planner.hardware import cache_dir
-
     return cache_dir() / "kernel_choices.json"
 
 

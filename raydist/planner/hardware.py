@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from raydist.errors import ConfigError
+from raydist.store.cache import cache_dir
 
 GB = 1e9
 GIB = 2**30
@@ -139,8 +140,6 @@ def config_signature(cfg) -> str:
     return workload_signature(asdict(cfg.model), cfg.data.seq_len)
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("RAYDIST_CACHE") or Path.home() / ".cache" / "raydist")
 
 
 def calibration_path() -> Path:
