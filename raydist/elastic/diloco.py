@@ -118,14 +118,13 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class WindowStart:
-    """What a rewind restores, on the host: the trained parameters' and the inner optimizer's local shards (no
-    optimizer state before its first step), the LR schedule and the learning rates it set, the step, data
-    position and notes, the RNG. Taken
-    by hand, not through the checkpoint's state dict: torch's distributed state dict initialises an optimizer
-    that has not stepped (one zero step, which counts in AdamW's bias correction)."""
+    """What a rewind restores besides the parameters (the window's starts): on the host, the inner optimizer's
+    local shards (no optimizer state before its first step), the LR schedule and the learning rates it set,
+    the step, data position and notes, the RNG. Taken by hand, not through the checkpoint's state dict:
+    torch's distributed state dict initialises an optimizer that has not stepped (one zero step, which
+    counts in AdamW's bias correction). Its cost is a device-to-host copy of AdamW's two moments per window."""
 
     def __init__(self, trainer):
-        self.params = [_host(p) for p in trainer.outer.params]
         self.optim = {id(p): {k: _host(v) if isinstance(v, torch.Tensor) else copy.deepcopy(v)
                               for k, v in trainer.optimizer.state[p].items()}
                       for p in trainer.outer.params if p in trainer.optimizer.state}
@@ -135,9 +134,9 @@ class WindowStart:
         self.rng = RNGState().state_dict()
 
     @torch.no_grad()
-    def restore(self, trainer) -> None:
-        for param, saved in zip(trainer.outer.params, self.params):
-            local_shard(param).copy_(saved)
+    def restore(self, trainer, starts: list[torch.Tensor]) -> None:
+        for param, start in zip(trainer.outer.params, starts):
+            local_shard(param).copy_(start)
         for param in trainer.outer.params:
             saved = self.optim.get(id(param))
             if saved is None:
@@ -259,7 +258,7 @@ class WindowedReplicas(Replicas):
             mine = torch.cat([local_shard(v).detach().float().reshape(-1)
                               for *_, v in ReplicaOptimizers(self)._named()])
             rank, count = self._quorum
-            slots = torch.zeros(count, mine.numel())
+            slots = torch.zeros(count, mine.numel(), device=mine.device)
             slots[rank] = mine
             flat = torch.cat([flat, slots.reshape(-1)])
         self.all_reduce_sum(flat)
@@ -270,7 +269,7 @@ class WindowedReplicas(Replicas):
         committed = self.inner.should_commit()  # (the next window's begin_step asks for a new quorum)
         self._quorum = None
         if not committed:  # a replica was lost inside the window: every replica rewinds to its start
-            self._saved.restore(self.trainer)
+            self._saved.restore(self.trainer, self._starts)
             self._rewound = True
             self.windows_redone += 1
             return False
