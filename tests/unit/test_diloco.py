@@ -291,6 +291,20 @@ def test_diloco_with_fsdp_inside_each_replica_equals_the_reference(tiny_data, tm
 
 
 @SPAWNS
+@pytest.mark.parametrize("inside", ["tp", "cp", "pp"])
+def test_diloco_with_tp_cp_or_pp_inside_each_replica_equals_the_reference(tiny_data, tmp_path, inside):
+    """Each replica's two workers split the model by tensor, context or pipeline parallelism: the outer step
+    works on whatever shard each rank holds (a stage's parameters under pp), against the same reference."""
+    raw = _raw(tiny_data, "diloco", 4, dp_shard=1)
+    raw["parallel"][inside] = 2
+    raw["ray"]["num_workers"] = REPLICAS * 2
+    e = Config.from_dict(raw).elastic
+    results = _run(raw, 2, tmp_path)
+    assert {r["replica"] for r in results} == set(range(REPLICAS)) and len(results) == 2 * REPLICAS
+    _check(results, reference(raw, 4, e.outer_lr, e.outer_momentum))
+
+
+@SPAWNS
 def test_local_sgd_averages_the_replicas(tiny_data, tmp_path):
     raw = _raw(tiny_data, "local_sgd", 4, dp_shard=1)
     _check(_run(raw, 1, tmp_path), reference(raw, 4, 1.0, 0.0))
