@@ -158,6 +158,13 @@ class WindowStart:
         trainer.close()  # the data stream reopens at the window's start
 
 
+def inner_states(trainer) -> list[tuple[str, str, torch.Tensor]]:
+    """(parameter name, AdamW key, its state tensor) of every trained parameter, in one order on every replica."""
+    names = {id(p): trainer.pm.aliases.get(n, n) for n, p in trainer.pm.model.named_parameters()}
+    return [(names[id(p)], key, value) for p in trainer.outer.params
+            for key, value in sorted(trainer.optimizer.state.get(p, {}).items()) if isinstance(value, torch.Tensor)]
+
+
 class ReplicaOptimizers:
     """Every replica's inner AdamW state, as a checkpoint part the leader saves: replicas differ only there
     after a synchronisation, so a resumed run that gave every replica the leader's moments would not be the
@@ -170,26 +177,19 @@ class ReplicaOptimizers:
         self.replicas = replicas
         self._load_slots = 0  # the saved count, told before a load (CheckpointManager.load's before_load)
 
-    def _named(self) -> list[tuple[str, torch.Tensor, str, torch.Tensor]]:
-        """(parameter name, parameter, AdamW key, its state tensor) of every trained parameter, in one order."""
-        trainer = self.replicas.trainer
-        names = {id(p): trainer.pm.aliases.get(n, n) for n, p in trainer.pm.model.named_parameters()}
-        return [(names[id(p)], p, key, value) for p in self.replicas.outer.params
-                for key, value in sorted(trainer.optimizer.state.get(p, {}).items()) if isinstance(value, torch.Tensor)]
-
     def state_dict(self) -> dict[str, Any]:
         slots = self.replicas.gathered or []
         if self._load_slots:  # a load: the template of this rank's slot
             rank = self.replicas.inner.begin_step()[0]  # (after join: the first quorum's rank)
             if 0 < rank < self._load_slots:
                 return {"replica_optims": {f"r{rank}": {f"{name}.{key}": torch.zeros_like(value)
-                                                        for name, _, key, value in self._named()}},
+                                                        for name, key, value in inner_states(self.replicas.trainer)}},
                         "slots": self._load_slots}
             return {"slots": self._load_slots}
         out: dict[str, Any] = {}
         for k, flat in enumerate(slots[1:], start=1):
             offset, slot = 0, {}
-            for name, _, key, value in self._named():
+            for name, key, value in inner_states(self.replicas.trainer):
                 local = local_shard(value)
                 piece = flat[offset:offset + local.numel()].view_as(local).to(local.dtype)
                 offset += local.numel()
@@ -209,7 +209,7 @@ class ReplicaOptimizers:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._load_slots = 0
         for slot in state.get("replica_optims", {}).values():
-            for name, _, key, value in self._named():
+            for name, key, value in inner_states(self.replicas.trainer):
                 local_shard(value).copy_(local_shard(slot[f"{name}.{key}"]))
 
 
@@ -256,7 +256,7 @@ class WindowedReplicas(Replicas):
         saves = self.writes_checkpoints and (step == self.last or (self.save_every and step % self.save_every == 0))
         if saves:  # a checkpoint follows: every replica's inner state rides on the same all-reduce, in its slot
             mine = torch.cat([local_shard(v).detach().float().reshape(-1)
-                              for *_, v in ReplicaOptimizers(self)._named()])
+                              for *_, v in inner_states(self.trainer)])
             rank, count = self._quorum
             slots = torch.zeros(count, mine.numel(), device=mine.device)
             slots[rank] = mine

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import multiprocessing as mp
 import os
 import queue
@@ -22,13 +21,13 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
 
 from raydist.config import Config, ConfigError
 from raydist.parallel.runtime import spawn
 from raydist.testing import LayoutResult, assert_same_steps, run_layout, tiny_config
 from test_live_replicas import _all_alive, _replica_store
+from test_reference_loop import adamw, hand_step
 from workers import patience
 
 STEPS, REPLICAS = 8, 2
@@ -179,21 +178,8 @@ def _reference(raw: dict, every: int, outer_lr: float, momentum: float, counts: 
     windows = -(-t.steps // every)
     counts = counts or (REPLICAS,) * windows
 
-    def adamw(model):
-        matrices = [p for p in model.parameters() if p.ndim >= 2]
-        vectors = [p for p in model.parameters() if p.ndim < 2]
-        return torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
-                                  {"params": vectors, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2),
-                                 eps=1e-8)
-
-    def lr_at(step: int) -> float:
-        if step < t.warmup_steps:
-            return t.lr * (step + 1) / t.warmup_steps
-        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
-        return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
     models = [build_model(cfg.model, cfg.data.seq_len, seed=t.seed)]
-    opts = [adamw(models[0])]
+    opts = [adamw(models[0], t)]
     start = {n: p.detach().clone() for n, p in models[0].named_parameters()}
     buf = {n: torch.zeros_like(p) for n, p in start.items()}
     losses, norms, spans = [], [], []
@@ -201,7 +187,7 @@ def _reference(raw: dict, every: int, outer_lr: float, momentum: float, counts: 
         count = counts[step // every]
         while len(models) < count:  # a replica joins: replica 0's state
             models.append(copy.deepcopy(models[0]))
-            opts.append(adamw(models[-1]))
+            opts.append(adamw(models[-1], t))
             opts[-1].load_state_dict(copy.deepcopy(opts[0].state_dict()))  # (load_state_dict shares tensors)
         del models[count:], opts[count:]
         position = step * t.global_batch
@@ -210,15 +196,9 @@ def _reference(raw: dict, every: int, outer_lr: float, momentum: float, counts: 
             span = live_slice(position, t.global_batch, r, count)
             tokens, _ = data.next_batch(span)
             spans[-1].append(list(span))
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-            opt.zero_grad()
-            loss.backward()
-            norms[-1].append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
-            opt.step()
-            losses[-1].append(loss.item())
+            loss, norm = hand_step(model, opt, tokens, step, t)
+            losses[-1].append(loss)
+            norms[-1].append(norm)
         if (step + 1) % every == 0 or step + 1 == t.steps:  # the outer step (and at the run's end)
             with torch.no_grad():
                 for name in start:

@@ -32,37 +32,52 @@ def _train_both(raw: dict, plant: float | None = None) -> tuple[list[float], lis
     trainer = Trainer(cfg, torch.device("cpu"))
     assert trainer.layout.num_microbatches == 4  # the Trainer accumulates; the loop below does not
 
-    # ---- the hand-written loop (20 lines) ----
+    # ---- the hand-written loop ----
     model = build_model(cfg.model, cfg.data.seq_len, seed=t.seed)
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    vectors = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
-                             {"params": vectors, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
-
-    def lr_at(step: int) -> float:
-        if step < t.warmup_steps:
-            return t.lr * (step + 1) / t.warmup_steps
-        progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
-        return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
+    opt = adamw(model, t)
     mine, theirs, my_norms, their_norms = [], [], [], []
     for step in range(STEPS):
         tokens, ids = trainer.next_batch()
         stats = trainer.train_step((tokens, ids))
         theirs.append(stats.loss)
         their_norms.append(stats.grad_norm)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        logits = model(tokens[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        my_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
-        opt.step()
-        mine.append(loss.item())
+        loss, norm = hand_step(model, opt, tokens, step, t)
+        mine.append(loss)
+        my_norms.append(norm)
     trainer.close()
     return (mine, theirs, my_norms, their_norms, {n: p.detach().clone() for n, p in model.named_parameters()},
             trainer.full_parameters())
+
+
+def adamw(model: torch.nn.Module, t) -> torch.optim.AdamW:
+    """torch's AdamW as raydist configures it from `t` (the config's [train]): weight decay on matrices only."""
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    vectors = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": t.weight_decay},
+                              {"params": vectors, "weight_decay": 0.0}], lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8)
+
+
+def lr_at(t, step: int) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio at the last step, written out."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = min(1.0, (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps))
+    return t.lr * (t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def hand_step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, step: int, t
+              ) -> tuple[float, float]:
+    """One step of the hand-written loop on `tokens` (one batch, no accumulation): (loss, gradient norm before
+    clipping)."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(t, step)
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    opt.zero_grad()
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip))
+    opt.step()
+    return loss.item(), norm
 
 
 def _compare(raw: dict, plant: float | None = None) -> None:
