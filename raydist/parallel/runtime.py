@@ -239,6 +239,15 @@ def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
             dist.destroy_process_group()
 
 
+FAILURE_GRACE_S = 5.0  # how long spawn waits for the other ranks' errors after the first
+# What a rank raises when a peer it waits for fails or leaves first: listed after the error that caused it.
+_CONSEQUENCES = ("left the world", "Connection closed by peer", "Connection reset by peer")
+
+
+def _consequence(traceback_text: str) -> bool:
+    return any(text in traceback_text for text in _CONSEQUENCES)
+
+
 def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, threads: int = 1,
           device: str = "cpu", bound: bool = True) -> list[Any]:
     """Run `fn(*args)` on `world_size` fresh processes with a process group; return results by rank.
@@ -266,22 +275,30 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, t
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
+    failed: dict[int, str] = {}
     errors = []
     deadline = time.monotonic() + timeout_s + 30
-    while len(outputs) < world_size and not errors:
+    while len(outputs) + len(failed) < world_size and not errors:
         try:
             rank, ok, value = results.get(timeout=0.5)
         except queue.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
+            dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in outputs and r not in failed]
             if dead:
                 errors.append("; ".join(f"rank {r} exited with status {code} without a result" for r, code in dead))
             elif time.monotonic() > deadline:
                 errors.append(f"no result from {world_size - len(outputs)} rank(s) within {timeout_s + 30:.0f}s (hang?)")
+            elif failed:  # the other ranks' errors, for a while: the first to arrive is often a consequence
+                if time.monotonic() > failed_at + FAILURE_GRACE_S or all(
+                        p.exitcode is not None for r, p in enumerate(procs) if r not in outputs and r not in failed):
+                    break
             continue
         if ok:
             outputs[rank] = pickle.loads(value)  # from our own child process
         else:
-            errors.append(f"rank {rank} failed:\n{value}")
+            failed_at = time.monotonic() if not failed else failed_at
+            failed[rank] = value
+    errors = [f"rank {r} failed:\n{failed[r]}" for r in sorted(failed, key=lambda r: (_consequence(failed[r]), r))] + errors
     if errors:
         for p in procs:
             if p.is_alive():

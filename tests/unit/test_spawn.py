@@ -73,6 +73,30 @@ def test_a_rank_failure_is_reported_with_its_traceback():
     assert "ValueError: rank 1 refuses" in str(err.value)
 
 
+def _fail_before_bind_on(rank: int) -> int:
+    # rank `rank` fails before the world's bind, as a rank would on a broken init; the others wait in it
+    import torch.distributed as dist
+
+    from raydist import strict
+
+    if dist.get_rank() == rank:
+        raise ValueError(f"rank {rank} broke before binding")
+    strict.bind()
+    return dist.get_rank()
+
+
+def test_the_failure_that_caused_the_others_is_listed_first(monkeypatch):
+    # The ranks left waiting for a failed rank fail too, and their errors may reach the caller first (a
+    # clean-clone CI run showed only rank 2's "rank 1 left the world", never what rank 1 raised).
+    monkeypatch.setenv("RAYDIST_STRICT_COLLECTIVES", "1")
+    with pytest.raises(RuntimeError) as err:
+        spawn(_fail_before_bind_on, 3, 1, bound=False)
+    text = str(err.value)
+    assert "ValueError: rank 1 broke before binding" in text
+    assert text.index("rank 1 failed") < text.index("left the world")  # the cause, then its consequences
+    assert "rank 0 failed" in text and "rank 2 failed" in text
+
+
 def test_a_rank_that_exits_is_reported_with_its_status():
     with pytest.raises(RuntimeError, match="rank 1 exited with status 7 without a result"):
         spawn(_exit_on, 2, 1, 7)
