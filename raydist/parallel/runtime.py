@@ -277,7 +277,7 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, t
     outputs: dict[int, Any] = {}
     failed: dict[int, str] = {}
     errors = []
-    deadline = time.monotonic() + timeout_s + 30
+    deadline, failed_at = time.monotonic() + timeout_s + 30, 0.0
     while len(outputs) + len(failed) < world_size and not errors:
         try:
             rank, ok, value = results.get(timeout=0.5)
@@ -296,7 +296,8 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, t
         if ok:
             outputs[rank] = pickle.loads(value)  # from our own child process
         else:
-            failed_at = time.monotonic() if not failed else failed_at
+            if not failed:
+                failed_at = time.monotonic()
             failed[rank] = value
     errors = [f"rank {r} failed:\n{failed[r]}" for r in sorted(failed, key=lambda r: (_consequence(failed[r]), r))] + errors
     if errors:
