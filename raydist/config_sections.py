@@ -236,8 +236,11 @@ class ElasticConfig:
     cannot be changed: the watchdog then enforces it). A stopped rank is found within a few of its steps; a
     slow one is inside every rank's measurement (every step waits for it) and gets a `straggler` event; one
     that becomes more than k times slower between two logged steps is taken for a stopped one. Evaluations,
-    saves and the step after them keep the fixed limits; so does live recovery. The values are in each metrics
-    record (`timeouts`) and a `timeouts` event when they change. 0: the fixed collective_timeout_s throughout."""
+    saves and the step after them keep the fixed limits. With live recovery the all-reduce between replicas
+    gets the derived limit too (a replica stopped mid-step costs the others that, then torchft drops it), and
+    torchft's quorum at each step's start runs under the fixed limits, as does the rest of a step whose quorum
+    changed (a replica lost or joined). The values are in each metrics record (`timeouts`) and a `timeouts`
+    event when they change. 0: the fixed collective_timeout_s throughout."""
     timeout_floor_s: float = 30.0
     """The shortest derived collective timeout (seconds): short steps do not make a pause of a few seconds
     (a garbage collection, a slow read, the host's other load) a hang."""

@@ -316,6 +316,17 @@ class WindowedReplicas(Replicas):
     def healed_at(self) -> int | None:
         return getattr(self.inner, "healed_at", None)
 
+    @property
+    def on_quorum(self):
+        return self.inner.on_quorum
+
+    @on_quorum.setter
+    def on_quorum(self, fn) -> None:
+        self.inner.on_quorum = fn
+
+    def timeout_targets(self) -> list[Any]:
+        return self.inner.timeout_targets()
+
     def summary(self, retried_steps: int) -> dict[str, Any]:
         return {**self.inner.summary(retried_steps), "sync_windows_redone": self.windows_redone}
 

@@ -236,7 +236,15 @@ class Replicas:
     def add_state(self, name: str, part: Any) -> None:
         """One more stateful part of the live state a replacement receives."""
 
+    def timeout_targets(self) -> list[Any]:
+        """What the derived collective timeout applies to beyond the training groups: objects with
+        `set_collective_timeout(seconds)` (the all-reduce between replicas)."""
+        return []
+
     on_events: Callable[[list[tuple[str, dict[str, Any]]]], None] = staticmethod(lambda events: None)
+    # called with (True, False) as a quorum begins and (False, changed) after it, changed when the quorum's
+    # members differ from the last one's or a peer's live state was loaded (raydist.elastic.hang.timeouts)
+    on_quorum: Callable[[bool, bool], None] = staticmethod(lambda begins, changed: None)
     sent_bytes = 0  # what this rank has put into all-reduces between replicas (metrics: replica_bytes)
     writes_checkpoints = True  # the run saves durable checkpoints (fit says; replicas may prepare for them)
 
@@ -346,7 +354,9 @@ class TorchftReplicas(Replicas):
         self.membership = Membership()
         self.extra_parts: dict[str, Any] = {"membership": self.membership}
         self.on_events = lambda events: None  # fit's: goodput and the event log
+        self.on_quorum = lambda begins, changed: None  # fit's: the derived timeouts
         self.healed_at: int | None = None  # the step a peer's live state brought this replica to
+        self.pg, self._heals = pg, 0
         self.manager = Manager(pg=pg, load_state_dict=self._load_state, state_dict=self._state,
                                min_replica_size=1, use_async_quorum=False, init_sync=False,
                                timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
@@ -372,6 +382,7 @@ class TorchftReplicas(Replicas):
             if name in state:
                 part.load_state_dict(shaped_like(state[name], part.state_dict()))
         self.healed_at = int(state["data"]["step"])
+        self._heals += 1
 
     def set_step(self, step: int) -> None:
         """After a durable resume: the Manager counts committed steps from there (its step is the quorum's
@@ -401,6 +412,8 @@ class TorchftReplicas(Replicas):
 
     def begin_step(self) -> tuple[int, int]:
         if not self._began:
+            heals = self._heals
+            self.on_quorum(True, False)
             self.manager.start_quorum()
             self._began = True
             rank = self.manager.participating_rank()
@@ -410,7 +423,25 @@ class TorchftReplicas(Replicas):
             events = self.membership.update(members, time.time())
             if events:  # after the rank: the leader of this quorum writes them
                 self.on_events(events)
+            self.on_quorum(False, bool(events) or self._heals != heals)
         return self._rank, max(self.manager.num_participants(), 1)
+
+    def timeout_targets(self) -> list[Any]:
+        return [self]
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        """The all-reduce between replicas times out after `seconds` from now on. torchft's wrapper reads its
+        timeout when it creates the inner group (each new quorum) and, for NCCL, around every operation; the
+        live inner group (a torch ProcessGroup with a gloo or NCCL backend) takes it through the backend's
+        `_set_default_timeout`, as torch's `_set_pg_timeout` does. No hang monitor watches this group, so
+        the timeout is the limit itself, not a later backstop."""
+        from raydist.elastic.hang.timeouts import set_backend_timeouts
+
+        timeout = timedelta(seconds=seconds)
+        self.pg.set_timeout(timeout)
+        inner = getattr(self.pg, "_pg", None)
+        if inner is not None:
+            set_backend_timeouts(inner, timeout)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         from torch.distributed import ReduceOp

@@ -283,12 +283,13 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
             events.event("resize", trainer.step, from_world_size=previous, world_size=trainer.world_size,
                          mesh=trainer.layout.mesh())
     e = cfg.elastic
-    # the step phase's limits from measured steps (not with live recovery: a step there includes torchft's
-    # quorum, which waits for a joining replica as long as its own timeout allows)
-    timeouts = StepTimeouts(session, lambda: training_groups(trainer.checkpoint_group),
-                            factor=0.0 if e.live_recovery else e.timeout_factor, floor_s=e.timeout_floor_s,
+    # the step phase's limits from measured steps; with live recovery also the all-reduce between replicas,
+    # and torchft's quorum at a step's start under the fixed limits (StepTimeouts.quorum)
+    timeouts = StepTimeouts(session, lambda: training_groups(trainer.checkpoint_group) + replicas.timeout_targets(),
+                            factor=e.timeout_factor, floor_s=e.timeout_floor_s,
                             ceiling_s=e.collective_timeout_s, warmup_steps=e.timeout_warmup_steps,
                             start_step=trainer.step, interval_s=cfg.monitor.heartbeat_interval_s)
+    replicas.on_quorum = timeouts.quorum
 
     def phase(name: str) -> None:
         session.phase(name)

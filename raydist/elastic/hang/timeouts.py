@@ -31,6 +31,14 @@ Only the step phase is tightened. Evaluations, saves and reports keep the fixed 
 first step after one of them (its first collective may wait for a rank still saving or evaluating); from
 the next heartbeat on the derived limits apply again. The checkpoint writer's group keeps its fixed timeout.
 
+Live recovery (raydist.elastic.live): the all-reduce between replicas, on torchft's group, gets `collective_s`
+too (`TorchftReplicas.set_collective_timeout`), so a replica stopped mid-step costs the others that limit
+before torchft drops it from the next quorum (its heartbeat stops), not the fixed ceiling. Each step begins with
+torchft's quorum, which waits for a joining replica and sends or receives the live state as long as torchft's
+own timeouts allow: it runs under the fixed limits (`StepTimeouts.quorum`), and so does the rest of a step whose
+quorum changed (the first all-reduce of a new quorum may wait for a replica still loading); that step is not
+measured.
+
 Who enforces `collective_s`, per backend (`set_collective_timeout`):
 - gloo: the group itself. torch changes a live group's timeout through the backend's `_set_default_timeout`
   (what `torch.distributed.distributed_c10d._set_pg_timeout` calls; ProcessGroupGloo::setTimeout sets its
@@ -88,8 +96,9 @@ class StepLimits:
 
 
 def settable(group: Any) -> bool:
-    """Whether `set_collective_timeout` can change `group`'s timeout (gloo, NCCL, the strict mode's groups)."""
-    if _is_strict(group):
+    """Whether `set_collective_timeout` can change `group`'s timeout (gloo, NCCL, the strict mode's groups, an
+    object with its own `set_collective_timeout`: live recovery's all-reduce between replicas)."""
+    if _is_strict(group) or hasattr(group, "set_collective_timeout"):
         return True
     backends = _torch_backends(group)
     return bool(backends) and all(b is not None for _, b in backends)
@@ -102,12 +111,23 @@ def set_collective_timeout(group: Any, timeout_s: float, interval_s: float) -> b
     if _is_strict(group):
         group.set_timeout(_delta(group_timeout_s(timeout_s, strict.BACKEND, interval_s)))
         return True
+    if hasattr(group, "set_collective_timeout"):
+        group.set_collective_timeout(timeout_s)
+        return True
     backends = _torch_backends(group)
     if not backends or any(b is None for _, b in backends):
         return False
     for name, backend in backends:
         backend._set_default_timeout(_delta(group_timeout_s(timeout_s, name, interval_s)))
     return True
+
+
+def set_backend_timeouts(group: Any, timeout: datetime.timedelta) -> None:
+    """Every gloo or NCCL backend of the torch ProcessGroup `group` times out operations issued from now on
+    after `timeout` (others are left as they are)."""
+    for _, backend in _torch_backends(group):
+        if backend is not None:
+            backend._set_default_timeout(timeout)
 
 
 def training_groups(*leave_out: Any) -> list[Any]:
@@ -188,6 +208,23 @@ class StepTimeouts:
         self._last = None
         self._relaxed = True
         self._apply(None)
+
+    def quorum(self, begins: bool, changed: bool = False) -> None:
+        """Live recovery's quorum at a step's start (raydist.elastic.live, `Replicas.on_quorum`): it runs under
+        the fixed limits (it waits for a joining replica and sends or receives the live state, as long as
+        torchft's own timeouts allow); after it the step's derived limits apply again, unless the quorum
+        changed (a replica lost or joined, a peer's state loaded): then the rest of that step keeps the fixed
+        limits (the first all-reduce of a new quorum may wait for a replica still loading) and is not
+        measured."""
+        if not self.enabled:
+            return
+        if begins:
+            self._apply(None)
+        elif changed:
+            self._last = None
+            self._relaxed = True
+        elif not self._relaxed:
+            self._apply(self.derived)
 
     def step_done(self, step: int) -> None:
         """After every step (at the heartbeat): measure it, and tighten the limits again after a relaxed step."""
