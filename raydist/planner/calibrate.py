@@ -58,23 +58,78 @@ def memory_bandwidth_bytes_per_s(num_bytes: int = 64 * 2**20, min_time_s: float 
     return 2 * num_bytes * reps / (time.perf_counter() - start)
 
 
-def _fwd_bwd_timer(model_cfg: dict, seq_len: int, policy: str):
-    """A function that runs one forward + backward of the workload's model on `micro_batch` samples and
-    returns its seconds."""
-    from raydist.config import ModelConfig
+def _model_and_loss(model_cfg: dict, seq_len: int, kernels: dict | None, split: bool = False):
+    """The workload's model as a Trainer builds it (the config's kernels installed; split over every rank of
+    the world by raydist's tensor parallelism when `split`, without sequence parallelism) and
+    `loss(tokens)`, its mean loss as the Trainer's step takes it: the head's fused matmul and loss where
+    kernels.loss and the head allow (raydist.parallel.parallelize.ParallelModel.loss), else the logits' loss
+    (vocabulary-parallel when split). A timing with the plain model and loss priced the default workload's
+    TP 2 split at 1.75x one rank's whole model where its run took 1.45x (the fused path's share)."""
+    from raydist.config import KernelsConfig, ModelConfig
+    from raydist.kernels.select import apply_kernels
     from raydist.models.gpt import build_model
     from raydist.models.loss import cross_entropy
-    from raydist.parallel.checkpointing import apply_activation_checkpointing
 
     cfg = ModelConfig(**model_cfg)
+    kernels_cfg = KernelsConfig(**kernels) if kernels is not None else KernelsConfig()
     model = build_model(cfg, seq_len, 0)
+    apply_kernels(model, kernels_cfg, "cpu")
+    head = model.head
+    fused = (kernels_cfg.loss != "plain" and getattr(head, "fuses_loss", False)
+             and getattr(head, "bias", None) is None)
+    loss_fn = cross_entropy
+    if split:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from raydist.parallel.tensor import apply_tensor_parallel
+
+        loss_fn = apply_tensor_parallel(model, init_device_mesh("cpu", (dist.get_world_size(),),
+                                                                mesh_dim_names=("tp",)))
+
+    def loss(tokens: torch.Tensor) -> torch.Tensor:
+        if fused:
+            return model(tokens[:, :-1], None, targets=tokens[:, 1:])
+        return loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+
+    return cfg, model, loss
+
+
+def _fwd_bwd_timer(model_cfg: dict, seq_len: int, policy: str, kernels: dict | None = None):
+    """A function that runs one forward + backward of the workload's model on `micro_batch` samples and
+    returns its seconds."""
+    from raydist.parallel.checkpointing import apply_activation_checkpointing
+
+    cfg, model, loss = _model_and_loss(model_cfg, seq_len, kernels)
     apply_activation_checkpointing(model, policy)
     generator = torch.Generator().manual_seed(0)
 
     def run(micro_batch: int) -> float:
         tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=generator)
         start = time.perf_counter()
-        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        loss(tokens).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    return run
+
+
+def _tp_fwd_bwd_timer(model_cfg: dict, seq_len: int, kernels: dict | None = None):
+    """As _fwd_bwd_timer, the model split over every rank of the world by raydist's tensor parallelism (no
+    sequence parallelism): all ranks call it together, on the same tokens. None where the model's heads do
+    not split over the world."""
+    from raydist.config import ModelConfig
+
+    tp, heads = dist.get_world_size(), ModelConfig(**model_cfg)
+    if heads.num_heads % tp or heads.num_kv_heads % tp:
+        return None
+    cfg, model, loss = _model_and_loss(model_cfg, seq_len, kernels, split=True)
+    generator = torch.Generator().manual_seed(0)  # the same tokens on every rank, as a TP group gets
+
+    def run(micro_batch: int) -> float:
+        tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=generator)
+        dist.barrier()  # not the wait for a rank still in its previous (unsplit) run
+        start = time.perf_counter()
+        loss(tokens).backward()
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - start
 
@@ -91,9 +146,15 @@ def _calibrate_workload(spec: dict, reps: int = 5) -> dict:
     from raydist.models.gpt import flops_per_token
 
     sizes, seq_len = spec["micro_batches"], spec["seq_len"]
-    runners = {policy: _fwd_bwd_timer(spec["model"], seq_len, policy) for policy in ("none", *spec["policies"])}
+    kernels = spec.get("kernels")
+    runners = {policy: _fwd_bwd_timer(spec["model"], seq_len, policy, kernels)
+               for policy in ("none", *spec["policies"])}
+    split = _tp_fwd_bwd_timer(spec["model"], seq_len, kernels) if dist.get_world_size() > 1 else None
+    if split is not None:
+        runners["tp"] = split
     seen: dict[tuple[str, int], list[float]] = {}
-    jobs = [("none", b) for b in sizes] + [(p, sizes[-1]) for p in spec["policies"]]
+    jobs = ([("none", b) for b in sizes] + [(p, sizes[-1]) for p in spec["policies"]]
+            + ([("tp", sizes[-1])] if split is not None else []))  # (every rank runs them in this order)
     for rep in range(reps + 1):
         for policy, b in jobs:
             t = runners[policy](b)
@@ -107,8 +168,11 @@ def _calibrate_workload(spec: dict, reps: int = 5) -> dict:
     if inv_rate <= 0:  # noise swamped the slope: no fixed cost, the mean rate
         overhead, inv_rate = 0.0, sum(times) / sum(flops)
     factors = {p: best[p, sizes[-1]] / best["none", sizes[-1]] - 1.0 for p in spec["policies"]}
+    tp_factors = ({str(dist.get_world_size()): best["tp", sizes[-1]] / best["none", sizes[-1]]}
+                  if split is not None else {})
     return {"rate_flops": 1.0 / float(inv_rate), "overhead_s": max(0.0, float(overhead)),
-            "recompute_factors": factors, "times_s": {f"{p}/{b}": t for (p, b), t in best.items()}}
+            "recompute_factors": factors, "tp_factors": tp_factors,
+            "times_s": {f"{p}/{b}": t for (p, b), t in best.items()}}
 
 
 def _calibrate_rank(reps: int, matmul_size: int, workload: dict | None = None) -> dict:
@@ -174,7 +238,8 @@ def calibrate(world_size: int, reps: int = 10, matmul_size: int = 512, save: boo
 
         large = max(2, config.train.micro_batch or _derived_micro_batch(config, world_size))
         sizes = sorted({1, max(1, large // 2), large})
-        workload = {"model": dataclasses.asdict(config.model), "seq_len": config.data.seq_len,
+        workload = {"model": dataclasses.asdict(config.model), "kernels": dataclasses.asdict(config.kernels),
+                    "seq_len": config.data.seq_len,
                     "micro_batches": tuple(sizes), "policies": ("selective", "full", "every_k")}
     results = spawn(_calibrate_rank, world_size, reps, matmul_size, workload, threads=threads)
     r0 = results[0]
@@ -201,6 +266,8 @@ def calibrate(world_size: int, reps: int = 10, matmul_size: int = 512, save: boo
                                 / (workload["model"]["num_layers"] + 1),
             "recompute_factors": {p: statistics.median(w["recompute_factors"][p] for w in per_rank)
                                   for p in workload["policies"]},
+            # (the slowest rank's: the split model's ranks wait for each other)
+            "tp_factors": {tp: max(w["tp_factors"][tp] for w in per_rank) for tp in per_rank[0]["tp_factors"]},
             "micro_batches": list(workload["micro_batches"]),
         }}
     if save:
@@ -233,8 +300,11 @@ def format_calibration(record: dict) -> str:
                      f"all-gather {s['all_gather_s'] * 1e3:7.2f} ms")
     for sig, w in record.get("workloads", {}).items():
         factors = ", ".join(f"{p} +{f:.0%}" for p, f in w["recompute_factors"].items())
+        split = "".join(f"; split over tp {tp}: {f:.2f}x one rank's whole model"
+                        for tp, f in (w.get("tp_factors") or {}).items())
         lines.append(f"  workload {sig}: forward+backward at {w['compute_efficiency']:.0%} of the matmul peak, "
-                     f"{w['block_overhead_s'] * 1e3:.2f} ms fixed per block per micro-batch; recompute {factors}")
+                     f"{w['block_overhead_s'] * 1e3:.2f} ms fixed per block per micro-batch; recompute {factors}"
+                     + split)
     if "path" in record:
         lines.append(f"  saved to {record['path']}")
     return "\n".join(lines)

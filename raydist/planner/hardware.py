@@ -74,6 +74,11 @@ class Hardware:
     # the analytic model (no fixed cost; full/every_k = one more forward = 1/3 of forward+backward).
     block_overhead_s: float = 0.0
     recompute_factors: dict | None = None
+    # Measured the same way, by tp degree (a str): one micro-batch's forward+backward of the model split over
+    # tp ranks (raydist's tensor parallelism, all of them at once) over one rank's of the whole model. On CPU
+    # tensor parallelism costs more than its collectives: every DTensor op's Python dispatch, and the norms,
+    # residuals and loss each rank repeats without sequence parallelism (timing.step_time's tp term).
+    tp_factors: dict | None = None
 
     @property
     def usable_memory_bytes(self) -> float:
@@ -188,6 +193,7 @@ def cpu_hardware(world_size: int, gpus_per_node: int | None = None, calibration:
             hw = replace(hw, compute_efficiency=measured["compute_efficiency"],
                          block_overhead_s=measured["block_overhead_s"],
                          recompute_factors=dict(measured["recompute_factors"]),
+                         tp_factors=dict(measured.get("tp_factors") or {}),
                          source=hw.source + " + this workload's forward/backward"
                          + (f", its rate fitted to {measured['fitted_to_run']['run_dir']}"
                             if measured.get("fitted_to_run") else ""))

@@ -26,7 +26,11 @@ Per step, per rank (the busiest pipeline stage), with m micro-batches of b sampl
 - tensor parallel (Shoeybi et al. 2019, Megatron-LM; Korthikanti et al. 2022 for sequence parallelism): 2
   all-reduces of the block's activations (b s h) in forward and 2 in backward; with sequence parallelism each
   becomes an all-gather + reduce-scatter (same bytes, twice the latency); the forward's are repeated by
-  recompute. On the critical path.
+  recompute. On the critical path. A CPU calibration times the model split over tp ranks against one
+  rank's whole model (`tp_factors`); where that measured ratio says more, the tp term is what it adds over
+  the analytic compute (on CPU each DTensor op pays Python dispatch, and without sequence parallelism every
+  rank repeats the norms, residuals and loss: a profiled TP 2 step of the default workload waited on 38
+  functional collectives and ran about 6,000 DTensor wrapper calls).
 - context parallel: ring passes the local K/V block to the next rank cp-1 times in forward and twice as
   much (K/V and their gradients) in backward, overlapped with the attention it feeds; its attention runs as
   cp blocks of T / cp keys for T / cp queries, at the kernel rate measured at length T / cp (at 8B, T 8192,
@@ -60,6 +64,7 @@ LoRA's W is nearly empty.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from raydist.models.gpt import flops_per_token, param_counts
 from raydist.planner.hardware import Hardware, Link
@@ -125,28 +130,37 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     bandwidth = hw.memory_bandwidth_bytes_per_s
 
     # ---- compute per micro-batch on the busiest stage ----------------------------------------------------
-    # forward seconds of one block and of the head (with the loss); forward + backward is 3x the FLOPs and
-    # the elementwise bytes of elementwise_bytes(), less the weight-gradient GEMMs of frozen weights
-    block_fwd = 2 * tokens * counts["block_matmul"] / tp / rate + 4 * tokens * w.seq_len * h / tp / attention_rate
-    head_fwd = 2 * tokens * m_cfg.vocab_size * h / tp / rate
-    adapter_fwd = 2 * tokens * adapter_elements(w, tp) / rate  # LoRA's x A^T and (x A^T) B^T
-    frozen_weight_grads = 2 * tokens * counts["block_matmul"] / tp / rate if w.peft.method == "lora" else 0.0
-    block_moved = head_moved = 0.0
-    if hw.elementwise:
-        block_moved, head_moved = elementwise_bytes(w, lay, tokens)
-    # the busiest rank: its blocks, plus the head on the rank holding the last stage (every rank's blocks,
-    # and the head's holders' blocks plus the head: the same maximum, without asking each of up to a
-    # hundred pipeline ranks whether it holds the head)
-    block_s = 3 * block_fwd + (3 * adapter_fwd - frozen_weight_grads) + block_moved / bandwidth
-    forward_only_s = block_fwd + block_moved / 3 / bandwidth  # freeze's frozen prefix
-    head_s = (3 if "head" in trained_root_parts(m_cfg, w.peft.method) else 2) * head_fwd + head_moved / bandwidth
+    def compute_terms(tp: int) -> tuple[float, float, float, float]:
+        """(seconds of one micro-batch's compute, of a block's forward, of its adapters' forward, a block's
+        elementwise bytes) on the busiest rank, its matmuls split tp ways. Forward seconds of one block and
+        of the head (with the loss); forward + backward is 3x the FLOPs and the elementwise bytes of
+        elementwise_bytes(), less the weight-gradient GEMMs of frozen weights."""
+        split = lay if tp == lay.tp else replace(lay, spec=replace(lay.spec, tp=tp), sequence_parallel=False)
+        block_fwd = (2 * tokens * counts["block_matmul"] / tp / rate
+                     + 4 * tokens * w.seq_len * h / tp / attention_rate)
+        head_fwd = 2 * tokens * m_cfg.vocab_size * h / tp / rate
+        adapter_fwd = 2 * tokens * adapter_elements(w, tp) / rate  # LoRA's x A^T and (x A^T) B^T
+        frozen_weight_grads = 2 * tokens * counts["block_matmul"] / tp / rate if w.peft.method == "lora" else 0.0
+        block_moved = head_moved = 0.0
+        if hw.elementwise:
+            block_moved, head_moved = elementwise_bytes(w, split, tokens)
+        # the busiest rank: its blocks, plus the head on the rank holding the last stage (every rank's
+        # blocks, and the head's holders' blocks plus the head: the same maximum, without asking each of up
+        # to a hundred pipeline ranks whether it holds the head)
+        block_s = 3 * block_fwd + (3 * adapter_fwd - frozen_weight_grads) + block_moved / bandwidth
+        forward_only_s = block_fwd + block_moved / 3 / bandwidth  # freeze's frozen prefix
+        head_s = ((3 if "head" in trained_root_parts(m_cfg, w.peft.method) else 2) * head_fwd
+                  + head_moved / bandwidth)
 
-    def blocks_s(n: int, t: int) -> float:
-        return t * block_s + (n - t) * forward_only_s
+        def blocks_s(n: int, t: int) -> float:
+            return t * block_s + (n - t) * forward_only_s
 
-    compute_mb = (max(busiest(blocks_s), *(blocks_s(stage_layers[r], trained_layers[r]) + head_s
-                                           for r in holders(lay, "last")))
-                  + (layers + 1) * hw.block_overhead_s + weight_cast_bytes(w, lay, counts["total"]) / bandwidth)
+        compute = (max(busiest(blocks_s), *(blocks_s(stage_layers[r], trained_layers[r]) + head_s
+                                            for r in holders(lay, "last")))
+                   + (layers + 1) * hw.block_overhead_s + weight_cast_bytes(w, split, counts["total"]) / bandwidth)
+        return compute, block_fwd, adapter_fwd, block_moved
+
+    compute_mb, block_fwd, adapter_fwd, block_moved = compute_terms(tp)
     recompute_mb = 0.0
     policy = lay.activation_checkpoint
     recomputed = max(trained_layers)  # (frozen blocks outside the graph are not recomputed)
@@ -171,6 +185,9 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
         refwd = lay.activation_checkpoint != "none"
         tp_mb = busiest(lambda n, t: t * per_block_fwd * (2 + (1 if refwd else 0))
                         + (n - t) * per_block_fwd) + 2 * one  # + embedding / head
+        measured = (hw.tp_factors or {}).get(str(tp))
+        if measured:  # on CPU (--calibrate): what tp ranks together took over one rank's unsplit model
+            tp_mb = max(tp_mb, measured * compute_terms(1)[0] - compute_mb)
 
     # ---- context parallel ----------------------------------------------------------------------------------
     cp_mb = 0.0

@@ -97,6 +97,8 @@ def test_calibrating_from_a_run_fits_the_compute_rate_to_its_step(run_dir, cache
     assert scale > 0 and (cache / "calibration.json").is_file()
     [workload] = record["workloads"].values()
     assert workload["fitted_to_run"]["run_dir"] == run_dir
+    # the model split over the 2 ranks was timed against one rank's whole model (never faster than half of it)
+    assert set(workload["tp_factors"]) == {"2"} and workload["tp_factors"]["2"] > 0.5
     c = compare_run(run_dir)  # the run it was fitted to now prices at its own step time
     assert c.errors()["step_time_s"] == pytest.approx(0.0, abs=0.01)
     assert "fitted to" in c.hardware.source

@@ -285,6 +285,31 @@ def test_calibrate_stores_and_cpu_plans_use_it(tmp_path, monkeypatch):
     assert hw.intra.alpha_s == pytest.approx(record["alpha_s"])
 
 
+def test_a_measured_tensor_parallel_ratio_prices_the_split_on_cpu():
+    """`--calibrate` times the model split over tp ranks against one rank's whole model (tp_factors). Where
+    that ratio says more than the analytic split plus its collectives (on CPU: DTensor dispatch, the norms
+    and loss every rank repeats), a tp layout's step is the measured ratio times the unsplit compute; other
+    layouts, and tp layouts without a measured ratio, are priced as before."""
+    from dataclasses import replace
+
+    hw = Hardware("cpu", 1e11, 1e10, 1e10, Link(1e-4, 1e9), Link(1e-4, 1e9), gpus_per_node=2, compute_efficiency=0.5,
+                  comm_overlap=0.0, compute_dtype_bytes=4, block_overhead_s=1e-3)
+    w = Workload(_workload().model, 512, global_batch=8, compute_dtype_bytes=4)
+    tp2 = Layout.of(tp=2, micro_batch=4)
+    plain = step_time(w, tp2, hw, 2)
+    measured = step_time(w, tp2, replace(hw, tp_factors={"2": 3.0}), 2)
+    whole = step_time(w, Layout.of(micro_batch=4), hw, 2)  # one rank, the whole model: the ratio's denominator
+    assert measured["compute"] == pytest.approx(plain["compute"])
+    assert measured["tp_comm"] == pytest.approx(3.0 * whole["compute"] - plain["compute"], rel=1e-9)
+    assert measured["total"] > plain["total"]
+    # a ratio below the analytic cost never prices the split faster than its collectives
+    assert step_time(w, tp2, replace(hw, tp_factors={"2": 0.1}), 2)["tp_comm"] == pytest.approx(plain["tp_comm"])
+    # another degree's ratio, and a layout without tp, are left alone
+    assert step_time(w, tp2, replace(hw, tp_factors={"4": 3.0}), 2) == plain
+    dp2 = Layout.of(dp_replicate=2, micro_batch=4)
+    assert step_time(w, dp2, replace(hw, tp_factors={"2": 3.0}), 1) == step_time(w, dp2, hw, 1)
+
+
 def test_cli_published_json(capsys):
     assert main(["plan", "--published", "megatron-1t", "--json", "--top", "2"]) == 0
     out = json.loads(capsys.readouterr().out)["megatron-1t"]
