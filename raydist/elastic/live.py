@@ -356,7 +356,7 @@ class TorchftReplicas(Replicas):
         self.on_events = lambda events: None  # fit's: goodput and the event log
         self.on_quorum = lambda begins, changed: None  # fit's: the derived timeouts
         self.healed_at: int | None = None  # the step a peer's live state brought this replica to
-        self.pg, self._heals = pg, 0
+        self.pg, self._heals, self._quorum_id = pg, 0, None
         self.manager = Manager(pg=pg, load_state_dict=self._load_state, state_dict=self._state,
                                min_replica_size=1, use_async_quorum=False, init_sync=False,
                                timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
@@ -423,7 +423,14 @@ class TorchftReplicas(Replicas):
             events = self.membership.update(members, time.time())
             if events:  # after the rank: the leader of this quorum writes them
                 self.on_events(events)
-            self.on_quorum(False, bool(events) or self._heals != heals)
+            # changed: torchft built a new group (a new quorum id: members came or went, a first-seen or a
+            # same-index replacement too, which make no membership event), this replica sent or received the
+            # live state
+            quorum_id = getattr(quorum, "quorum_id", None)
+            changed = (quorum_id != self._quorum_id or bool(getattr(quorum, "recover_dst_replica_ranks", None))
+                       or self._heals != heals)
+            self._quorum_id = quorum_id
+            self.on_quorum(False, changed)
         return self._rank, max(self.manager.num_participants(), 1)
 
     def timeout_targets(self) -> list[Any]:
@@ -431,17 +438,19 @@ class TorchftReplicas(Replicas):
 
     def set_collective_timeout(self, seconds: float) -> None:
         """The all-reduce between replicas times out after `seconds` from now on. torchft's wrapper reads its
-        timeout when it creates the inner group (each new quorum) and, for NCCL, around every operation; the
-        live inner group (a torch ProcessGroup with a gloo or NCCL backend) takes it through the backend's
-        `_set_default_timeout`, as torch's `_set_pg_timeout` does. No hang monitor watches this group, so
-        the timeout is the limit itself, not a later backstop."""
+        timeout when it creates the inner group (each new quorum) and, for NCCL, around every operation (it
+        aborts the communicator at that deadline and reports the error: the step is redone). The live inner
+        group of gloo takes it through the backend's `_set_default_timeout`, as torch's `_set_pg_timeout`
+        does. NCCL's own backend is left at the timeout torchft gave it: torchft clears each operation's
+        timeout so that its abort, not NCCL's watchdog (which ends the process), handles a stuck all-reduce.
+        No hang monitor watches this group, so the timeout is the limit itself, not a later backstop."""
         from raydist.elastic.hang.timeouts import set_backend_timeouts
 
         timeout = timedelta(seconds=seconds)
         self.pg.set_timeout(timeout)
         inner = getattr(self.pg, "_pg", None)
         if inner is not None:
-            set_backend_timeouts(inner, timeout)
+            set_backend_timeouts(inner, timeout, only=("gloo",))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         from torch.distributed import ReduceOp

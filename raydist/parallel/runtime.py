@@ -275,31 +275,42 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout_s: float = 300.0, t
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
-    failed: dict[int, str] = {}
-    errors = []
+    failed: dict[int, str] = {}  # rank -> its traceback
+    problems: list[str] = []  # a rank that exited without a result, or none came in time
     deadline, failed_at = time.monotonic() + timeout_s + 30, 0.0
-    while len(outputs) + len(failed) < world_size and not errors:
-        try:
-            rank, ok, value = results.get(timeout=0.5)
-        except queue.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and r not in outputs and r not in failed]
-            if dead:
-                errors.append("; ".join(f"rank {r} exited with status {code} without a result" for r, code in dead))
-            elif time.monotonic() > deadline:
-                errors.append(f"no result from {world_size - len(outputs)} rank(s) within {timeout_s + 30:.0f}s (hang?)")
-            elif failed:  # the other ranks' errors, for a while: the first to arrive is often a consequence
-                if time.monotonic() > failed_at + FAILURE_GRACE_S or all(
-                        p.exitcode is not None for r, p in enumerate(procs) if r not in outputs and r not in failed):
-                    break
-            continue
+
+    def take(rank: int, ok: bool, value) -> None:
+        nonlocal failed_at
         if ok:
             outputs[rank] = pickle.loads(value)  # from our own child process
-        else:
-            if not failed:
-                failed_at = time.monotonic()
-            failed[rank] = value
-    errors = [f"rank {r} failed:\n{failed[r]}" for r in sorted(failed, key=lambda r: (_consequence(failed[r]), r))] + errors
+            return
+        if not failed:
+            failed_at = time.monotonic()
+        failed[rank] = value
+
+    while len(outputs) + len(failed) < world_size and not problems:
+        try:
+            take(*results.get(timeout=0.5))
+            continue
+        except queue.Empty:
+            pass
+        pending = [r for r in range(world_size) if r not in outputs and r not in failed]
+        dead = [(r, procs[r].exitcode) for r in pending if procs[r].exitcode not in (None, 0)]
+        if dead:
+            problems.append("; ".join(f"rank {r} exited with status {code} without a result" for r, code in dead))
+        elif time.monotonic() > deadline:
+            problems.append(f"no result from {len(pending)} rank(s) within {timeout_s + 30:.0f}s (hang?)")
+        elif failed and (time.monotonic() > failed_at + FAILURE_GRACE_S
+                         or all(procs[r].exitcode is not None for r in pending)):
+            break  # the other ranks' errors were waited for a while: the first to arrive is often a consequence
+    while failed or problems:  # what arrived meanwhile
+        try:
+            take(*results.get_nowait())
+        except queue.Empty:
+            break
+    causes = [r for r in sorted(failed) if not _consequence(failed[r])]
+    errors = ([f"rank {r} failed:\n{failed[r]}" for r in causes] + problems
+              + [f"rank {r} failed:\n{failed[r]}" for r in sorted(failed) if r not in causes])
     if errors:
         for p in procs:
             if p.is_alive():

@@ -115,13 +115,13 @@ def _fwd_bwd_timer(model_cfg: dict, seq_len: int, policy: str, kernels: dict | N
 
 def _tp_fwd_bwd_timer(model_cfg: dict, seq_len: int, kernels: dict | None = None):
     """As _fwd_bwd_timer, the model split over every rank of the world by raydist's tensor parallelism (no
-    sequence parallelism): all ranks call it together, on the same tokens. None where the model's heads do
-    not split over the world."""
+    sequence parallelism): all ranks call it together, on the same tokens. None where the runtime would not
+    split the model over the world (raydist.parallel.layout.validate)."""
     from raydist.config import ModelConfig
+    from raydist.parallel.layout import Layout, validate
 
-    tp, heads = dist.get_world_size(), ModelConfig(**model_cfg)
-    if heads.num_heads % tp or heads.num_kv_heads % tp:
-        return None
+    if validate(Layout.of(tp=dist.get_world_size(), micro_batch=1), ModelConfig(**model_cfg), seq_len):
+        return None  # the runtime would refuse this split (heads, hidden sizes or vocabulary not divisible)
     cfg, model, loss = _model_and_loss(model_cfg, seq_len, kernels, split=True)
     generator = torch.Generator().manual_seed(0)  # the same tokens on every rank, as a TP group gets
 

@@ -147,7 +147,8 @@ def calibrate_from_run(run_dir: str) -> tuple[dict, float]:
     record = calibrate(max(2, world), config=cfg, save=True)
     comparison = compare_run(run_dir, "cpu", run=run)
     t = comparison.estimate.time
-    compute = t["compute"] + t["recompute"]
+    # what scales with the compute rate: the tp term too where it is the measured split ratio's
+    compute = t["compute"] + t["recompute"] + t.get("tp_measured", 0.0)
     rest = t["total"] - compute
     if measured["step_time_s"] <= rest:
         raise ConfigError(f"{run_dir}: its measured step ({measured['step_time_s'] * 1e3:.4g} ms) is shorter than "

@@ -176,7 +176,7 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
         recompute_mb = max(recompute_mb, hw.recompute_factors[policy] * compute_mb)
 
     # ---- tensor parallel ------------------------------------------------------------------------------------
-    tp_mb = 0.0
+    tp_mb = tp_measured_mb = 0.0  # (the measured part scales with the compute rate: from_run's fit)
     if tp > 1:
         link = hw.link(crosses_nodes(tp, 1, hw))
         act = a * tokens * h
@@ -187,7 +187,9 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
                         + (n - t) * per_block_fwd) + 2 * one  # + embedding / head
         measured = (hw.tp_factors or {}).get(str(tp))
         if measured:  # on CPU (--calibrate): what tp ranks together took over one rank's unsplit model
-            tp_mb = max(tp_mb, measured * compute_terms(1)[0] - compute_mb)
+            over = measured * compute_terms(1)[0] - compute_mb
+            if over > tp_mb:
+                tp_mb = tp_measured_mb = over
 
     # ---- context parallel ----------------------------------------------------------------------------------
     cp_mb = 0.0
@@ -267,7 +269,7 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     model_flops = training_flops_per_token(w) * w.tokens_per_step / lay.world_size
     return {
         "compute": compute_mb * m, "recompute": recompute_mb * m, "bubble": bubble_s,
-        "tp_comm": tp_mb * m, "cp_comm": cp_mb * m, "ep_comm": ep_mb * m, "pp_comm": pp_mb * m,
+        "tp_comm": tp_mb * m, "tp_measured": tp_measured_mb * m, "cp_comm": cp_mb * m, "ep_comm": ep_mb * m, "pp_comm": pp_mb * m,
         "dp_comm": dp_s, "dp_comm_exposed": dp_exposed, "optimizer": optimizer_s,
         "bubble_fraction": bubble, "total": total, "model_flops": model_flops,
     }

@@ -30,11 +30,13 @@ HEARTBEAT_TIMEOUT_S = 2.0
 
 
 class _Recorder:
+    """The session: the limits it is given, in order with the quorums and steps (`events`)."""
+
     def __init__(self):
-        self.limits = []
+        self.events: list[tuple] = []
 
     def step_limits(self, limits):
-        self.limits.append(None if limits is None else limits.collective_s)
+        self.events.append(("limits", None if limits is None else limits.collective_s))
 
 
 def _replica(replica: int, lighthouse: str, raw: dict, stop_file: str, out) -> None:
@@ -58,7 +60,11 @@ def _replica(replica: int, lighthouse: str, raw: dict, stop_file: str, out) -> N
     session = _Recorder()
     timeouts = StepTimeouts(session, replicas.timeout_targets, factor=FACTOR, floor_s=FLOOR_S, ceiling_s=CEILING_S,
                             warmup_steps=2, start_step=0)
-    replicas.on_quorum = timeouts.quorum  # as fit attaches it
+    def on_quorum(begins: bool, changed: bool) -> None:  # as fit attaches timeouts.quorum, recorded
+        session.events.append(("quorum", begins, changed))
+        timeouts.quorum(begins, changed)
+
+    replicas.on_quorum = on_quorum
     if replica == 1:
         all_reduce = replicas.all_reduce_sum
 
@@ -77,12 +83,15 @@ def _replica(replica: int, lighthouse: str, raw: dict, stop_file: str, out) -> N
         stats = trainer.train_step()
         steps.append({"step": trainer.step, "ended": time.time(), "replicas": stats.replicas,
                       "pg_timeout_s": replicas.pg._timeout.total_seconds()})
+        session.events.append(("step_done", trainer.step))
         timeouts.step_done(trainer.step)
         if trainer.step % 2 == 0:  # a logged step: with one worker per replica, its own longest step
             timeouts.update(trainer.step, [timeouts.take()])
-    out.put({"replica": replica, "steps": steps, "retried": trainer.retried_steps, "limits": session.limits,
+    gloo = replicas.pg._pg._get_backend(torch.device("cpu"))  # the group torchft built for the last quorum
+    out.put({"replica": replica, "steps": steps, "retried": trainer.retried_steps, "events": session.events,
              "derived": timeouts.derived.collective_s if timeouts.derived else None,
-             "applied": timeouts.applied.collective_s if timeouts.applied else None})
+             "applied": timeouts.applied.collective_s if timeouts.applied else None,
+             "gloo_timeout_s": gloo.options._timeout.total_seconds()})
     replicas.shutdown()
     trainer.close()
     dist.destroy_process_group()
@@ -124,12 +133,22 @@ def test_a_replica_stopped_mid_step_costs_the_others_the_derived_limit_not_the_c
     assert {by_step[s]["replicas"] for s in range(1, STOP_AT + 1)} == {2}  # both replicas until the stop
     assert {by_step[s]["replicas"] for s in range(STOP_AT + 1, STEPS + 1)} == {1}  # then replica 0 alone
     assert result["retried"] == 1  # the step whose all-reduce timed out, redone without replica 1
-    derived = result["derived"]
-    assert derived is not None and FLOOR_S <= derived < CEILING_S / 4, result["limits"]
+    derived, events = result["derived"], result["events"]
+    assert derived is not None and FLOOR_S <= derived < CEILING_S / 4, events
     pause = by_step[STOP_AT + 1]["ended"] - stopped_at
     print(f"\nderived limit {derived:.2f}s; replica 0 finished the interrupted step {pause:.2f}s after the stop")
     assert pause < derived + 2 * HEARTBEAT_TIMEOUT_S + patience(8), (pause, derived)  # not the 60 s ceiling
-    # the changed quorum's step ran under the fixed limits, and the derived ones came back on the new group
-    assert None in result["limits"][result["limits"].index(derived):]
+    # Each quorum ran under the fixed limits. The one without replica 1 (in the redone step) changed: the rest
+    # of that step kept them, and the derived ones came back at its end, on the group torchft rebuilt too.
+    first = events.index(("limits", derived))
+    changed = [i for i, e in enumerate(events) if e[0] == "quorum" and not e[1] and e[2] and i > first]
+    assert len(changed) == 1, events[first:]
+    done = events.index(("step_done", STOP_AT + 1), changed[0])
+    in_force = [e[1] for e in events[:done] if e[0] == "limits"][-1]
+    assert in_force is None and ("limits", derived) not in events[changed[0]:done], events[first:]
+    assert [e for e in events[done:] if e[0] == "limits"][0] == ("limits", derived)
+    for i, e in enumerate(events[first:], first):  # every other quorum: fixed limits inside, derived after
+        if e[0] == "quorum" and e[1]:
+            assert events[i + 1] == ("limits", None), events[i:i + 3]
     assert result["applied"] == derived
-    assert by_step[STEPS]["pg_timeout_s"] == derived
+    assert by_step[STEPS]["pg_timeout_s"] == derived and result["gloo_timeout_s"] == derived

@@ -104,6 +104,22 @@ def test_calibrating_from_a_run_fits_the_compute_rate_to_its_step(run_dir, cache
     assert "fitted to" in c.hardware.source
 
 
+def test_calibrating_from_a_tensor_parallel_run_fits_its_step_too(tiny_data, tmp_path, cache):
+    """A TP 2 run: its step is mostly the split model's measured ratio (--calibrate's tp_factors), which scales
+    with the compute rate the fit scales; counted as fixed, the fit priced such a run 44% off."""
+    root = str(tmp_path / "tp2")
+    raw = tiny_config(tiny_data, train={"steps": STEPS, "log_every": 2}, parallel={"tp": 2}, ray={"num_workers": 2})
+    run_fit(raw, 2, root)
+    with open(os.path.join(root, "config.toml"), "w") as f:
+        f.write(Config.from_dict(raw).to_toml())
+    record, _ = calibrate_from_run(root)
+    [workload] = record["workloads"].values()
+    assert workload["tp_factors"]["2"] > 0.5
+    c = compare_run(root)
+    assert c.estimate.layout.degrees()["tp"] == 2 and c.estimate.time["tp_measured"] > 0
+    assert c.errors()["step_time_s"] == pytest.approx(0.0, abs=0.01)
+
+
 def test_calibrating_from_a_gpu_run_is_refused(run_dir, tmp_path, cache):
     import shutil
 

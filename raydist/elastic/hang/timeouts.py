@@ -36,8 +36,14 @@ too (`TorchftReplicas.set_collective_timeout`), so a replica stopped mid-step co
 before torchft drops it from the next quorum (its heartbeat stops), not the fixed ceiling. Each step begins with
 torchft's quorum, which waits for a joining replica and sends or receives the live state as long as torchft's
 own timeouts allow: it runs under the fixed limits (`StepTimeouts.quorum`), and so does the rest of a step whose
-quorum changed (the first all-reduce of a new quorum may wait for a replica still loading); that step is not
-measured.
+quorum changed (a new quorum id, or live state sent or received: the first all-reduce of a new quorum may
+wait for a replica still loading) or whose quorum took longer than `collective_s` (it waited for a replica
+still saving or evaluating, while the step watchdog's clock ran); such a step is not measured. torchft's own
+NCCL backend keeps its timeout: torchft aborts a stuck all-reduce itself, before NCCL's watchdog would end the
+process. Under DiLoCo (raydist.elastic.diloco) the
+all-reduce between replicas comes once a window, up to `sync_every` steps after the quorum that may have
+brought a replica still warming up, and the window's inner steps are what gets measured: it keeps the fixed
+limit (`WindowedReplicas.timeout_targets` is empty); the training groups are tightened as in every run.
 
 Who enforces `collective_s`, per backend (`set_collective_timeout`):
 - gloo: the group itself. torch changes a live group's timeout through the backend's `_set_default_timeout`
@@ -122,11 +128,11 @@ def set_collective_timeout(group: Any, timeout_s: float, interval_s: float) -> b
     return True
 
 
-def set_backend_timeouts(group: Any, timeout: datetime.timedelta) -> None:
-    """Every gloo or NCCL backend of the torch ProcessGroup `group` times out operations issued from now on
-    after `timeout` (others are left as they are)."""
-    for _, backend in _torch_backends(group):
-        if backend is not None:
+def set_backend_timeouts(group: Any, timeout: datetime.timedelta, only: tuple[str, ...] = ("gloo", "nccl")) -> None:
+    """Every backend of the torch ProcessGroup `group` named in `only` (gloo, nccl) times out operations issued
+    from now on after `timeout` (others are left as they are)."""
+    for name, backend in _torch_backends(group):
+        if backend is not None and name in only:
             backend._set_default_timeout(timeout)
 
 
@@ -195,6 +201,7 @@ class StepTimeouts:
         self._longest = 0.0  # this rank's longest measured step since the last logged step
         self._last: float | None = None  # when the last step ended (None: the next one is not measured)
         self._relaxed = False
+        self._quorum_began = 0.0  # when the last quorum began (live recovery: `quorum`)
 
     @property
     def enabled(self) -> bool:
@@ -219,8 +226,13 @@ class StepTimeouts:
         if not self.enabled:
             return
         if begins:
+            self._quorum_began = self.clock()
             self._apply(None)
-        elif changed:
+            return
+        # A quorum that took longer than the derived limit (it waited for a replica still saving or
+        # evaluating) counts as changed: the step watchdog's clock started before it, at the step's heartbeat
+        long = self.derived is not None and self.clock() - self._quorum_began > self.derived.collective_s
+        if changed or long:
             self._last = None
             self._relaxed = True
         elif not self._relaxed:
