@@ -157,6 +157,8 @@ class RunLogger:
         if self.writer is not None and self.gate():
             self.writer.write(rec)
         self.last = rec
+        if "loss" in rec:  # (checkpointed: an attempt that resumes at the last step reports it too)
+            self.trainer.notes["last_loss"] = rec["loss"]
         return rec
 
 
@@ -346,7 +348,10 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
     wall = time.perf_counter() - wall_start
     trainer.close()
     summary = {
-        "status": "completed", "steps": trainer.step, "final_loss": logger.last.get("loss"),
+        # (an attempt that resumed at the last step, its predecessor having died after saving it: the loss
+        # the checkpoint's notes hold)
+        "status": "completed", "steps": trainer.step,
+        "final_loss": logger.last.get("loss") if logger.last else trainer.notes.get("last_loss"),
         "first_val_loss": trainer.notes.get("first_val_loss"),
         "final_val_loss": last_val, "tokens": trainer.step * logger.tokens_per_step,
         "train_wall_s": round(wall, 3),
