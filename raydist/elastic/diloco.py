@@ -213,6 +213,11 @@ class ReplicaOptimizers:
                 local_shard(value).copy_(local_shard(slot[f"{name}.{key}"]))
 
 
+def _inner_attribute(name: str) -> property:
+    """An attribute of the wrapper that reads and writes the inner replica manager's."""
+    return property(lambda self: getattr(self.inner, name), lambda self, value: setattr(self.inner, name, value))
+
+
 class WindowedReplicas(Replicas):
     """A replica manager (`inner`, raydist.elastic.live.TorchftReplicas) whose replicas synchronise every
     `elastic.sync_every` steps (module doc). The Trainer steps with it as with any replica manager; its
@@ -304,25 +309,12 @@ class WindowedReplicas(Replicas):
     def add_state(self, name: str, part: Any) -> None:
         self.inner.add_state(name, part)
 
-    @property
-    def on_events(self):
-        return self.inner.on_events
-
-    @on_events.setter
-    def on_events(self, fn) -> None:
-        self.inner.on_events = fn
+    on_events = _inner_attribute("on_events")  # (fit sets these callbacks on the manager that calls them)
+    on_quorum = _inner_attribute("on_quorum")
 
     @property
     def healed_at(self) -> int | None:
         return getattr(self.inner, "healed_at", None)
-
-    @property
-    def on_quorum(self):
-        return self.inner.on_quorum
-
-    @on_quorum.setter
-    def on_quorum(self, fn) -> None:
-        self.inner.on_quorum = fn
 
     def timeout_targets(self) -> list[Any]:
         """None: the all-reduce between replicas comes once a window, after up to `every` inner steps of a

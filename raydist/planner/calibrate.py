@@ -94,6 +94,24 @@ def _model_and_loss(model_cfg: dict, seq_len: int, kernels: dict | None, split: 
     return cfg, model, loss
 
 
+def _timer(cfg, seq_len: int, model, loss, together: bool = False):
+    """run(micro_batch) -> seconds of one forward + backward of `model` on fresh tokens (one seed: the same
+    tokens on every rank, as a TP group gets them); `together`: every rank starts it at once (the ranks of a
+    split model wait for each other)."""
+    generator = torch.Generator().manual_seed(0)
+
+    def run(micro_batch: int) -> float:
+        tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=generator)
+        if together:
+            dist.barrier()  # not the wait for a rank still in its previous (unsplit) run
+        start = time.perf_counter()
+        loss(tokens).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    return run
+
+
 def _fwd_bwd_timer(model_cfg: dict, seq_len: int, policy: str, kernels: dict | None = None):
     """A function that runs one forward + backward of the workload's model on `micro_batch` samples and
     returns its seconds."""
@@ -101,16 +119,7 @@ def _fwd_bwd_timer(model_cfg: dict, seq_len: int, policy: str, kernels: dict | N
 
     cfg, model, loss = _model_and_loss(model_cfg, seq_len, kernels)
     apply_activation_checkpointing(model, policy)
-    generator = torch.Generator().manual_seed(0)
-
-    def run(micro_batch: int) -> float:
-        tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=generator)
-        start = time.perf_counter()
-        loss(tokens).backward()
-        model.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
-
-    return run
+    return _timer(cfg, seq_len, model, loss)
 
 
 def _tp_fwd_bwd_timer(model_cfg: dict, seq_len: int, kernels: dict | None = None):
@@ -123,17 +132,7 @@ def _tp_fwd_bwd_timer(model_cfg: dict, seq_len: int, kernels: dict | None = None
     if validate(Layout.of(tp=dist.get_world_size(), micro_batch=1), ModelConfig(**model_cfg), seq_len):
         return None  # the runtime would refuse this split (heads, hidden sizes or vocabulary not divisible)
     cfg, model, loss = _model_and_loss(model_cfg, seq_len, kernels, split=True)
-    generator = torch.Generator().manual_seed(0)  # the same tokens on every rank, as a TP group gets
-
-    def run(micro_batch: int) -> float:
-        tokens = torch.randint(0, cfg.vocab_size, (micro_batch, seq_len + 1), generator=generator)
-        dist.barrier()  # not the wait for a rank still in its previous (unsplit) run
-        start = time.perf_counter()
-        loss(tokens).backward()
-        model.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
-
-    return run
+    return _timer(cfg, seq_len, model, loss, together=True)
 
 
 def _calibrate_workload(spec: dict, reps: int = 5) -> dict:

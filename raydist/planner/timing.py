@@ -269,7 +269,8 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     model_flops = training_flops_per_token(w) * w.tokens_per_step / lay.world_size
     return {
         "compute": compute_mb * m, "recompute": recompute_mb * m, "bubble": bubble_s,
-        "tp_comm": tp_mb * m, "tp_measured": tp_measured_mb * m, "cp_comm": cp_mb * m, "ep_comm": ep_mb * m, "pp_comm": pp_mb * m,
+        "tp_comm": tp_mb * m, "tp_measured": tp_measured_mb * m, "cp_comm": cp_mb * m, "ep_comm": ep_mb * m,
+        "pp_comm": pp_mb * m,
         "dp_comm": dp_s, "dp_comm_exposed": dp_exposed, "optimizer": optimizer_s,
         "bubble_fraction": bubble, "total": total, "model_flops": model_flops,
     }
