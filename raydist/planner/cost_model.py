@@ -106,12 +106,14 @@ def layout_problems(w: Workload, lay: Layout) -> list[str]:
     return problems
 
 
-def estimate(w: Workload, lay: Layout, hw: Hardware, memory: dict[str, float] | None = None) -> Estimate:
+def estimate(w: Workload, lay: Layout, hw: Hardware, memory: dict[str, float] | None = None,
+             per_op_recompute: float | None = None) -> Estimate:
     """memory: `rank_memory`'s bytes for `lay` when the caller has them (the search prices memory first and
-    times only the layouts that fit)."""
+    times only the layouts that fit). per_op_recompute: a published run's own recompute policy
+    (`timing.step_time`)."""
     mb = num_microbatches(w, lay)
     memory = rank_memory(w, lay, mb) if memory is None else memory
-    time = step_time(w, lay, hw, mb)
+    time = step_time(w, lay, hw, mb, per_op_recompute)
     mfu = time["model_flops"] / (time["total"] * hw.peak_flops) if time["total"] > 0 else 0.0
     fits = memory["total"] <= hw.usable_memory_bytes
     return Estimate(lay, mb, memory, time, mfu, fits, hw.usable_memory_bytes)

@@ -22,6 +22,9 @@ Measured, for the H100 (and the H200: the same chip's compute), by the GPU check
   (timing.py); without them the planner put the suite's 8B-shaped stack at 63% MFU against 43.6% measured.
 The A100 row keeps the earlier assumption (not measured: 0.75 of its peak for every FLOP, no elementwise
 term).
+- beta inside a Hopper node is what NCCL's ring all-gather and reduce-scatter reach over NVLink 4 on 8 GPUs,
+  360 GB/s of bus bandwidth ("exactly what we'd expect on H100", NCCL's maintainer, NVIDIA/nccl-tests issue
+  326), not the links' 450 GB/s. The A100 row keeps its datasheet link.
 - alpha is an order-of-magnitude guess: 1 us for NVLink and 10 us across nodes (a network hop and the NIC add
   to it); NCCL's real small-message latency is higher, which matters only for layouts with many tiny
   collectives.
@@ -102,16 +105,20 @@ class Hardware:
         return asdict(self)
 
 
-# Datasheet rows. H100/H200 SXM: NVLink 4 (18 links x 25 GB/s = 450 GB/s per direction), one 400 Gb/s
-# NDR port per GPU. A100 80GB SXM (Megatron's Selene): NVLink 3 (300 GB/s per direction), one 200 Gb/s
+# Datasheet rows. H100/H200 SXM: NVLink 4 (18 links x 25 GB/s = 450 GB/s per direction, of which NCCL's
+# collectives reach 360, the module docstring says), one 400 Gb/s NDR port per GPU. A100 80GB SXM (Megatron's Selene): NVLink 3 (300 GB/s per direction), one 200 Gb/s
 # HDR port per GPU.
+HOPPER_NCCL_NVLINK = 360 * GB
 HOPPER_MEASURED = dict(compute_efficiency=0.70, attention_efficiency=((2048, 0.70), (4096, 0.81), (8192, 0.89)),
                        elementwise=True, source="measured (GPU check suite, one H100, 2026-11-27)")
 # The H100 of Meta's Grand Teton hosts, which torchtitan's published H100 benchmarks ran on: 96 GB of HBM2e at
 # 2.4 TB/s, run at a 500 W power limit (torchtitan docs/performance.md). Its sustained peak "is between SXM and
-# NVL" (ibid.): the SXM's 989 TFLOP/s and the NVL's 835, taken at the midpoint (912, 0.922 of the SXM's), which
-# scales the measured efficiencies; MFU keeps the SXM's 989 as its denominator, as torchtitan's figures do.
-POWER_CAPPED_H100 = (989 + 835) / 2 / 989
+# NVL" (ibid.). Where between: a chip's dynamic power goes as f V^2 and its voltage with its clock, so at a
+# power limit the clock scales about as the cube root of the power; that puts the 400 W H100 NVL at 0.83 of
+# the 700 W SXM (its datasheet: 835 of 989 TFLOP/s, 0.844) and the 500 W Grand Teton part at
+# (500/700)^(1/3) = 0.894, which scales the measured efficiencies; MFU keeps the SXM's 989 as its
+# denominator, as torchtitan's figures do.
+POWER_CAPPED_H100 = (500 / 700) ** (1 / 3)
 
 
 def _power_capped(measured: dict, factor: float) -> dict:
@@ -121,12 +128,13 @@ def _power_capped(measured: dict, factor: float) -> dict:
 
 
 DEVICES: dict[str, Hardware] = {
-    "h100": Hardware("h100", 989e12, 80 * GB, 3.35e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB),
+    "h100": Hardware("h100", 989e12, 80 * GB, 3.35e12, Link(1e-6, HOPPER_NCCL_NVLINK), Link(10e-6, 50 * GB),
                      **HOPPER_MEASURED),
-    "h200": Hardware("h200", 989e12, 141 * GB, 4.8e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB),
+    "h200": Hardware("h200", 989e12, 141 * GB, 4.8e12, Link(1e-6, HOPPER_NCCL_NVLINK), Link(10e-6, 50 * GB),
                      **HOPPER_MEASURED),
     "a100": Hardware("a100", 312e12, 80 * GB, 2.0e12, Link(1e-6, 300 * GB), Link(10e-6, 25 * GB)),
-    "h100-hbm2e": Hardware("h100-hbm2e", 989e12, 96 * GB, 2.4e12, Link(1e-6, 450 * GB), Link(10e-6, 50 * GB),
+    "h100-hbm2e": Hardware("h100-hbm2e", 989e12, 96 * GB, 2.4e12, Link(1e-6, HOPPER_NCCL_NVLINK),
+                           Link(10e-6, 50 * GB),
                            **_power_capped(HOPPER_MEASURED, POWER_CAPPED_H100)),
 }
 DEVICE_NAMES = (*DEVICES, "cpu")

@@ -11,9 +11,10 @@ raydist.models.gpt.flops_per_token, the same count torchtitan's `get_num_flop_pe
 per GPU over the device's dense bf16 peak. Rows that publish tokens/s are converted with that count; rows
 that publish MFU are taken as published.
 
-What a row cannot say, it says in `notes`: torchtitan's "selective" checkpointing is per-op (it saves the
-outputs of every other matmul and recomputes the rest), not raydist's selective policy (elementwise ops
-only); the Llama 3 paper gives neither its recompute policy nor its chunks per rank, so those rows take the
+What a row's layout cannot say, the row says: torchtitan's "selective" checkpointing is per-op (it saves the
+outputs of every other matmul and recomputes the rest and every elementwise op), not raydist's selective
+policy (elementwise ops only), so those rows set `op_sac` and are priced with torchtitan's policy
+(`torchtitan_op_sac_share`); the Llama 3 paper gives neither its recompute policy nor its chunks per rank, so those rows take the
 best of the open choices, as `published.published_options` does.
 
 Sources:
@@ -46,14 +47,7 @@ from raydist.planner.published import LLAMA3_405B, MEGATRON_1T
 MEDIAN_BOUND, BOUND = 0.15, 0.30  # the median |error| over the table, and every row's (but KNOWN_MISSES')
 # Rows the cost model misses by more than BOUND today, each with the |error| it may not exceed and why it
 # misses; a row here that comes within BOUND fails the check too (take it out: the list stays what is true).
-KNOWN_MISSES = {
-    "tt-llama3.1-8b-8xh100": (0.65, "torchtitan's eager 8B reaches 33.7% MFU where the model prices 54% from kernel "
-                                    "rates measured on one 700 W H100 SXM (scaled for the 500 W limit); its per-op "
-                                    "recompute is not priced, and the same model already prices raydist's own "
-                                    "8B-shaped stack at 50.1% against the 43.6% measured (GPU suite, 2026-11-27)"),
-    "tt-llama3.1-8b-128xh100": (0.70, "as the 8-GPU run"),
-    "tt-llama3.1-405b-128xh100": (0.45, "as the 8B runs, with full recompute and TP 8"),
-}
+KNOWN_MISSES: dict[str, tuple[float, str]] = {}  # key -> (its bound, why it misses); none today
 
 
 @dataclass(frozen=True)
@@ -70,6 +64,7 @@ class PublishedRun:
     gpus_per_node: int = 8
     variants: dict = field(default_factory=dict)  # Layout field -> values the source leaves open
     notes: str = ""
+    op_sac: bool = False  # torchtitan's per-op selective recompute (priced as itself, not as the layout's)
 
     def hardware(self) -> Hardware:
         return get_hardware(self.device, self.world_size, self.gpus_per_node)
@@ -115,8 +110,22 @@ def _w(model: ModelConfig, seq: int, batch: int, name: str) -> Workload:
     return Workload(model, seq_len=seq, global_batch=batch, compute_dtype_bytes=2, name=name)
 
 
-TT_SELECTIVE = ("torchtitan's selective AC is per-op (every other matmul's output saved, the rest recomputed); "
-                "priced as raydist's selective (elementwise only)")
+TT_SELECTIVE = ("torchtitan's selective AC is per-op: it saves the outputs of the matmuls, attention and the "
+                "reduce-scatters but recomputes every second matmul of each block and every elementwise op; "
+                "priced as that (torchtitan_op_sac_share), its memory as raydist's selective")
+
+
+def torchtitan_op_sac_share(m: ModelConfig) -> float:
+    """The share of a block's forward matmul FLOPs that torchtitan's per-op selective recompute re-runs.
+
+    Its policy (torchtitan/models/llama/parallelize_llama.py, `_apply_ac_to_transformer_block`, Dec. 2024)
+    counts the block's `aten.mm` calls in forward and saves every one but the 2nd, 4th, 6th...: in the call
+    order wq, wk, wv, wo, w1, w3, w2 (`w2(silu(w1(x)) * w3(x))`), that recomputes wk, wo and w3: 0.365 of
+    the matmul FLOPs at Llama 3 8B's shape."""
+    q, kv = m.num_heads * m.head_size, m.num_kv_heads * m.head_size
+    d, f = m.d_model, m.ffn_hidden
+    calls = (d * q, d * kv, d * kv, q * d, d * f, d * f, f * d)
+    return sum(calls[1::2]) / sum(calls)
 LLAMA3_OPEN = {"activation_checkpoint": ("none", "selective", "full", "every_k"), "virtual_stages": (2, 4)}
 LLAMA3_NOTE = ("the paper's FSDP keeps parameters gathered after forward (fsdp_reshard_after_forward off); its "
                "recompute policy and chunks per rank are not given: the best fitting of them is priced")
@@ -125,11 +134,11 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("tt-llama3.1-8b-8xh100", "Llama 3.1 8B, 8 H100, FSDP 8, local batch 2", "torchtitan-h100",
                  _w(LLAMA3_8B, 8192, 16, "llama3.1-8b"),
                  _mesh(dp_shard=8, micro_batch=2, activation_checkpoint="selective"), "h100-hbm2e", 8,
-                 tokens_per_s_per_gpu=5762, notes=TT_SELECTIVE),
+                 tokens_per_s_per_gpu=5762, notes=TT_SELECTIVE, op_sac=True),
     PublishedRun("tt-llama3.1-8b-128xh100", "Llama 3.1 8B, 128 H100, FSDP 128, local batch 2", "torchtitan-h100",
                  _w(LLAMA3_8B, 8192, 256, "llama3.1-8b"),
                  _mesh(dp_shard=128, micro_batch=2, activation_checkpoint="selective"), "h100-hbm2e", 128,
-                 tokens_per_s_per_gpu=5605, notes=TT_SELECTIVE),
+                 tokens_per_s_per_gpu=5605, notes=TT_SELECTIVE, op_sac=True),
     PublishedRun("tt-llama3.1-405b-128xh100", "Llama 3.1 405B, 128 H100, FSDP 16 x TP 8, local batch 2, full AC",
                  "torchtitan-405b", _w(LLAMA3_405B_MODEL, 8192, 32, "llama3.1-405b"),
                  _mesh(dp_shard=16, tp=8, sequence_parallel=True, micro_batch=2, activation_checkpoint="full"),
@@ -137,7 +146,7 @@ RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("tt-llama3-8b-64xa100", "Llama 3 8B, 64 A100, FSDP 64, local batch 1, selective op AC",
                  "torchtitan-a100", _w(LLAMA3_8B, 8192, 64, "llama3-8b"),
                  _mesh(dp_shard=64, micro_batch=1, activation_checkpoint="selective"), "a100", 64,
-                 tokens_per_s_per_gpu=2973, notes=TT_SELECTIVE),
+                 tokens_per_s_per_gpu=2973, notes=TT_SELECTIVE, op_sac=True),
     PublishedRun("tt-llama3-70b-64xa100", "Llama 3 70B, 64 A100, FSDP 64, local batch 1, full AC",
                  "torchtitan-a100", _w(LLAMA3_70B, 8192, 64, "llama3-70b"),
                  _mesh(dp_shard=64, micro_batch=1, activation_checkpoint="full"), "a100", 64,
@@ -206,8 +215,9 @@ def predict(run: PublishedRun) -> Prediction:
     """The cost model's estimate of the run's own layout; with open choices, the fastest that fits (else the
     fastest)."""
     hw = run.hardware()
-    options = [estimate(run.workload, complete(run.workload, lay), hw) for lay in variant_layouts(run)
-               if not layout_problems(run.workload, lay)]
+    per_op = torchtitan_op_sac_share(run.workload.model) if run.op_sac else None
+    options = [estimate(run.workload, complete(run.workload, lay), hw, per_op_recompute=per_op)
+               for lay in variant_layouts(run) if not layout_problems(run.workload, lay)]
     best = min(options, key=lambda e: (not e.fits, e.step_time_s))
     return Prediction(run, best, run.published_mfu())
 

@@ -22,7 +22,8 @@ Per step, per rank (the busiest pipeline stage), with m micro-batches of b sampl
   all-gathers the parameters in forward and again in backward (when resharding) for every micro-batch and
   reduce-scatters the gradients once (no-sync accumulation; per micro-batch in a pipeline): about 3x the
   parameter bytes (ZeRO-3's 3 Psi against DP's 2 Psi); HSDP adds an all-reduce of the shards across replicas.
-  A fraction `comm_overlap` of it hides behind compute (FSDP prefetch, DDP buckets).
+  A fraction `comm_overlap` of it hides behind compute (FSDP prefetch, DDP buckets), all but the first
+  unit's all-gather and the last unit's reduce-scatter (DDP: its last bucket), which nothing overlaps.
 - tensor parallel (Shoeybi et al. 2019, Megatron-LM; Korthikanti et al. 2022 for sequence parallelism): 2
   all-reduces of the block's activations (b s h) in forward and 2 in backward; with sequence parallelism each
   becomes an all-gather + reduce-scatter (same bytes, twice the latency); the forward's are repeated by
@@ -108,8 +109,13 @@ def bubble_fraction(lay: Layout, num_microbatches: int) -> float:
     return float(theoretical_bubble(lay.pp_schedule, lay.pp, num_microbatches, lay.virtual_stages))
 
 
-def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> dict[str, float]:
-    """Seconds per optimizer step by term; 'total' is the estimate, 'model_flops' this rank's share."""
+def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int,
+              per_op_recompute: float | None = None) -> dict[str, float]:
+    """Seconds per optimizer step by term; 'total' is the estimate, 'model_flops' this rank's share.
+
+    per_op_recompute: price a per-op recompute policy (not one raydist runs: a published run's, such as
+    torchtitan's, `torchtitan_op_sac_share`) in place of the layout's: this share of each block's forward
+    matmul FLOPs, and every forward elementwise op, re-run in backward; attention is saved."""
     m_cfg, a = w.model, w.compute_dtype_bytes
     m = num_microbatches
     tokens = lay.micro_batch * w.seq_len / lay.cp  # per micro-batch on this rank
@@ -164,13 +170,16 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     recompute_mb = 0.0
     policy = lay.activation_checkpoint
     recomputed = max(trained_layers)  # (frozen blocks outside the graph are not recomputed)
-    if policy in ("full", "every_k"):
+    if per_op_recompute is not None:
+        matmul_fwd = 2 * tokens * counts["block_matmul"] / tp / rate
+        recompute_mb = recomputed * (per_op_recompute * matmul_fwd + block_moved / 3 / bandwidth)
+    elif policy in ("full", "every_k"):
         recompute_mb = recomputed * (block_fwd + adapter_fwd + block_moved / 3 / bandwidth)
     elif policy == "selective":  # the elementwise ops full training re-runs (LoRA's frozen ones too)
         base = w.fully_trained()
         elementwise = block_activation_bytes(base, lay) - block_selective_bytes(base, lay)
         recompute_mb = recomputed * 2 * max(0.0, elementwise) / hw.memory_bandwidth_bytes_per_s
-    if policy != "none" and hw.recompute_factors and policy in hw.recompute_factors:
+    if per_op_recompute is None and policy != "none" and hw.recompute_factors and policy in hw.recompute_factors:
         # measured on this machine; never below the work the policy must redo (a noisy calibration can
         # time the recomputing model faster than the plain one)
         recompute_mb = max(recompute_mb, hw.recompute_factors[policy] * compute_mb)
@@ -235,7 +244,7 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
     trained_unsharded = trained_blocks * trained_block + trained_root
     units = layers + 1
     grad_units = max(trained_layers) + (trained_root > 0)
-    dp_s = 0.0
+    dp_s = edge_s = 0.0  # edge: what no compute can hide (the first gather, the last gradient reduction)
     kind = lay.data_parallel_kind
     if kind == "ddp":
         p = lay.dp_replicate * cp
@@ -243,6 +252,7 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
         grad = 4.0 * trained_unsharded
         buckets = max(1, math.ceil(grad / DDP_BUCKET_BYTES))
         dp_s = all_reduce_s(grad, p, link) + (buckets - 1) * link.alpha_s * _log2(p)
+        edge_s = all_reduce_s(min(grad, DDP_BUCKET_BYTES), p, link)
     elif kind in ("fsdp", "hsdp"):
         s = lay.fsdp_size
         link = hw.link(crosses_nodes(s, tp, hw))
@@ -258,11 +268,16 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int) -> 
                 rs += max(trained_layers) * (all_gather_s(4.0 * held / lay.ep, s // lay.ep, link)
                                              - all_gather_s(4.0 * held, s, link))
         dp_s = ag * fsdp_gathers_per_step(lay, m) + rs * reduce_scatters
+        edge_s = ag / units + rs / grad_units
         if lay.dp_replicate > 1:
             rlink = hw.link(crosses_nodes(lay.dp_replicate, tp * s, hw))
-            dp_s += all_reduce_s(4.0 * per_unit_grad / s, lay.dp_replicate, rlink) * grad_units * reduce_scatters
+            replicas = all_reduce_s(4.0 * per_unit_grad / s, lay.dp_replicate, rlink)
+            dp_s += replicas * grad_units * reduce_scatters
+            edge_s += replicas
     compute_all = (compute_mb + recompute_mb) * m
-    dp_exposed = dp_s - hw.comm_overlap * min(dp_s, compute_all)
+    # overlap hides the rest behind compute (FSDP's prefetch, DDP's buckets), but not the first unit's
+    # gather, before any compute, nor the last unit's reduction, after the last backward
+    dp_exposed = dp_s - hw.comm_overlap * min(max(0.0, dp_s - edge_s), compute_all)
 
     optimizer_s = OPTIMIZER_BYTES_PER_ELEMENT * trained_local / hw.memory_bandwidth_bytes_per_s
     total = pipeline_total + dp_exposed + optimizer_s
@@ -290,17 +305,44 @@ def fsdp_gathers_per_step(lay: Layout, m: int) -> int:
 
 def elementwise_bytes(w: Workload, lay: Layout, tokens: float) -> tuple[float, float]:
     """Bytes the memory-bound work of one micro-batch moves on a rank, forward and backward: (per block,
-    the head's loss). Per token and block forward, with d = d_model / tp, f = ffn_hidden / tp, a bytes of
-    the compute dtype and the residual stream in fp32: two RMSNorms (read and write 4d, cast to a: 2 (12 + a) d),
-    RoPE on q and k (4 a d (1 + kv/h)), the attention layout copies of q, k, v and the output
-    (2 a d (2 + 2 kv/h)), two residual adds (2 (8 + a) d), the SwiGLU product (5 a f); the backward moves
-    twice that. The loss: the logits cast up to fp32, log-softmax, its gradient and the cast back, 24 V +
-    2 a V per token (V / tp under tensor parallelism)."""
+    the head's loss).
+
+    raydist's blocks run their elementwise work as eager PyTorch (raydist.models.gpt, as torchtitan's Llama
+    does without torch.compile): every op is its own kernel, which reads its inputs from memory and writes
+    its output back. Per element of the op's input, with a the compute dtype's bytes and r the residual
+    stream's (fp32 under autocast; the compute dtype under FSDP's mixed-precision policy, whose bf16
+    weights make the embedding's output bf16), `up` = 4 + a for a cast to fp32 or back (0 when r is 4):
+    - RMSNorm, `x * rsqrt(mean(x^2) + eps)` in fp32 then `* weight`: the cast up, pow (8), mean (4), the
+      product (8), the cast back and the weight's product (2 r): 20 + 2 up + 2 r. Under autocast each
+      Linear that reads a norm's fp32 output casts it again (4 + a): q, k and v after the first norm,
+      gate and up after the second;
+    - RoPE on q and k (apply_rope: cast up, four products and a sum and a difference of half-width
+      views, the stack, the cast back): 36 + 2 up;
+    - two residual adds (read r and a, write r): 2 (2 r + a);
+    - SwiGLU, silu(gate) * up: 5 a per hidden element.
+    (Attention's transposes are views: SDPA reads q, k, v strided and writes its output in the layout the
+    output projection reads.) The backward's kernels move about twice the forward's bytes (each reads the
+    output's gradient and a saved input, writes the input's gradient, and sums the gradients of a tensor
+    read twice), so forward + backward is 3x. Without sequence parallelism every tensor-parallel rank
+    repeats the norms and residual adds over the whole width; with it each takes 1/tp of the tokens; the
+    heads and the hidden width are split tp ways either way.
+
+    Measured against (one H100 80GB SXM, benchmarks/results/gpu_suite_h100.json): the suite's 4-block
+    Llama-3-8B-shaped stack at T 8192 under autocast stepped in 190 ms; priced at 165 ms when the forward
+    was counted at one read and write per fused op (422 kB per token and block), at 177 ms now (823 kB).
+
+    The loss: the logits cast up to fp32, log-softmax, its gradient and the cast back, 24 V + 2 a V per
+    token (V / tp under tensor parallelism)."""
     m, a = w.model, w.compute_dtype_bytes
-    d, f = m.d_model / lay.tp, mlp_hidden(m) / lay.tp
-    kv = m.num_kv_heads / m.num_heads
-    forward = (2 * (12 + a) * d + 4 * a * d * (1 + kv) + 2 * a * d * (2 + 2 * kv) + 2 * (8 + a) * d
-               + 5 * a * f)
+    r = a if lay.fsdp_size > 1 else 4
+    up = 0 if r == 4 else 4 + a
+    cast_in = 4 + a if (r == 4 and a < 4) else 0
+    width = m.d_model / (lay.tp if lay.sequence_parallel and lay.tp > 1 else 1)  # norms, residual adds
+    qk = (m.num_heads + m.num_kv_heads) * w.head_dim / lay.tp
+    f = mlp_hidden(m) / lay.tp
+    norms = 2 * (20 + 2 * up + 2 * r) * width + 5 * cast_in * m.d_model / lay.tp
+    rope = (36 + 2 * up) * qk
+    forward = norms + rope + 2 * (2 * r + a) * width + 5 * a * f
     loss = (24 + 2 * a) * m.vocab_size / lay.tp
     return 3 * forward * tokens, loss * tokens
 
