@@ -30,7 +30,7 @@ from raydist.parallel.runtime import spawn
 from raydist.planner.calibrate import calibrate, format_calibration
 from raydist.planner.cost_model import Estimate
 from raydist.planner.enumerate import ALL_FEATURES, enumerate_estimates
-from raydist.planner.hardware import get_hardware, workload_signature
+from raydist.planner.hardware import config_signature, get_hardware
 from raydist.planner.placement import Layout, Workload
 
 REFERENCES = [  # (mesh, micro_batch, policy): kept in the measured set to spread the ranking
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     data_override = f"data.path={cfg.data.path}"
     if not args.skip_calibrate:
         print(format_calibration(calibrate(args.world, config=cfg)), flush=True)
-    hw = get_hardware("cpu", args.world, None, workload_signature(cfg.to_dict()["model"], cfg.data.seq_len))
+    hw = get_hardware("cpu", args.world, None, config_signature(cfg))
     workload = Workload.from_config(cfg, hw.compute_dtype_bytes)
     ranked, counts = enumerate_estimates(workload, args.world, hw, features=ALL_FEATURES)
     print(f"\nplanner: {counts['fit']} layouts fit ({hw.source})")

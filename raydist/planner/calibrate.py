@@ -259,7 +259,7 @@ def calibrate(world_size: int, reps: int = 10, matmul_size: int = 512, save: boo
     if workload is not None:
         per_rank = [r["workload"] for r in results]
         rate = statistics.median(w["rate_flops"] for w in per_rank)
-        record["workloads"] = {workload_signature(workload["model"], workload["seq_len"]): {
+        record["workloads"] = {workload_signature(workload["model"], workload["seq_len"], workload["kernels"]): {
             "compute_efficiency": min(1.0, rate / record["matmul_peak_flops"]),
             "block_overhead_s": statistics.median(w["overhead_s"] for w in per_rank)
                                 / (workload["model"]["num_layers"] + 1),

@@ -140,17 +140,20 @@ DEVICES: dict[str, Hardware] = {
 DEVICE_NAMES = (*DEVICES, "cpu")
 
 
-def workload_signature(model: dict, seq_len: int) -> str:
-    """Key of a workload's measured compute in the calibration file (model shape + sequence length)."""
+def workload_signature(model: dict, seq_len: int, kernels: dict) -> str:
+    """Key of a workload's measured compute in the calibration file: the model's shape, the sequence length
+    and the [kernels] it was timed with (the fused loss against the plain one changes the step, so a
+    calibration taken with other kernels is not this workload's)."""
     keys = ("num_layers", "d_model", "num_heads", "num_kv_heads", "ffn_hidden", "vocab_size", "tie_embeddings")
-    return "-".join(str(model[k]) for k in keys) + f"-s{seq_len}"
+    chosen = "-".join(f"{k}:{kernels[k]}" for k in sorted(kernels))
+    return "-".join(str(model[k]) for k in keys) + f"-s{seq_len}-{chosen}"
 
 
 def config_signature(cfg) -> str:
-    """`workload_signature` of a `raydist.config.Config`: its model and data.seq_len."""
+    """`workload_signature` of a `raydist.config.Config`: its model, data.seq_len and [kernels]."""
     from dataclasses import asdict
 
-    return workload_signature(asdict(cfg.model), cfg.data.seq_len)
+    return workload_signature(asdict(cfg.model), cfg.data.seq_len, asdict(cfg.kernels))
 
 
 

@@ -102,6 +102,15 @@ def test_calibrating_from_a_run_fits_the_compute_rate_to_its_step(run_dir, cache
     c = compare_run(run_dir)  # the run it was fitted to now prices at its own step time
     assert c.errors()["step_time_s"] == pytest.approx(0.0, abs=0.01)
     assert "fitted to" in c.hardware.source
+    # the measurement is the workload's with the kernels it ran: the same model with the plain loss is not it
+    import dataclasses
+
+    from raydist.planner.hardware import config_signature, get_hardware
+
+    cfg = Config.load(os.path.join(run_dir, "config.toml"))
+    plain = dataclasses.replace(cfg, kernels=dataclasses.replace(cfg.kernels, loss="plain"))
+    assert "fitted to" in get_hardware("cpu", 2, None, config_signature(cfg)).source
+    assert "this workload" not in get_hardware("cpu", 2, None, config_signature(plain)).source
 
 
 def test_calibrating_from_a_tensor_parallel_run_fits_its_step_too(tiny_data, tmp_path, cache):
