@@ -14,19 +14,18 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing as mp
 import os
 import queue
 import time
 
 import pytest
 import torch
-import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
+from torchft.coordination import LighthouseServer  # (the test extra installs it: missing, an error, not a skip)
 
 from raydist.config import Config, ConfigError
-from raydist.parallel.runtime import spawn
+from raydist.parallel.runtime import spawn, start_method_context
 from raydist.testing import LayoutResult, assert_same_steps, run_layout, tiny_config
-from test_live_replicas import _all_alive, _replica_store
+from test_live_replicas import _all_alive, _replica_store, rank_process
 from test_reference_loop import adamw, hand_step
 from workers import patience
 
@@ -118,16 +117,13 @@ def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = Fa
          ckpt: tuple[str, str] | None = None) -> list[dict]:
     """Every rank's result, by (replica, replacement?, rank). `kill`: replica 1 dies inside its second window and
     a replacement starts once replica 0 has redone that window alone."""
-    from torchft.coordination import LighthouseServer
-
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
-    ctx = mp.get_context("spawn")
+    ctx = start_method_context()
     out = ctx.Queue()
     flags = str(tmp / "flag") if kill else None
 
     def process(r: int, j: int, port_file: str):
-        return ctx.Process(target=_worker, args=(r, j, workers, port_file, lighthouse.address(), raw, plant, flags,
-                                                 ckpt, out))
+        return rank_process(ctx, _worker, r, j, workers, port_file, lighthouse.address(), raw, plant, flags, ckpt, out)
 
     procs = {(r, j): process(r, j, str(tmp / f"replica-{r}.port")) for r in range(REPLICAS) for j in range(workers)}
     dying = {(1, j) for j in range(workers)} if kill else set()
