@@ -16,6 +16,7 @@ import copy
 import json
 import os
 import queue
+import shutil
 import time
 
 import pytest
@@ -361,19 +362,30 @@ def test_the_outer_step_is_torch_nesterov_sgd():
     assert copy.deepcopy(outer.optimizer.state_dict())["state"]  # the momentum is optimizer state (checkpoints)
 
 
+@pytest.fixture(scope="module")
+def saved_at_step_4(tiny_data, tmp_path_factory):
+    """Two replicas that saved at step 4 and stopped: (config, run directory, their results), for both resumes
+    below (each resumes from its own copy of the run directory)."""
+    raw = _raw(tiny_data, "diloco", 4, dp_shard=1)
+    raw["checkpoint"] = {"every_steps": 4}
+    tmp = tmp_path_factory.mktemp("diloco-saved")
+    run_dir = str(tmp / "run")
+    (tmp / "save").mkdir()
+    saved = _run(raw, 1, tmp / "save", ckpt=(run_dir, "save"))
+    return raw, run_dir, saved
+
+
 @SPAWNS
 @pytest.mark.parametrize("resume", ["resume", "resume_leaders_moments"])
-def test_a_resumed_run_equals_the_uninterrupted_one(tiny_data, tmp_path, resume):
+def test_a_resumed_run_equals_the_uninterrupted_one(saved_at_step_4, tmp_path, resume):
     """Two replicas save at step 4 (the leader writes the checkpoint, with every replica's inner AdamW state
     gathered at that synchronisation) and stop; two new ones resume from it and train to step 8: every step
     and the final parameters equal the uninterrupted reference. Resuming every replica with the leader's
-    moments only (the checkpoint's model_optim, a planted bug) fails the check."""
-    raw = _raw(tiny_data, "diloco", 4, dp_shard=1)
-    raw["checkpoint"] = {"every_steps": 4}
+    moments only (the checkpoint's model_optim, a planted bug) fails the check. (One save serves both.)"""
+    raw, saved_dir, saved = saved_at_step_4
     e = Config.from_dict(raw).elastic
     run_dir = str(tmp_path / "run")
-    (tmp_path / "save").mkdir()
-    saved = _run(raw, 1, tmp_path / "save", ckpt=(run_dir, "save"))
+    shutil.copytree(saved_dir, run_dir)
     assert [rec["step"] for r in saved for rec in r["steps"]] == [1, 2, 3, 4] * 2
     (tmp_path / "resume").mkdir()
     resumed = _run(raw, 1, tmp_path / "resume", ckpt=(run_dir, resume))
