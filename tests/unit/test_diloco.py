@@ -39,7 +39,7 @@ KILL_AT, REJOIN_AT = 6, 8  # the killed scenario: replica 1 dies after step 6 (i
 
 
 def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: str, raw: dict, plant: str | None,
-            flags: str | None, ckpt: tuple[str, str] | None, out) -> None:
+            flags: str | None, ckpt: tuple[str, str] | None, out, done) -> None:
     """One rank of a replica. `flags` (the killed scenario): replica 1 exits after step KILL_AT; replica 0 waits
     at REJOIN_AT until the replacement asks for its first quorum; a replacement says so first. `ckpt` (run
     directory, what): "save" stops after step SAVE_AT, the leader saving a checkpoint there; "resume" (or
@@ -108,7 +108,7 @@ def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: s
                                 for p in trainer.pm.model.parameters() if p.requires_grad),
              "healed": healed, "healed_at": replicas.healed_at, "retried": trainer.retried_steps,
              "samples": samples()})
-    time.sleep(1.0)  # the peer replica reads its last quorum before this Manager goes
+    done.wait(600)  # every rank reported (so read its last quorum) before this Manager goes
     replicas.shutdown()
     trainer.close()
     dist.destroy_process_group()
@@ -120,11 +120,12 @@ def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = Fa
     a replacement starts once replica 0 has redone that window alone."""
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     ctx = start_method_context()
-    out = ctx.Queue()
+    out, done = ctx.Queue(), ctx.Event()
     flags = str(tmp / "flag") if kill else None
 
     def process(r: int, j: int, port_file: str):
-        return rank_process(ctx, _worker, r, j, workers, port_file, lighthouse.address(), raw, plant, flags, ckpt, out)
+        return rank_process(ctx, _worker, r, j, workers, port_file, lighthouse.address(), raw, plant, flags, ckpt,
+                            out, done)
 
     procs = {(r, j): process(r, j, str(tmp / f"replica-{r}.port")) for r in range(REPLICAS) for j in range(workers)}
     dying = {(1, j) for j in range(workers)} if kill else set()
@@ -147,6 +148,7 @@ def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = Fa
             except queue.Empty:
                 _all_alive({k: p for k, p in procs.items() if k not in dying})
                 assert time.monotonic() < deadline, f"{len(results)} of {len(procs)} ranks reported"
+        done.set()  # every rank that stood stepped to the end: the Managers may go
         for key, p in procs.items():
             p.join(60)
             assert p.exitcode == (1 if key in dying else 0), (key, p.exitcode)

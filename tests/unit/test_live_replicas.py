@@ -83,7 +83,7 @@ def _replica_store(rank: int, port_file: str, workers: int = WORKERS):
 
 
 def _worker(replica: int, rank: int, port_file: str, lighthouse: str, raw: dict, expected: int, flag: str | None,
-            drop: str | None, out) -> None:
+            drop: str | None, out, done) -> None:
     import torch.distributed as dist
 
     from raydist.elastic.live import TorchftReplicas
@@ -135,7 +135,7 @@ def _worker(replica: int, rank: int, port_file: str, lighthouse: str, raw: dict,
     grads = {k: v.numpy() for k, v in trainer.last_grads.items() if k not in no_grad}
     out.put({"replica": replica, "rank": rank, "healed": healed, "healed_at": replicas.healed_at, "steps": steps,
              "params": params, "grads": grads, "retried": trainer.retried_steps, "mesh": trainer.layout.degrees()})
-    time.sleep(1.0)  # the peer replica reads its last quorum before this Manager goes
+    done.wait(600)  # every rank reported (so read its last quorum) before this Manager goes
     replicas.shutdown()
     trainer.close()
     dist.destroy_process_group()
@@ -145,11 +145,11 @@ def _run(raw: dict, late: bool, tmp, drop: str | None = None) -> list[dict]:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     flag = str(tmp / "replica-1-asks") if late else None
     ctx = start_method_context()
-    out = ctx.Queue()
+    out, done = ctx.Queue(), ctx.Event()
     port_files = [str(tmp / f"replica-{r}.port") for r in (0, 1)]  # (each replica's rank 0 writes its store's)
     # late: replica 0 starts stepping without waiting for a second replica (expected 1)
     procs = {(r, j): rank_process(ctx, _worker, r, j, port_files[r], lighthouse.address(), raw,
-                                  1 if late and r == 0 else 2, flag, drop, out)
+                                  1 if late and r == 0 else 2, flag, drop, out, done)
              for r in (0, 1) for j in range(WORKERS)}
     try:
         for (r, _), p in procs.items():
@@ -171,6 +171,7 @@ def _run(raw: dict, late: bool, tmp, drop: str | None = None) -> list[dict]:
             except queue.Empty:
                 _all_alive(procs)
                 assert time.monotonic() < deadline, f"{len(results)} of {len(procs)} ranks reported"
+        done.set()  # every rank stepped to the end: the Managers may go
         for p in procs.values():
             p.join(60)
             assert p.exitcode == 0
