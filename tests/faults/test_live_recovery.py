@@ -17,13 +17,15 @@ import pytest
 from raydist.config import Config
 from raydist.data.position import rank_slice
 from raydist.elastic.live import live_slice
-from ray_runs import Background, jsonl, ray_4cpu, wait_for  # noqa: F401  (ray_4cpu: a fixture)
+import ray_runs
+from ray_runs import Background, jsonl, wait_for
 from raydist.testing import run_fit
 
 # 50-80 s here; 167-266 s in clean-clone CI runs (the tp case), too near 400 s for a run whose waits are bounded
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 EXACT_STEPS = 30  # the steps whose losses must equal the uninterrupted run's to 1e-4 (see the test)
 STEPS = 120
+ray_4cpu = ray_runs.ray_4cpu  # the local cluster the module's tests share (a fixture)
 
 
 def small(data: str, root, *extra) -> Config:
@@ -43,8 +45,9 @@ def reference(tiny_data, tmp_path_factory):
     return result
 
 
-def lower_priority(pids: set[int]) -> None:
-    """Every thread of these processes to nice 19 (setpriority reaches one thread; a process gone is skipped)."""
+def set_priority(pids: set[int], nice: int) -> None:
+    """Every thread of these processes to `nice` (setpriority reaches one thread; a process gone is skipped, and
+    a raise the user may not make is left undone)."""
     for pid in pids:
         try:
             threads = os.listdir(f"/proc/{pid}/task")
@@ -52,7 +55,7 @@ def lower_priority(pids: set[int]) -> None:
             continue
         for tid in threads:
             try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), 19)
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
             except OSError:
                 pass
 
@@ -137,7 +140,14 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     # The replacement must start cold, build its Trainer and join before the survivors run out of steps: a
     # loaded CI run finished the 108 remaining steps first. The survivors' threads go to nice 19, so the
     # replacement (nice 0) gets a core and they train on with what is left (what they compute is unchanged).
-    lower_priority({e["pid"] for e in launches if e["replica"] != replica})
+    survivors = {e["pid"] for e in launches if e["replica"] != replica}
+    set_priority(survivors, 19)
+    # Once the replacement joined, both replicas step together and the slower paces every step: the survivors
+    # go back to nice 0, as the Ray tests run (under xdist a niced test beside them would otherwise take half
+    # their CPU to the run's end, tests/workers.py). A run that ends first fails the checks below.
+    wait_for(lambda: not job.thread.is_alive() or any(e["kind"] == "replica_joined"
+                                                      for e in jsonl(run_dir / "events.jsonl")), 600, "a rejoin")
+    set_priority(survivors, 0)
     summary = job.join(600)
     assert job.error is None, job.error
     assert summary["steps"] == steps

@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import copy
 import json
-import multiprocessing as mp
 import os
 import queue
+import shutil
 import time
 
 import pytest
 import torch
-import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
+from torchft.coordination import LighthouseServer  # (the test extra installs it: missing, an error, not a skip)
 
 from raydist.config import Config, ConfigError
-from raydist.parallel.runtime import spawn
+from raydist.parallel.runtime import spawn, start_method_context
 from raydist.testing import LayoutResult, assert_same_steps, run_layout, tiny_config
-from test_live_replicas import _all_alive, _replica_store
+from test_live_replicas import _all_alive, _replica_store, rank_process
 from test_reference_loop import adamw, hand_step
 from workers import patience
 
@@ -39,7 +39,7 @@ KILL_AT, REJOIN_AT = 6, 8  # the killed scenario: replica 1 dies after step 6 (i
 
 
 def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: str, raw: dict, plant: str | None,
-            flags: str | None, ckpt: tuple[str, str] | None, out) -> None:
+            flags: str | None, ckpt: tuple[str, str] | None, out, done) -> None:
     """One rank of a replica. `flags` (the killed scenario): replica 1 exits after step KILL_AT; replica 0 waits
     at REJOIN_AT until the replacement asks for its first quorum; a replacement says so first. `ckpt` (run
     directory, what): "save" stops after step SAVE_AT, the leader saving a checkpoint there; "resume" (or
@@ -108,7 +108,7 @@ def _worker(replica: int, rank: int, workers: int, port_file: str, lighthouse: s
                                 for p in trainer.pm.model.parameters() if p.requires_grad),
              "healed": healed, "healed_at": replicas.healed_at, "retried": trainer.retried_steps,
              "samples": samples()})
-    time.sleep(1.0)  # the peer replica reads its last quorum before this Manager goes
+    done.wait(600)  # every rank reported (so read its last quorum) before this Manager goes
     replicas.shutdown()
     trainer.close()
     dist.destroy_process_group()
@@ -118,16 +118,14 @@ def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = Fa
          ckpt: tuple[str, str] | None = None) -> list[dict]:
     """Every rank's result, by (replica, replacement?, rank). `kill`: replica 1 dies inside its second window and
     a replacement starts once replica 0 has redone that window alone."""
-    from torchft.coordination import LighthouseServer
-
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    ctx = start_method_context()
+    out, done = ctx.Queue(), ctx.Event()
     flags = str(tmp / "flag") if kill else None
 
     def process(r: int, j: int, port_file: str):
-        return ctx.Process(target=_worker, args=(r, j, workers, port_file, lighthouse.address(), raw, plant, flags,
-                                                 ckpt, out))
+        return rank_process(ctx, _worker, r, j, workers, port_file, lighthouse.address(), raw, plant, flags, ckpt,
+                            out, done)
 
     procs = {(r, j): process(r, j, str(tmp / f"replica-{r}.port")) for r in range(REPLICAS) for j in range(workers)}
     dying = {(1, j) for j in range(workers)} if kill else set()
@@ -150,6 +148,7 @@ def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = Fa
             except queue.Empty:
                 _all_alive({k: p for k, p in procs.items() if k not in dying})
                 assert time.monotonic() < deadline, f"{len(results)} of {len(procs)} ranks reported"
+        done.set()  # every rank that stood stepped to the end: the Managers may go
         for key, p in procs.items():
             p.join(60)
             assert p.exitcode == (1 if key in dying else 0), (key, p.exitcode)
@@ -365,19 +364,30 @@ def test_the_outer_step_is_torch_nesterov_sgd():
     assert copy.deepcopy(outer.optimizer.state_dict())["state"]  # the momentum is optimizer state (checkpoints)
 
 
+@pytest.fixture(scope="module")
+def saved_at_step_4(tiny_data, tmp_path_factory):
+    """Two replicas that saved at step 4 and stopped: (config, run directory, their results), for both resumes
+    below (each resumes from its own copy of the run directory)."""
+    raw = _raw(tiny_data, "diloco", 4, dp_shard=1)
+    raw["checkpoint"] = {"every_steps": 4}
+    tmp = tmp_path_factory.mktemp("diloco-saved")
+    run_dir = str(tmp / "run")
+    (tmp / "save").mkdir()
+    saved = _run(raw, 1, tmp / "save", ckpt=(run_dir, "save"))
+    return raw, run_dir, saved
+
+
 @SPAWNS
 @pytest.mark.parametrize("resume", ["resume", "resume_leaders_moments"])
-def test_a_resumed_run_equals_the_uninterrupted_one(tiny_data, tmp_path, resume):
+def test_a_resumed_run_equals_the_uninterrupted_one(saved_at_step_4, tmp_path, resume):
     """Two replicas save at step 4 (the leader writes the checkpoint, with every replica's inner AdamW state
     gathered at that synchronisation) and stop; two new ones resume from it and train to step 8: every step
     and the final parameters equal the uninterrupted reference. Resuming every replica with the leader's
-    moments only (the checkpoint's model_optim, a planted bug) fails the check."""
-    raw = _raw(tiny_data, "diloco", 4, dp_shard=1)
-    raw["checkpoint"] = {"every_steps": 4}
+    moments only (the checkpoint's model_optim, a planted bug) fails the check. (One save serves both.)"""
+    raw, saved_dir, saved = saved_at_step_4
     e = Config.from_dict(raw).elastic
     run_dir = str(tmp_path / "run")
-    (tmp_path / "save").mkdir()
-    saved = _run(raw, 1, tmp_path / "save", ckpt=(run_dir, "save"))
+    shutil.copytree(saved_dir, run_dir)
     assert [rec["step"] for r in saved for rec in r["steps"]] == [1, 2, 3, 4] * 2
     (tmp_path / "resume").mkdir()
     resumed = _run(raw, 1, tmp_path / "resume", ckpt=(run_dir, resume))
