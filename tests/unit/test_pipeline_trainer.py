@@ -41,17 +41,27 @@ def test_pipeline_equals_single_process(tiny_data, single_4_layers, parallel, wo
     assert held == set(single_4_layers.grads)  # every parameter lives on some stage
 
 
-def test_pipeline_checkpoint_loads_at_pp1(tiny_data, tmp_path):
+TRAIN = {"steps": 6, "global_batch": 8}
+CKPT = {"every_steps": 3, "async_save": False}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_data, tmp_path_factory) -> list[float]:
+    """The losses of the uninterrupted single-process run (6 steps, a checkpoint every 3) that the
+    checkpoint tests below continue; one run for all of them."""
+    [reference] = run_fit(tiny_config(tiny_data, model=MODEL, train=TRAIN, checkpoint=CKPT), 1,
+                          str(tmp_path_factory.mktemp("uninterrupted")))
+    assert len(reference.losses) == TRAIN["steps"]
+    return reference.losses
+
+
+def test_pipeline_checkpoint_loads_at_pp1(tiny_data, tmp_path, uninterrupted):
     """Save at pp 2 (tied embedding split across stages), resume at pp 1: same continuation."""
-    train = {"steps": 6, "global_batch": 8}
-    ckpt = {"every_steps": 3, "async_save": False}
-    reference = run_fit(tiny_config(tiny_data, model=MODEL, train=train, checkpoint=ckpt), 1,
-                        str(tmp_path / "ref"))
     run_dir = str(tmp_path / "pp")
-    pp2 = tiny_config(tiny_data, model=MODEL, train=train, checkpoint=ckpt, parallel={"dp_replicate": 1, "pp": 2})
+    pp2 = tiny_config(tiny_data, model=MODEL, train=TRAIN, checkpoint=CKPT, parallel={"dp_replicate": 1, "pp": 2})
     assert run_fit(pp2, 2, run_dir, crash_after_step=4) is None
-    resumed = run_fit(tiny_config(tiny_data, model=MODEL, train=train, checkpoint=ckpt), 1, run_dir)
-    assert resumed[0].losses == pytest.approx(reference[0].losses[3:], rel=1e-5)
+    resumed = run_fit(tiny_config(tiny_data, model=MODEL, train=TRAIN, checkpoint=CKPT), 1, run_dir)
+    assert resumed[0].losses == pytest.approx(uninterrupted[3:], rel=1e-5)
 
 
 @pytest.mark.slow  # about 2 minutes each on 2 cores (8 processes); kept in the default run
@@ -82,20 +92,16 @@ def test_zbv_at_pp4_equals_single_process(tiny_data):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
-def test_pipeline_checkpoint_resumes_at_pp2(tiny_data, tmp_path, schedule):
+def test_pipeline_checkpoint_resumes_at_pp2(tiny_data, tmp_path, uninterrupted, schedule):
     """Save and resume at pp 2: the continuation equals the uninterrupted run. Each stage's optimizer
     hyper-parameters are keyed by its own parameters, so every rank's JSON joins the checkpoint; ZB-V puts
     the embedding and its tied output copy on one rank (two names, one optimizer entry in the checkpoint)."""
-    train = {"steps": 6, "global_batch": 8}
-    ckpt = {"every_steps": 3, "async_save": False}
     parallel = {"dp_replicate": 1, "pp": 2, "pp_schedule": schedule}
-    reference = run_fit(tiny_config(tiny_data, model=MODEL, train=train, checkpoint=ckpt), 1,
-                        str(tmp_path / "ref"))
     run_dir = str(tmp_path / "zbv")
-    raw = tiny_config(tiny_data, model=MODEL, train=train, checkpoint=ckpt, parallel=parallel)
+    raw = tiny_config(tiny_data, model=MODEL, train=TRAIN, checkpoint=CKPT, parallel=parallel)
     assert run_fit(raw, 2, run_dir, crash_after_step=4) is None
     resumed = run_fit(raw, 2, run_dir)
-    assert resumed[0].losses == pytest.approx(reference[0].losses[3:], rel=1e-4)
+    assert resumed[0].losses == pytest.approx(uninterrupted[3:], rel=1e-4)
 
 
 @pytest.mark.parametrize("policy", ["full", "every_k"])
