@@ -190,7 +190,43 @@ def reference(tiny_data):
     return _REFERENCE[0]
 
 
-@pytest.mark.parametrize("parallel, world", [
+def _run_each(raws: list[dict]) -> list:
+    """On each rank of one spawn: `run_layout`'s run (its default steps, gradients and parameters captured) of
+    every config in turn, each with its own Trainer and mesh, closed before the next."""
+    from raydist.testing import DEFAULT_STEPS, _run
+
+    return [_run(raw, DEFAULT_STEPS, False, True) for raw in raws]
+
+
+def _layout_config(tiny_data, parallel: dict) -> dict:
+    raw = moe_config(tiny_data, **{k: v for k, v in parallel.items() if k != "train"})
+    raw["train"].update(parallel.get("train", {}))  # (recompute re-runs the all-to-alls in backward)
+    return raw
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tiny_data):
+    """`runs(world)`: every layout of LAYOUTS at that world size, trained in one spawn (the first case of a
+    world size pays it; a rank's start and warm-up cost more than most of these runs), per-rank results by
+    layout index. A layout that raises fails every case of its world size, with its traceback."""
+    from workers import patience
+
+    from raydist.parallel.runtime import harness_device, spawn
+
+    done: dict[int, dict[int, list]] = {}
+
+    def runs(world: int) -> dict[int, list]:
+        if world not in done:
+            indices = [i for i, (_, w) in enumerate(LAYOUTS) if w == world]
+            per_rank = spawn(_run_each, world, [_layout_config(tiny_data, LAYOUTS[i][0]) for i in indices],
+                             timeout_s=patience(300), device=harness_device(world))
+            done[world] = {i: [rank[n] for rank in per_rank] for n, i in enumerate(indices)}
+        return done[world]
+
+    return runs
+
+
+LAYOUTS = [
     ({"dp_replicate": 2}, 2),
     ({"dp_shard": 2}, 2),
     ({"dp_replicate": 2, "dp_shard": 2}, 4),
@@ -210,20 +246,25 @@ def reference(tiny_data):
     ({"dp_shard": 2, "ep": 2, "tp": 2}, 4),
     ({"dp_shard": 2, "ep": 2, "train": {"activation_checkpoint": "full"}}, 2),
     ({"pp": 2, "pp_schedule": "zbh1", "dp_shard": 2, "ep": 2}, 4),
-], ids=["ddp2", "fsdp2", "hsdp2x2", "pp2-1f1b", "pp2-zbh1", "pp2xfsdp2", "cp2-ring", "cp2-ulysses-x-fsdp2",
-        "ep2", "ep4", "ep2xfsdp2", "ep2-hsdp2x2", "pp2xep2", "ep2xcp2", "tp2", "tp2-sp-x-fsdp2", "ep2xtp2",
-        "ep2-recompute", "pp2-zbh1xep2"])
-def test_moe_layout_equals_single_process(tiny_data, parallel, world):
+]
+
+
+@pytest.mark.timeout(400)  # the first case of a world size trains all of its layouts (spawn's own bound: 300 s)
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[
+    "ddp2", "fsdp2", "hsdp2x2", "pp2-1f1b", "pp2-zbh1", "pp2xfsdp2", "cp2-ring", "cp2-ulysses-x-fsdp2", "ep2", "ep4",
+    "ep2xfsdp2", "ep2-hsdp2x2", "pp2xep2", "ep2xcp2", "tp2", "tp2-sp-x-fsdp2", "ep2xtp2", "ep2-recompute",
+    "pp2-zbh1xep2"])
+def test_moe_layout_equals_single_process(tiny_data, layout_runs, index):
     ref = reference(tiny_data)
     router = [n for n in ref.grads if n.endswith("feed_forward.router.weight")]
     experts = [n for n in ref.grads if ".experts.w" in n]
     assert len(router) == 2 and len(experts) == 6
     assert all(ref.grads[n].abs().sum() > 0 for n in router + experts)  # every expert got tokens
     held = set()
-    parallel = dict(parallel)
-    raw = moe_config(tiny_data, **{k: v for k, v in parallel.items() if k != "train"})
-    raw["train"].update(parallel.get("train", {}))  # (recompute re-runs the all-to-alls in backward)
-    for rank in run_layout(raw, world):
+    _, world = LAYOUTS[index]
+    results = layout_runs(world)[index]
+    assert len(results) == world
+    for rank in results:
         assert_equivalent(ref, rank)
         held |= set(rank.grads)
     assert held == set(ref.grads)
@@ -274,7 +315,10 @@ def test_more_fsdp_shards_than_experts_split_the_experts_second_dimension(tiny_d
 ], ids=["fsdp2", "ep2"])
 def test_a_checkpoint_saved_under_fsdp_resumes_in_another_layout(tiny_data, tmp_path, saved, resumes):
     """Saved at FSDP 2 (experts sharded) or at ep 2 (each rank holding half of the experts), killed, resumed
-    in other layouts (DDP 2 and one process; ep 4 and ep 1): the next losses are the uninterrupted run's."""
+    in other layouts (DDP 2 and one process; ep 4 and ep 1): the next losses are the uninterrupted run's.
+    One killed run serves both resumes: each resumes from its own copy of the killed run's directory."""
+    import shutil
+
     import numpy as np
 
     from raydist.testing import run_fit
@@ -286,9 +330,11 @@ def test_a_checkpoint_saved_under_fsdp_resumes_in_another_layout(tiny_data, tmp_
                            checkpoint={"every_steps": 4, "keep": 2, "async_save": False})
 
     [ref, _] = run_fit(config(**saved), 2, str(tmp_path / "ref"))
+    killed = str(tmp_path / "killed")
+    assert run_fit(config(**saved), 2, killed, crash_after_step=6) is None
     for name, parallel, world in resumes:
         run_dir = str(tmp_path / name)
-        assert run_fit(config(**saved), 2, run_dir, crash_after_step=6) is None
+        shutil.copytree(killed, run_dir)
         resumed = run_fit(config(**parallel), world, run_dir)
         got, want = np.array(resumed[0].losses), np.array(ref.losses[4:])
         assert len(got) == 4 and (np.abs(got - want) / want).max() < 1e-4, (name, got, want)
@@ -340,15 +386,24 @@ def test_the_metrics_log_the_balance_loss_and_every_routed_token(tiny_data, tmp_
         assert r["mesh"].get("ep", 1) == parallel.get("ep", 1)  # the record names the split
 
 
+@pytest.fixture(scope="module")
+def qwen3_moe_reference(tiny_data, tmp_path_factory):
+    """A Qwen3-MoE directory with 2 experts, its config (`init_from = "hf:DIR"`) and its single-process run:
+    the reference of both cases below."""
+    path = tmp_path_factory.mktemp("qwen3-moe")
+    save_tiny_hf(path, family="qwen3_moe", tied=False, seed=6, moe_experts=2, moe_ffn_hidden=64)
+    raw = tiny_config(tiny_data, model={"init_from": f"hf:{path}"}, train={"lr": 1e-3},
+                      parallel={"dp_replicate": 1})
+    [ref] = run_layout(raw, 1)
+    return raw, ref
+
+
 @pytest.mark.parametrize("parallel", [{"dp_shard": 4}, {"dp_shard": 4, "ep": 2}], ids=["fsdp4", "ep2xfsdp2"])
-def test_qwen3_moe_from_hf_trains_alike_with_each_rank_reading_its_expert_slices(tiny_data, tmp_path, parallel):
+def test_qwen3_moe_from_hf_trains_alike_with_each_rank_reading_its_expert_slices(qwen3_moe_reference, parallel):
     """`init_from = "hf:DIR"` of a Qwen3-MoE with 2 experts under FSDP 4 (each rank reads only its slice of
     each expert, dim 1: more shards than experts) and under ep 2 x FSDP 2 (its expert's half): training
     equals the single process."""
-    save_tiny_hf(tmp_path, family="qwen3_moe", tied=False, seed=6, moe_experts=2, moe_ffn_hidden=64)
-    raw = tiny_config(tiny_data, model={"init_from": f"hf:{tmp_path}"}, train={"lr": 1e-3},
-                      parallel={"dp_replicate": 1})
-    [ref] = run_layout(raw, 1)
+    raw, ref = qwen3_moe_reference
     assert any(".experts.w2." in n for n in ref.grads)
     for rank in run_layout({**raw, "parallel": {"dp_replicate": 1, **parallel}}, 4):
         assert_equivalent(ref, rank)
