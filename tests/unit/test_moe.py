@@ -249,6 +249,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.slow  # every case reads one spawn per world size (`layout_runs`): not for the inner loop
 @pytest.mark.timeout(400)  # the first case of a world size trains all of its layouts (spawn's own bound: 300 s)
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[
     "ddp2", "fsdp2", "hsdp2x2", "pp2-1f1b", "pp2-zbh1", "pp2xfsdp2", "cp2-ring", "cp2-ulysses-x-fsdp2", "ep2", "ep4",

@@ -75,6 +75,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.slow  # every case reads one spawn per world size (`layout_runs`): not for the inner loop
 @pytest.mark.timeout(400)  # the first case of a world size trains all of its layouts (spawn's own bound: 300 s)
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[
     "pp2-1f1b", "pp2-interleaved", "pp2xdp2-gpipe", "pp2xfsdp2", "pp2xtp2", "pp2xtp2-sp", "pp2-zbh1", "pp2-zbv",
@@ -151,6 +152,7 @@ RECOMPUTE = [({"pp": 2, "pp_schedule": "zbv"}, 2, {"activation_checkpoint": poli
              for policy in ("full", "every_k")]
 
 
+@pytest.mark.slow  # every case reads one spawn per world size (`layout_runs`): not for the inner loop
 @pytest.mark.parametrize("index", range(len(RECOMPUTE)), ids=["full", "every_k"])
 def test_zero_bubble_with_recompute_equals_single_process(single_4_layers, layout_runs, index):
     """Recompute regions are re-run in B and their saved tensors still serve W (selective recompute, whose
