@@ -10,50 +10,65 @@ import time
 
 import pytest
 
-import faults_fs  # noqa: F401  (registers objfile://)
+import faults_fs
 from fault_runs import files_under
 from raydist.checkpoint.lease import RunBusyError, RunLease, format_time
 from workers import patience
 
+OBJFILE = faults_fs.ObjFileSystem.protocol[0]  # object-store semantics on local files (registered by the import)
 
-def _race(run_dir: str, start, results) -> None:
-    """In a spawned process: wait for the start signal, try to take the lease, report, hold it a moment."""
-    start.wait()
-    try:
-        lease = RunLease(run_dir, "race", log=lambda *_: None).acquire()
-        results.put(("won", os.getpid(), lease.run_id))
-        time.sleep(1.0)
-    except RunBusyError as exc:
-        results.put(("busy", os.getpid(), str(exc)))
+
+def _race(run_dirs: list[str], ready, starts, results) -> None:
+    """In a spawned process, for each run directory in turn: say it is ready, wait for that round's start
+    signal, try to take the lease, report. (A lease taken is never released: the winner keeps it.)"""
+    for run_dir, start in zip(run_dirs, starts):
+        ready.release()
+        start.wait()
+        try:
+            lease = RunLease(run_dir, "race", log=lambda *_: None).acquire()
+            results.put(("won", os.getpid(), lease.run_id))
+        except RunBusyError as exc:
+            results.put(("busy", os.getpid(), str(exc)))
 
 
 @pytest.mark.parametrize("stale", [False, True], ids=["fresh", "stale-lease"])
 def test_concurrent_starters_local_exactly_one_wins(tmp_path, stale):
+    """Three rounds, each a new run directory raced for by the same 4 processes (spawned and imported once),
+    all of them waiting for the round's signal when it is given."""
     ctx = mp.get_context("spawn")
-    for round_ in range(3):
-        run_dir = str(tmp_path / f"run{round_}")
-        if stale:
+    rounds = 3
+    run_dirs = [str(tmp_path / f"run{round_}") for round_ in range(rounds)]
+    if stale:
+        for run_dir in run_dirs:
             os.makedirs(run_dir)
             old = {"pid": 1, "host": "gone", "since": 0.0, "heartbeat": time.time() - 3600, "run_id": "old"}
             json.dump(old, open(os.path.join(run_dir, "lease.json"), "w"))
-        start, results = ctx.Event(), ctx.Queue()
-        procs = [ctx.Process(target=_race, args=(run_dir, start, results)) for _ in range(4)]
-        for p in procs:
-            p.start()
-        time.sleep(1.5)  # every process is importing/waiting
-        start.set()
-        outcomes = [results.get(timeout=patience(60)) for _ in procs]
+    ready, starts, results = ctx.Semaphore(0), [ctx.Event() for _ in run_dirs], ctx.Queue()
+    procs = [ctx.Process(target=_race, args=(run_dirs, ready, starts, results)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        for run_dir, start in zip(run_dirs, starts):
+            for _ in procs:  # every process is waiting for this round's signal
+                assert ready.acquire(timeout=patience(60)), "a starter never got ready"
+            start.set()
+            outcomes = [results.get(timeout=patience(60)) for _ in procs]
+            winners = [o for o in outcomes if o[0] == "won"]
+            assert len(winners) == 1, outcomes
+            assert all("is already running" in o[2] for o in outcomes if o[0] == "busy")
+            assert json.load(open(os.path.join(run_dir, "lease.json")))["run_id"] == winners[0][2]
+    finally:
+        for start in starts:  # (after a failed round: the processes run the rest and end)
+            start.set()
         for p in procs:
             p.join(timeout=60)
-        winners = [o for o in outcomes if o[0] == "won"]
-        assert len(winners) == 1, outcomes
-        assert all("is already running" in o[2] for o in outcomes if o[0] == "busy")
-        assert json.load(open(os.path.join(run_dir, "lease.json")))["run_id"] == winners[0][2]
+            if p.is_alive():
+                p.kill()
 
 
 def test_concurrent_starters_object_store_exactly_one_wins(tmp_path):
     """Object stores: write, wait settle_s, read back; the last writer holds it, the others see it."""
-    run_dir = f"objfile://host{tmp_path}/run"
+    run_dir = f"{OBJFILE}://host{tmp_path}/run"
     barrier = threading.Barrier(3)
     outcomes = []
 

@@ -198,9 +198,12 @@ class LocalHead:
         if self.proc is not None:
             tree = descendants(self.proc.pid) | {self.proc.pid} | marked(self.id)
             if self.proc.poll() is None:
-                self.proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its children gracefully
+                # `ray start --block` stops its children gracefully, one after another: an idle head in 2.5 s
+                # here, one that has run a job never within 8 s (test_job_submit.py's teardown, the autoscaling
+                # test's end: 8.3 s each run), so the SIGKILLs below end the rest either way
+                self.proc.send_signal(signal.SIGTERM)
                 try:
-                    self.proc.wait(timeout=8)
+                    self.proc.wait(timeout=3)
                 except subprocess.TimeoutExpired:
                     pass
             left = {p for p in tree | marked(self.id) if _alive(p)}

@@ -13,9 +13,12 @@ import time
 import pytest
 
 from cluster_harness import LocalHead, job_status
+from raydist.config import Config
+from raydist.metrics.flops import NO_CPU_PEAK
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]  # as `submit`'s own wait; 58-88 s in CI
 
+REQUIRED = {"step", "loss", "tokens_per_s", "world_size", "mesh", "elapsed_s"}  # in every metrics record
 PROGRESS = re.compile(r"^step (\d+)/(\d+) \| loss \d+\.\d+", re.M)
 
 
@@ -43,14 +46,21 @@ def test_submitted_job_trains_and_writes_its_run_directory(head, tiny_data, tmp_
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert job_status(head, "rd-train") == "SUCCEEDED"
 
+    # the run directory contract (this 2-worker, 12-step run was also test_train_ray.py's first test, which
+    # ran `launch` in the test process on a Ray it had started: that path is its Qwen3 test's)
     run = storage / "submitted"
+    assert Config.load(run / "config.toml").data.path == tiny_data
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 3, 6, 9, 12]
-    assert all(r["world_size"] == 2 for r in records)
+    for r in records:
+        assert REQUIRED <= r.keys(), r.keys()
+        assert r["world_size"] == 2 and r["mesh"]["dp_replicate"] == 2
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 6, 12]
+    assert records[-1]["mfu"] is None and records[-1]["mfu_peak_source"] == NO_CPU_PEAK  # (metrics/flops.py)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 12
     assert summary["final_val_loss"] < summary["first_val_loss"]
-    assert (run / "config.toml").is_file() and (run / "checkpoints").is_dir()
+    assert (run / "checkpoints").is_dir()
 
     logs = head.ray("job", "logs", "rd-train", timeout_s=60).stdout
     steps = [int(m.group(1)) for m in PROGRESS.finditer(logs)]
