@@ -120,12 +120,15 @@ def torchtitan_op_sac_share(m: ModelConfig) -> float:
 
     Its policy (torchtitan/models/llama/parallelize_llama.py, `_apply_ac_to_transformer_block`, Dec. 2024)
     counts the block's `aten.mm` calls in forward and saves every one but the 2nd, 4th, 6th...: in the call
-    order wq, wk, wv, wo, w1, w3, w2 (`w2(silu(w1(x)) * w3(x))`), that recomputes wk, wo and w3: 0.365 of
-    the matmul FLOPs at Llama 3 8B's shape."""
+    order query, key, value and output projections, then the MLP's gate, up and down (`down(silu(gate(x)) *
+    up(x))`), that recomputes the key, output and up projections: 0.365 of the matmul FLOPs at Llama 3 8B's
+    shape."""
     q, kv = m.num_heads * m.head_size, m.num_kv_heads * m.head_size
     d, f = m.d_model, m.ffn_hidden
     calls = (d * q, d * kv, d * kv, q * d, d * f, d * f, f * d)
     return sum(calls[1::2]) / sum(calls)
+
+
 LLAMA3_OPEN = {"activation_checkpoint": ("none", "selective", "full", "every_k"), "virtual_stages": (2, 4)}
 LLAMA3_NOTE = ("the paper's FSDP keeps parameters gathered after forward (fsdp_reshard_after_forward off); its "
                "recompute policy and chunks per rank are not given: the best fitting of them is priced")
