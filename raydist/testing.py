@@ -102,6 +102,19 @@ def run_layout(raw: dict, world_size: int, steps: int = DEFAULT_STEPS, *, record
     return spawn(_run, world_size, raw, steps, record_samples, capture_grads, device=device)
 
 
+def _run_each(raws: list[dict], steps: int) -> list[LayoutResult]:
+    return [_run(raw, steps, False, True) for raw in raws]
+
+
+def run_layouts(raws: list[dict], world_size: int, steps: int = DEFAULT_STEPS, *,
+                timeout_s: float = 300.0) -> list[list[LayoutResult]]:
+    """`run_layout` of every config in `raws`, one after another on the same `world_size` processes (each
+    its own Trainer and mesh, closed before the next): one spawn, whose start and warm-up cost more than
+    most tiny runs. Results by config, then by rank; a config that raises fails them all, with its traceback."""
+    per_rank = spawn(_run_each, world_size, raws, steps, timeout_s=timeout_s, device=harness_device(world_size))
+    return [[rank[i] for rank in per_rank] for i in range(len(raws))]
+
+
 def assert_same_steps(reference: LayoutResult, candidate: LayoutResult, rtol: float = 1e-4,
                       norm_rtol: float | None = None) -> None:
     """Every step's loss within rtol (relative), and its gradient norm before clipping and, where the

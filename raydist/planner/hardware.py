@@ -106,8 +106,8 @@ class Hardware:
 
 
 # Datasheet rows. H100/H200 SXM: NVLink 4 (18 links x 25 GB/s = 450 GB/s per direction, of which NCCL's
-# collectives reach 360, the module docstring says), one 400 Gb/s NDR port per GPU. A100 80GB SXM (Megatron's Selene): NVLink 3 (300 GB/s per direction), one 200 Gb/s
-# HDR port per GPU.
+# collectives reach 360, the module docstring says), one 400 Gb/s NDR port per GPU. A100 80GB SXM
+# (Megatron's Selene): NVLink 3 (300 GB/s per direction), one 200 Gb/s HDR port per GPU.
 HOPPER_NCCL_NVLINK = 360 * GB
 HOPPER_MEASURED = dict(compute_efficiency=0.70, attention_efficiency=((2048, 0.70), (4096, 0.81), (8192, 0.89)),
                        elementwise=True, source="measured (GPU check suite, one H100, 2026-11-27)")

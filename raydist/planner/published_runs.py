@@ -14,8 +14,8 @@ that publish MFU are taken as published.
 What a row's layout cannot say, the row says: torchtitan's "selective" checkpointing is per-op (it saves the
 outputs of every other matmul and recomputes the rest and every elementwise op), not raydist's selective
 policy (elementwise ops only), so those rows set `op_sac` and are priced with torchtitan's policy
-(`torchtitan_op_sac_share`); the Llama 3 paper gives neither its recompute policy nor its chunks per rank, so those rows take the
-best of the open choices, as `published.published_options` does.
+(`torchtitan_op_sac_share`); the Llama 3 paper gives neither its recompute policy nor its chunks per rank,
+so those rows take the best of the open choices, as `published.published_options` does.
 
 Sources:
 - [torchtitan-h100] torchtitan, docs/performance.md, benchmarks of December 2024 (torch 1963fc8, torchtitan

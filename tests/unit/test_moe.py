@@ -190,14 +190,6 @@ def reference(tiny_data):
     return _REFERENCE[0]
 
 
-def _run_each(raws: list[dict]) -> list:
-    """On each rank of one spawn: `run_layout`'s run (its default steps, gradients and parameters captured) of
-    every config in turn, each with its own Trainer and mesh, closed before the next."""
-    from raydist.testing import DEFAULT_STEPS, _run
-
-    return [_run(raw, DEFAULT_STEPS, False, True) for raw in raws]
-
-
 def _layout_config(tiny_data, parallel: dict) -> dict:
     raw = moe_config(tiny_data, **{k: v for k, v in parallel.items() if k != "train"})
     raw["train"].update(parallel.get("train", {}))  # (recompute re-runs the all-to-alls in backward)
@@ -211,16 +203,16 @@ def layout_runs(tiny_data):
     layout index. A layout that raises fails every case of its world size, with its traceback."""
     from workers import patience
 
-    from raydist.parallel.runtime import harness_device, spawn
+    from raydist.testing import run_layouts
 
     done: dict[int, dict[int, list]] = {}
 
     def runs(world: int) -> dict[int, list]:
         if world not in done:
             indices = [i for i, (_, w) in enumerate(LAYOUTS) if w == world]
-            per_rank = spawn(_run_each, world, [_layout_config(tiny_data, LAYOUTS[i][0]) for i in indices],
-                             timeout_s=patience(300), device=harness_device(world))
-            done[world] = {i: [rank[n] for rank in per_rank] for n, i in enumerate(indices)}
+            results = run_layouts([_layout_config(tiny_data, LAYOUTS[i][0]) for i in indices], world,
+                                  timeout_s=patience(300))
+            done[world] = dict(zip(indices, results))
         return done[world]
 
     return runs

@@ -5,17 +5,9 @@ move between pp sizes."""
 
 import pytest
 
-from raydist.testing import assert_equivalent, run_fit, run_layout, tiny_config
+from raydist.testing import assert_equivalent, run_fit, run_layout, run_layouts, tiny_config
 
 MODEL = {"num_layers": 4}
-
-
-def _run_each(raws: list[dict]) -> list:
-    """On each rank of one spawn: `run_layout`'s run (its default steps, gradients and parameters captured) of
-    every config in turn, each with its own Trainer and mesh, closed before the next."""
-    from raydist.testing import DEFAULT_STEPS, _run
-
-    return [_run(raw, DEFAULT_STEPS, False, True) for raw in raws]
 
 
 def _config(tiny_data, parallel: dict, train: dict | None = None) -> dict:
@@ -30,16 +22,13 @@ def layout_runs(tiny_data):
     case of its world size, with its traceback."""
     from workers import patience
 
-    from raydist.parallel.runtime import harness_device, spawn
-
     done: dict[tuple[int, int], dict[int, list]] = {}
 
     def runs(table: list[tuple], world: int) -> dict[int, list]:
         if (id(table), world) not in done:
             indices = [i for i, entry in enumerate(table) if entry[1] == world]
             raws = [_config(tiny_data, table[i][0], *table[i][2:]) for i in indices]
-            per_rank = spawn(_run_each, world, raws, timeout_s=patience(300), device=harness_device(world))
-            done[(id(table), world)] = {i: [rank[n] for rank in per_rank] for n, i in enumerate(indices)}
+            done[(id(table), world)] = dict(zip(indices, run_layouts(raws, world, timeout_s=patience(300))))
         return done[(id(table), world)]
 
     return runs
