@@ -204,15 +204,32 @@ def _reread_import_time_settings() -> None:
     config.set_conf_env(config.conf)
 
 
-def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
-           threads: int, device: str, env: dict[str, str], stdio: _CallerStdio, bound: bool) -> None:
-    # The caller's environment and standard streams at the time of the call, as a spawned process would
-    # inherit them (the fork server's are those of its own start).
+def _adopt_caller(env: dict[str, str], stdio: _CallerStdio) -> None:
+    """In a fork of the fork server: the caller's environment and standard streams at the time of the call,
+    as a spawned process would inherit them (the fork server's are those of its own start)."""
     stdio.adopt()
     os.environ.clear()
     os.environ.update(env)
     _reread_import_time_settings()
     torch.seed()  # a fresh interpreter's random default seed, not the fork server's (shared by every fork)
+
+
+def caller_process(ctx, target: Callable, *args: Any):
+    """A process of `ctx` (`start_method_context()`) that runs `target(*args)` as `spawn`'s ranks start: a
+    fork of the fork server (torch and the Trainer imported once, not by each process) with the caller's
+    environment and standard streams of now; without spawn's process group (for processes that build their
+    own, as torchft's replicas do)."""
+    return ctx.Process(target=_as_caller, args=(dict(os.environ), _CallerStdio(), target, *args))
+
+
+def _as_caller(env: dict[str, str], stdio: _CallerStdio, target: Callable, *args: Any) -> None:
+    _adopt_caller(env, stdio)
+    target(*args)
+
+
+def _child(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, timeout_s: float,
+           threads: int, device: str, env: dict[str, str], stdio: _CallerStdio, bound: bool) -> None:
+    _adopt_caller(env, stdio)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(threads)

@@ -24,9 +24,9 @@ import torch
 from torchft.coordination import LighthouseServer  # (the test extra installs it: missing, an error, not a skip)
 
 from raydist.config import Config, ConfigError
-from raydist.parallel.runtime import spawn, start_method_context
+from raydist.parallel.runtime import caller_process, spawn, start_method_context
 from raydist.testing import LayoutResult, assert_same_steps, run_layout, tiny_config
-from test_live_replicas import _all_alive, _replica_store, rank_process
+from test_live_replicas import _all_alive, _replica_store
 from test_reference_loop import adamw, hand_step
 from workers import patience
 
@@ -124,8 +124,8 @@ def _run(raw: dict, workers: int, tmp, plant: str | None = None, kill: bool = Fa
     flags = str(tmp / "flag") if kill else None
 
     def process(r: int, j: int, port_file: str):
-        return rank_process(ctx, _worker, r, j, workers, port_file, lighthouse.address(), raw, plant, flags, ckpt,
-                            out, done)
+        return caller_process(ctx, _worker, r, j, workers, port_file, lighthouse.address(), raw, plant, flags, ckpt,
+                              out, done)
 
     procs = {(r, j): process(r, j, str(tmp / f"replica-{r}.port")) for r in range(REPLICAS) for j in range(workers)}
     dying = {(1, j) for j in range(workers)} if kill else set()

@@ -24,7 +24,7 @@ import torch
 from torchft.coordination import LighthouseServer  # (the test extra installs it: missing, an error, not a skip)
 
 from raydist.config import Config, ConfigError
-from raydist.parallel.runtime import start_method_context
+from raydist.parallel.runtime import caller_process, start_method_context
 from raydist.testing import LayoutResult, assert_equivalent, assert_same_steps, run_layout, tiny_config
 from workers import patience
 
@@ -35,27 +35,6 @@ INSIDE = {"fsdp": {"dp_shard": 2}, "tp": {"tp": 2}, "cp": {"cp": 2}, "pp": {"pp"
 MOE = dict(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, ffn_hidden=128, vocab_size=320,
            moe_experts=4, moe_top_k=2, moe_ffn_hidden=48, moe_aux_coef=0.5)
 DROPPED = "layers.0.attention.wq.weight"  # (a tensor-parallel shard under tp)
-
-
-def rank_process(ctx, target, *args):
-    """A process of `ctx` (raydist.parallel.runtime.start_method_context: forks of the fork server of
-    `raydist.parallel.runtime.spawn`, torch and the Trainer imported once, not by each rank at ~3 s of CPU
-    apiece) that runs `target(*args)` with the caller's environment and standard streams of now, as a spawned
-    interpreter would inherit them (as `spawn`'s ranks get them)."""
-    from raydist.parallel.runtime import _CallerStdio
-
-    return ctx.Process(target=_as_spawned, args=(dict(os.environ), _CallerStdio(), target, *args))
-
-
-def _as_spawned(env: dict, stdio, target, *args) -> None:
-    from raydist.parallel.runtime import _reread_import_time_settings
-
-    stdio.adopt()
-    os.environ.clear()
-    os.environ.update(env)
-    _reread_import_time_settings()
-    torch.seed()  # a fresh interpreter's random default seed, not the fork server's
-    target(*args)
 
 
 def _replica_store(rank: int, port_file: str, workers: int = WORKERS):
@@ -148,8 +127,8 @@ def _run(raw: dict, late: bool, tmp, drop: str | None = None) -> list[dict]:
     out, done = ctx.Queue(), ctx.Event()
     port_files = [str(tmp / f"replica-{r}.port") for r in (0, 1)]  # (each replica's rank 0 writes its store's)
     # late: replica 0 starts stepping without waiting for a second replica (expected 1)
-    procs = {(r, j): rank_process(ctx, _worker, r, j, port_files[r], lighthouse.address(), raw,
-                                  1 if late and r == 0 else 2, flag, drop, out, done)
+    procs = {(r, j): caller_process(ctx, _worker, r, j, port_files[r], lighthouse.address(), raw,
+                                    1 if late and r == 0 else 2, flag, drop, out, done)
              for r in (0, 1) for j in range(WORKERS)}
     try:
         for (r, _), p in procs.items():
