@@ -34,8 +34,13 @@ ends them with the driver.
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+import tempfile
 import time
+import traceback
+from importlib.machinery import ExtensionFileLoader
 
 SPARE_ENV_VAR = "RAYDIST_SPARE_WORKER"
 # Ray Train 2.60 sets it in its controller's runtime env (DataParallelTrainer._initialize_and_run_controller),
@@ -51,6 +56,9 @@ SUPPORTED_RAY = ((2, 40), (2, 61))  # [first, last) minor versions the PrestartW
 # take a spare (Ray Data's _AutoscalingCoordinatorActor, a singleton started once, has the controller's
 # runtime env); a top-up is a /proc scan, and an RPC only when a spare is missing.
 TOP_UP_S = 10.0
+# How many processes the hook ends per node and job for an import that failed after loading an extension
+# module (`_import`)
+UNFIT_ENDS = 3
 
 # What a raydist Ray Train worker imports, in order; the last ones lazily, on its way to the first step:
 # ray.train.torch (TorchConfig, unpickled on every worker), raydist's train function module and all it
@@ -74,8 +82,8 @@ READY_TITLE = "ray::IDLE raydist-preloaded"
 
 
 def preload() -> None:
-    """The job's worker_process_setup_hook (see the module docstring). Never raises: Ray ends a worker whose
-    hook fails."""
+    """The job's worker_process_setup_hook (see the module docstring). Raises only for a process that can no
+    longer import what a worker needs (`_import`): Ray then ends it before it hosts anything."""
     global preloaded_at
     if os.environ.get(SPARE_ENV_VAR):
         required, optional = PRELOAD, PRELOAD_OPTIONAL
@@ -83,19 +91,11 @@ def preload() -> None:
         required, optional = (), PRELOAD_CONTROLLER
     else:
         return
-    import importlib
-
-    try:
-        for name in required:
-            importlib.import_module(name)
-    except Exception as exc:  # a cold import later fails with the real error where it matters
-        print(f"warning: raydist could not preload a spare worker ({type(exc).__name__}: {exc})", flush=True)
-        return
+    for name in required:
+        if not _import(name, required=True):
+            return  # a cold import later fails with the real error where it matters, or succeeds
     for name in optional:
-        try:
-            importlib.import_module(name)
-        except Exception:  # not installed, or moved by a Ray upgrade: nothing to preload
-            pass
+        _import(name, required=False)  # not installed, or moved by a Ray upgrade: nothing to preload
     preloaded_at = time.time()
     if os.environ.get("RAY_RAYLET_PID"):  # a Ray worker process (the raylet sets it), not a test's own
         try:
@@ -104,6 +104,70 @@ def preload() -> None:
             setproctitle(READY_TITLE)
         except Exception:  # only the title is missing then: the spare works, `ready_only` does not see it
             pass
+
+
+def _import(name: str, required: bool) -> bool:
+    """Imports `name`; False if that failed, after making sure the failure cannot poison this process.
+
+    A failed import leaves behind the modules it had finished, and Python cannot run the same import again
+    over them: the package's __init__ runs anew, but a submodule already in sys.modules is not bound to the
+    new package object (importlib binds a submodule to its parent only when it loads it), so torch's second
+    attempt ends in "partially initialized module 'torch' has no attribute 'library'" when the first had
+    failed after torch.library was loaded (tests/unit/test_warm_spares.py makes one fail so). A Ray Train
+    worker failed with that message in CI (2026-11-29, unpickling TorchConfig in init_train_context, in a
+    process this hook had preloaded); whatever failed first was swallowed without a word, hence the warning
+    below with the exception and its innermost frame. So, after a failure:
+    - when the attempt loaded no extension module, the modules it added are dropped from sys.modules, and
+      a later import starts from scratch;
+    - when it loaded one (torch._C, Triton's libtriton), this process cannot import the package at all any
+      more (a second `import torch` after torch._C was loaded fails with a SystemError from torch._C), so the hook
+      raises and Ray ends the process before it hosts anything. A Ray Train worker waiting for it dies
+      before its creation, and Ray Train starts the worker group again (WorkerGroupStartupFailedError, a
+      retried controller failure). That happens at most UNFIT_ENDS times per node and job
+      (`_count_unfit_end`): a failure that repeats then ends the run with the worker's own error, not with
+      restarts forever."""
+    before = set(sys.modules)
+    try:
+        importlib.import_module(name)
+        return True
+    except Exception as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+        added = set(sys.modules) - before
+        own = name.split(".")[0]  # name the package's own extension first (torch._C)
+        extension = next((m for m in sorted(added, key=lambda m: (m.split(".")[0] != own, m))
+                          if _is_extension(sys.modules.get(m))), None)
+        if not required and extension is None and isinstance(exc, ImportError) and not added:
+            return False  # not installed: nothing was loaded, nothing to say
+        print(f"warning: raydist could not preload {name} in a spare worker ({type(exc).__name__}: {exc}{where})",
+              flush=True)
+        if extension is None:
+            for module in added:
+                sys.modules.pop(module, None)
+            return False
+        if _count_unfit_end() > UNFIT_ENDS:
+            print(f"warning: this process loaded {extension} before that failure and cannot import {name} again; "
+                  f"{UNFIT_ENDS} processes on this node were already ended for it, so this one is left to fail "
+                  "where it imports it", flush=True)
+            return False
+        raise RuntimeError(f"raydist ends this spare worker: importing {name} failed ({type(exc).__name__}: {exc}) "
+                           f"after loading {extension}, and this process cannot import {name} again") from exc
+
+
+def _is_extension(module) -> bool:
+    return isinstance(getattr(getattr(module, "__spec__", None), "loader", None), ExtensionFileLoader)
+
+
+def _count_unfit_end() -> int:
+    """Records that the hook ends this process and returns how many it has ended on this node for this job,
+    this one included: a line per process in a file of the temp dir named by the raylet's pid and the job's
+    id (the raylet sets both in every worker it starts)."""
+    path = os.path.join(tempfile.gettempdir(), f"raydist-unfit-{os.environ.get('RAY_RAYLET_PID', 'none')}-"
+                                               f"{os.environ.get('RAY_JOB_ID', 'none')}")
+    with open(path, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    with open(path) as f:
+        return len(f.read().splitlines())
 
 
 def enabled(cfg) -> bool:
@@ -210,7 +274,7 @@ def request_spares(workers: int, controller_actors: int = 0, log=print) -> int |
         if HOOK not in worker.core_worker.get_job_config().runtime_env_info.serialized_runtime_env:
             # without the preload a spare saves only the process start, and under `ray job submit` a Ray Train
             # worker that landed in one failed importing torch ("partially initialized module 'torch'", once in
-            # CI; cause not pinned down): no spares then
+            # CI: the message of a second import after a first that failed, see `_import`): no spares then
             log(f"warning: warm spare workers are off: the job's runtime env has no worker_process_setup_hook "
                 f"{HOOK!r} (add it to `ray job submit --runtime-env-json`); restarts start cold processes")
             return None

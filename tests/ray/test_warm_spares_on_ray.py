@@ -117,3 +117,42 @@ def test_the_prestart_request_has_the_fields_raydist_sets():
     import ray
 
     assert warm.ray_supported(ray.__version__)
+
+
+def test_a_worker_process_ended_by_the_hook_costs_one_group_start_not_the_run(tmp_path, monkeypatch):
+    """The job's first Ray Train worker process fails its preload after loading torch._C (planted by
+    tests/ray/warm_plant.py), as one did in CI. The hook ends it (raydist.elastic.warm._import): its actor
+    dies before creation, and Ray Train starts the worker group again instead of failing the run when that
+    worker unpickles TorchConfig (tests/unit/test_warm_spares.py shows that failure)."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raydist.driver.ray_cluster import embedded_dashboard, train_env
+    from warm_plant import MARKER_ENV
+
+    for key, value in train_env(embedded=True).items():
+        monkeypatch.setenv(key, value)
+    marker = tmp_path / "planted_pid"
+    ray.init(address="local", num_cpus=4, logging_level="warning", **embedded_dashboard(),
+             runtime_env={"worker_process_setup_hook": "warm_plant.preload",
+                          "env_vars": {"PYTHONPATH": os.path.dirname(__file__), MARKER_ENV: str(marker),
+                                       "TMPDIR": str(tmp_path)}})
+    try:
+        def train_fn():
+            import ray.train
+
+            rank = ray.train.get_context().get_world_rank()
+            (tmp_path / f"rank{rank}").write_text(f"{os.getpid()} {warm.preloaded_at is not None}")
+
+        result = TorchTrainer(train_fn, scaling_config=ScalingConfig(num_workers=2),
+                              run_config=RunConfig(storage_path=str(tmp_path / "runs"), name="unfit",
+                                                   worker_runtime_env=warm.worker_runtime_env())).fit()
+    finally:
+        ray.shutdown()
+    assert result.error is None
+    planted = marker.read_text()
+    ranks = [(tmp_path / f"rank{r}").read_text().split() for r in range(2)]
+    assert all(pid != planted and preloaded == "True" for pid, preloaded in ranks), (planted, ranks)
+    ended = list(tmp_path.glob("raydist-unfit-*"))
+    assert len(ended) == 1 and ended[0].read_text().split() == [planted]

@@ -1,0 +1,37 @@
+"""A job's worker_process_setup_hook for tests/ray/test_warm_spares_on_ray.py: raydist's own, except that in
+the job's first Ray Train worker process (the one that creates the marker file) importing torch fails once,
+after torch._C and torch.library were loaded."""
+
+from __future__ import annotations
+
+import importlib.abc
+import os
+import sys
+
+from raydist.elastic import warm
+
+MARKER_ENV = "RAYDIST_TEST_UNFIT_MARKER"
+
+
+class _FailOnce(importlib.abc.MetaPathFinder):
+    armed = True
+
+    def find_spec(self, name, path, target=None):
+        if self.armed and name == "torch.utils._debug_mode":
+            self.armed = False
+            raise MemoryError("planted")
+        return None
+
+
+def preload() -> None:
+    marker = os.environ.get(MARKER_ENV)
+    if marker and os.environ.get(warm.SPARE_ENV_VAR):
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            pass
+        else:
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
+            sys.meta_path.insert(0, _FailOnce())
+    warm.preload()
