@@ -315,7 +315,8 @@ def elementwise_bytes(w: Workload, lay: Layout, tokens: float) -> tuple[float, f
     - RMSNorm, `x * rsqrt(mean(x^2) + eps)` in fp32 then `* weight`: the cast up, pow (8), mean (4), the
       product (8), the cast back and the weight's product (2 r): 20 + 2 up + 2 r. Under autocast each
       Linear that reads a norm's fp32 output casts it again (4 + a): q, k and v after the first norm,
-      gate and up after the second;
+      gate and up after the second, over the whole width on every tensor-parallel rank (with sequence
+      parallelism too: the block's input is gathered to Replicate, in fp32, before the projections);
     - RoPE on q and k (apply_rope: cast up, four products and a sum and a difference of half-width
       views, the stack, the cast back): 36 + 2 up;
     - two residual adds (read r and a, write r): 2 (2 r + a);
@@ -340,7 +341,7 @@ def elementwise_bytes(w: Workload, lay: Layout, tokens: float) -> tuple[float, f
     width = m.d_model / (lay.tp if lay.sequence_parallel and lay.tp > 1 else 1)  # norms, residual adds
     qk = (m.num_heads + m.num_kv_heads) * w.head_dim / lay.tp
     f = mlp_hidden(m) / lay.tp
-    norms = 2 * (20 + 2 * up + 2 * r) * width + 5 * cast_in * m.d_model / lay.tp
+    norms = 2 * (20 + 2 * up + 2 * r) * width + 5 * cast_in * m.d_model
     rope = (36 + 2 * up) * qk
     forward = norms + rope + 2 * (2 * r + a) * width + 5 * a * f
     loss = (24 + 2 * a) * m.vocab_size / lay.tp
