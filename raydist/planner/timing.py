@@ -136,17 +136,17 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int,
     bandwidth = hw.memory_bandwidth_bytes_per_s
 
     # ---- compute per micro-batch on the busiest stage ----------------------------------------------------
-    def compute_terms(tp: int) -> tuple[float, float, float, float]:
-        """(seconds of one micro-batch's compute, of a block's forward, of its adapters' forward, a block's
-        elementwise bytes) on the busiest rank, its matmuls split tp ways. Forward seconds of one block and
+    def compute_terms(tp: int) -> tuple[float, float, float, float, float]:
+        """(seconds of one micro-batch's compute, of a block's forward, of its matmuls' forward, of its
+        adapters' forward, a block's elementwise bytes) on the busiest rank, its matmuls split tp ways. Forward seconds of one block and
         of the head (with the loss); forward + backward is 3x the FLOPs and the elementwise bytes of
         elementwise_bytes(), less the weight-gradient GEMMs of frozen weights."""
         split = lay if tp == lay.tp else replace(lay, spec=replace(lay.spec, tp=tp), sequence_parallel=False)
-        block_fwd = (2 * tokens * counts["block_matmul"] / tp / rate
-                     + 4 * tokens * w.seq_len * h / tp / attention_rate)
+        matmul_fwd = 2 * tokens * counts["block_matmul"] / tp / rate
+        block_fwd = matmul_fwd + 4 * tokens * w.seq_len * h / tp / attention_rate
         head_fwd = 2 * tokens * m_cfg.vocab_size * h / tp / rate
         adapter_fwd = 2 * tokens * adapter_elements(w, tp) / rate  # LoRA's x A^T and (x A^T) B^T
-        frozen_weight_grads = 2 * tokens * counts["block_matmul"] / tp / rate if w.peft.method == "lora" else 0.0
+        frozen_weight_grads = matmul_fwd if w.peft.method == "lora" else 0.0
         block_moved = head_moved = 0.0
         if hw.elementwise:
             block_moved, head_moved = elementwise_bytes(w, split, tokens)
@@ -164,14 +164,13 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int,
         compute = (max(busiest(blocks_s), *(blocks_s(stage_layers[r], trained_layers[r]) + head_s
                                             for r in holders(lay, "last")))
                    + (layers + 1) * hw.block_overhead_s + weight_cast_bytes(w, split, counts["total"]) / bandwidth)
-        return compute, block_fwd, adapter_fwd, block_moved
+        return compute, block_fwd, matmul_fwd, adapter_fwd, block_moved
 
-    compute_mb, block_fwd, adapter_fwd, block_moved = compute_terms(tp)
+    compute_mb, block_fwd, matmul_fwd, adapter_fwd, block_moved = compute_terms(tp)
     recompute_mb = 0.0
     policy = lay.activation_checkpoint
     recomputed = max(trained_layers)  # (frozen blocks outside the graph are not recomputed)
     if per_op_recompute is not None:
-        matmul_fwd = 2 * tokens * counts["block_matmul"] / tp / rate
         recompute_mb = recomputed * (per_op_recompute * matmul_fwd + block_moved / 3 / bandwidth)
     elif policy in ("full", "every_k"):
         recompute_mb = recomputed * (block_fwd + adapter_fwd + block_moved / 3 / bandwidth)
