@@ -65,6 +65,13 @@ def pytest_terminal_summary(terminalreporter) -> None:
     for name, seconds in list(files.items())[:10]:
         terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {name}")
     terminalreporter.write_line(f"{total:8.1f}s in {len(files)} files, {len(_TESTS)} tests")
+    from workers import RAY_SCOPE, scope_of
+
+    ray_files = {name: s for name, s in files.items() if scope_of(name) == RAY_SCOPE}
+    if ray_files:  # one xdist worker runs them in order (tests/workers.py): no run is shorter
+        terminalreporter.write_line(f"{sum(ray_files.values()):8.1f}s in the {len(ray_files)} Ray files, one "
+                                    "worker's chain: " + ", ".join(f"{n.rsplit('/', 1)[-1]} {s:.0f}"
+                                                                  for n, s in ray_files.items()))
     path = os.environ.get("RAYDIST_TEST_DURATIONS")
     if path:
         with open(path, "w") as f:
