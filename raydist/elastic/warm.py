@@ -164,10 +164,13 @@ def _count_unfit_end() -> int:
     id (the raylet sets both in every worker it starts)."""
     path = os.path.join(tempfile.gettempdir(), f"raydist-unfit-{os.environ.get('RAY_RAYLET_PID', 'none')}-"
                                                f"{os.environ.get('RAY_JOB_ID', 'none')}")
-    with open(path, "a") as f:
-        f.write(f"{os.getpid()}\n")
-    with open(path) as f:
-        return len(f.read().splitlines())
+    try:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        with open(path) as f:
+            return len(f.read().splitlines())
+    except OSError:  # no count, no bound: end nothing rather than risk ending every process
+        return UNFIT_ENDS + 1
 
 
 def enabled(cfg) -> bool:

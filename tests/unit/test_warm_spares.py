@@ -226,3 +226,12 @@ def test_a_pure_python_import_that_failed_is_undone_so_that_a_later_one_succeeds
     finally:
         for name in [m for m in sys.modules if m.startswith("rd_fails_once")]:
             del sys.modules[name]
+
+
+def test_where_the_count_cannot_be_kept_no_process_is_ended(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "missing"))
+    assert warm._count_unfit_end() > warm.UNFIT_ENDS
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert [warm._count_unfit_end() for _ in range(2)] == [1, 2]
