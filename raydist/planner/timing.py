@@ -44,8 +44,9 @@ Per step, per rank (the busiest pipeline stage), with m micro-batches of b sampl
 - pipeline: one activation send per micro-batch per boundary each way (T / cp tokens, a tp-th of them
   under sequence parallelism); bubble fraction (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m+p-1)
   interleaved with v chunks per rank (Huang et al., "GPipe", 2019; Narayanan et al. 2021; an idle share
-  p/(p+k) counts the same bubble from the other side), and for the zero-bubble schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024)
-  at F = B = W: (p-1)/(3m+p-1) for ZB-H1, (p-1)/(6m+p-1) for ZB-V (`schedule.timeline`).
+  p/(p+k) counts the same bubble from the other side), and for the zero-bubble schedules (Qi et al.,
+  "Zero Bubble Pipeline Parallelism", ICLR 2024) at F = B = W: (p-1)/(3m+p-1) for ZB-H1, (p-1)/(6m+p-1)
+  for ZB-V (`schedule.timeline`).
 - optimizer: AdamW and the gradient clip read and write ~36 bytes per locally trained element, bound by
   memory bandwidth.
 
@@ -138,9 +139,9 @@ def step_time(w: Workload, lay: Layout, hw: Hardware, num_microbatches: int,
     # ---- compute per micro-batch on the busiest stage ----------------------------------------------------
     def compute_terms(tp: int) -> tuple[float, float, float, float, float]:
         """(seconds of one micro-batch's compute, of a block's forward, of its matmuls' forward, of its
-        adapters' forward, a block's elementwise bytes) on the busiest rank, its matmuls split tp ways. Forward seconds of one block and
-        of the head (with the loss); forward + backward is 3x the FLOPs and the elementwise bytes of
-        elementwise_bytes(), less the weight-gradient GEMMs of frozen weights."""
+        adapters' forward, a block's elementwise bytes) on the busiest rank, its matmuls split tp ways.
+        Forward seconds of one block and of the head (with the loss); forward + backward is 3x the FLOPs and
+        the elementwise bytes of elementwise_bytes(), less the weight-gradient GEMMs of frozen weights."""
         split = lay if tp == lay.tp else replace(lay, spec=replace(lay.spec, tp=tp), sequence_parallel=False)
         matmul_fwd = 2 * tokens * counts["block_matmul"] / tp / rate
         block_fwd = matmul_fwd + 4 * tokens * w.seq_len * h / tp / attention_rate
