@@ -1,6 +1,7 @@
-"""A job's worker_process_setup_hook for tests/ray/test_warm_spares_on_ray.py: raydist's own, except that in
-the job's first Ray Train worker process (the one that creates the marker file) importing torch fails once,
-after torch._C and torch.library were loaded."""
+"""A failure of `import torch` planted once, after torch._C and torch.library were loaded
+(`plant_torch_failure`), and a job's worker_process_setup_hook for tests/ray/test_warm_spares_on_ray.py that
+plants it in the job's first Ray Train worker process (the one that creates the marker file), then runs
+raydist's own. tests/unit/test_warm_spares.py plants it in a subprocess."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from raydist.elastic import warm
 MARKER_ENV = "RAYDIST_TEST_UNFIT_MARKER"
 
 
-class _FailOnce(importlib.abc.MetaPathFinder):
+class FailOnce(importlib.abc.MetaPathFinder):
     armed = True
 
     def find_spec(self, name, path, target=None):
@@ -21,6 +22,14 @@ class _FailOnce(importlib.abc.MetaPathFinder):
             self.armed = False
             raise MemoryError("planted")
         return None
+
+
+def plant_torch_failure() -> FailOnce:
+    """The next `import torch` of this process fails (MemoryError) at torch.utils._debug_mode; `armed` is
+    False once it did."""
+    finder = FailOnce()
+    sys.meta_path.insert(0, finder)
+    return finder
 
 
 def preload() -> None:
@@ -33,5 +42,5 @@ def preload() -> None:
         else:
             os.write(fd, str(os.getpid()).encode())
             os.close(fd)
-            sys.meta_path.insert(0, _FailOnce())
+            plant_torch_failure()
     warm.preload()

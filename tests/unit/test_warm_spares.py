@@ -141,19 +141,12 @@ def test_live_recovery_runs_without_spares(monkeypatch):
 # a Ray Train worker met in CI, where the swallowed first failure made its own import of torch fail with
 # "partially initialized module 'torch' has no attribute 'library'".
 _FAILING_ONCE = """
-import importlib.abc, sys
+import sys
 
-class FailOnce(importlib.abc.MetaPathFinder):
-    armed = True
+sys.path.insert(0, {plants!r})
+from warm_plant import plant_torch_failure
 
-    def find_spec(self, name, path, target=None):
-        if self.armed and name == "torch.utils._debug_mode":
-            self.armed = False
-            raise MemoryError("planted")
-        return None
-
-plant = FailOnce()
-sys.meta_path.insert(0, plant)
+plant = plant_torch_failure()
 from raydist.elastic import warm
 try:
     warm.preload()
@@ -178,8 +171,9 @@ def _spare_process(tmp_path, job):
     env = {**os.environ, warm.SPARE_ENV_VAR: "1", "RAY_RAYLET_PID": "7", "RAY_JOB_ID": job,
            "TMPDIR": str(tmp_path)}
     env.pop(warm.CONTROLLER_ENV_VAR, None)
-    return subprocess.run([sys.executable, "-c", _FAILING_ONCE], env=env, capture_output=True, text=True,
-                          timeout=120)
+    plants = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ray")  # warm_plant
+    return subprocess.run([sys.executable, "-c", _FAILING_ONCE.format(plants=plants)], env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
 def test_a_spare_that_cannot_import_torch_again_is_ended_before_it_hosts_a_worker(tmp_path):
