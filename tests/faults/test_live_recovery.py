@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -21,10 +23,15 @@ import ray_runs
 from ray_runs import Background, jsonl, wait_for
 from raydist.testing import run_fit
 
-# 50-80 s here; 167-266 s in clean-clone CI runs (the tp case), too near 400 s for a run whose waits are bounded
+# 20-45 s a case here; up to 266 s in clean-clone CI runs once (the tp case, before `Throttle`), too near 400 s for a
+# run whose waits are bounded
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 EXACT_STEPS = 30  # the steps whose losses must equal the uninterrupted run's to 1e-4 (see the test)
-STEPS = 120
+# The survivors are held back until the replacement joins (`Throttle`), so a run needs steps enough for the
+# kill at step 12, the survivor's steps alone and the steps after the rejoin that show both replicas stepping
+# together again: 60 with replicas of two workers (the kill came at step 12-13 here, 2-7 steps alone, 41-46 after
+# the rejoin), 120 with one-worker replicas, which step about five times faster (16 steps alone here).
+STEPS = {1: 120, 2: 60}  # by a replica's workers
 ray_4cpu = ray_runs.ray_4cpu  # the local cluster the module's tests share (a fixture)
 
 
@@ -38,11 +45,17 @@ def small(data: str, root, *extra) -> Config:
 
 @pytest.fixture(scope="module")
 def reference(tiny_data, tmp_path_factory):
-    """The uninterrupted run, one process (no Ray): every case's reference."""
-    root = tmp_path_factory.mktemp("live-reference")
-    cfg = small(tiny_data, root, f"train.steps={STEPS}", "ray.num_workers=1", "parallel.dp_replicate=1")
-    [result] = run_fit(cfg.to_dict(), 1, str(root / "reference"))
-    return result
+    """`reference(steps)`: the uninterrupted run of that many steps, one process (no Ray), once per module."""
+    runs = {}
+
+    def run(steps: int):
+        if steps not in runs:
+            root = tmp_path_factory.mktemp("live-reference")
+            cfg = small(tiny_data, root, f"train.steps={steps}", "ray.num_workers=1", "parallel.dp_replicate=1")
+            [runs[steps]] = run_fit(cfg.to_dict(), 1, str(root / "reference"))
+        return runs[steps]
+
+    return run
 
 
 def set_priority(pids: set[int], nice: int) -> None:
@@ -58,6 +71,43 @@ def set_priority(pids: set[int], nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
             except OSError:
                 pass
+
+
+class Throttle:
+    """Holds processes back (SIGSTOP for STOPPED_S, then SIGCONT for RUNNING_S, over and over) until `stop()`:
+    the survivors of a kill, so that the replacement, which starts cold, joins well before they run out of
+    steps however loaded the machine is. A pause this short is no fault to anything in the run (torchft's
+    heartbeats time out after seconds, the collectives after elastic.collective_timeout_s); the survivors still
+    step alone at a sixth of their pace. `stop()` always leaves them running."""
+
+    STOPPED_S, RUNNING_S = 0.25, 0.05
+
+    def __init__(self, pids: set[int]):
+        self.pids, self.done = pids, threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _signal(self, sig) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:  # gone (a failed run)
+                pass
+
+    def _loop(self) -> None:
+        try:
+            while not self.done.is_set():
+                self._signal(signal.SIGSTOP)
+                time.sleep(self.STOPPED_S)
+                self._signal(signal.SIGCONT)
+                self.done.wait(self.RUNNING_S)
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self._signal(signal.SIGCONT)
 
 
 def committed_steps(run_dir) -> dict[int, list[dict]]:
@@ -116,10 +166,12 @@ def assert_every_sample_trained_once(by_step: dict[int, list[dict]], reference_i
                          ids=["leader", "fsdp-follower-rank1", "fsdp-leader-rank0", "tp-follower-rank1"])
 def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_data, tmp_path, reference, inside,
                                                                  victim):
-    steps, batch = STEPS, 8
+    batch = 8
     replica, rank = victim
     shard = inside.get("dp_shard", 1)  # a replica's dp ranks
     workers = shard * inside.get("tp", 1)  # a replica's workers
+    steps = STEPS[workers]
+    reference = reference(steps)
     cfg = small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=live", f"ray.num_workers={2 * workers}",
                 "parallel.dp_replicate=2", *[f"parallel.{k}={v}" for k, v in inside.items()],
                 "elastic.live_recovery=true", "elastic.max_failures=3", "elastic.collective_timeout_s=30",
@@ -138,15 +190,26 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     group = {e["pid"] for e in launches if e["replica"] == replica}
     os.kill(pid, signal.SIGKILL)
     # The replacement must start cold, build its Trainer and join before the survivors run out of steps: a
-    # loaded CI run finished the 108 remaining steps first. The survivors' threads go to nice 19, so the
-    # replacement (nice 0) gets a core and they train on with what is left (what they compute is unchanged).
+    # loaded CI run once finished 108 remaining steps first. The survivors' threads go to nice 19, so the
+    # replacement (nice 0) gets a core, and once they have stepped alone they run a sixth of the time
+    # (`Throttle`): they train on alone, at a pace the replacement's start outruns (what they compute is
+    # unchanged). Held back from the kill, they once stepped alone only once before the rejoin.
     survivors = {e["pid"] for e in launches if e["replica"] != replica}
     set_priority(survivors, 19)
+
+    def rejoined():
+        return any(e["kind"] == "replica_joined" for e in jsonl(run_dir / "events.jsonl"))
+
+    wait_for(lambda: not job.thread.is_alive() or rejoined()
+             or any(r.get("replicas") == 1 for r in jsonl(run_dir / "metrics.jsonl")), 600, "a step alone")
+    throttle = Throttle(survivors)
     # Once the replacement joined, both replicas step together and the slower paces every step: the survivors
-    # go back to nice 0, as the Ray tests run (under xdist a niced test beside them would otherwise take half
-    # their CPU to the run's end, tests/workers.py). A run that ends first fails the checks below.
-    wait_for(lambda: not job.thread.is_alive() or any(e["kind"] == "replica_joined"
-                                                      for e in jsonl(run_dir / "events.jsonl")), 600, "a rejoin")
+    # run freely at nice 0 again, as the Ray tests run (under xdist a niced test beside them would otherwise
+    # take half their CPU to the run's end, tests/workers.py). A run that ends first fails the checks below.
+    try:
+        wait_for(lambda: not job.thread.is_alive() or rejoined(), 600, "a rejoin")
+    finally:
+        throttle.stop()
     set_priority(survivors, 0)
     summary = job.join(600)
     assert job.error is None, job.error
@@ -181,12 +244,15 @@ def test_a_killed_replica_is_replaced_live_and_the_run_completes(ray_4cpu, tiny_
     metrics = [r for r in jsonl(run_dir / "metrics.jsonl") if r.get("replicas")]
     one_replica = [r["step"] for r in metrics if r["replicas"] == 1]
     assert one_replica and min(one_replica) <= EXACT_STEPS, one_replica  # the survivor stepped alone
+    together = [r["step"] for r in metrics if r["replicas"] == 2 and r["step"] > max(one_replica)]
+    assert together, one_replica  # and both replicas stepped together again after the rejoin
     times = [r["elapsed_s"] for r in sorted(metrics, key=lambda r: r["step"])]  # (an unlogged step: in its gap)
     gaps = [b - a for a, b in zip(times, times[1:])]
     print(f"\nlive recovery ({inside or 'one worker'} inside, replica {replica} rank {rank} killed): survivor's "
           f"longest step gap "
           f"{max(gaps):.2f}s (median {sorted(gaps)[len(gaps) // 2]:.3f}s), time to rejoin "
-          f"{joined[0]['time_to_rejoin_s']:.2f}s, steps on one replica {len(one_replica)}, "
+          f"{joined[0]['time_to_rejoin_s']:.2f}s, steps on one replica {len(one_replica)} (of {steps}; {len(together)} "
+          f"together after the rejoin), "
           f"steps retried {summary.get('replica_steps_retried')}, largest loss difference over steps 1-{EXACT_STEPS} "
           f"{worst:.1e}")
     assert worst <= 1e-4, worst
