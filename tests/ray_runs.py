@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
 import time
 
@@ -79,6 +80,44 @@ class Background:
         self.thread.join(timeout_s)
         assert not self.thread.is_alive(), "training did not finish"
         return self.result
+
+
+class Throttle:
+    """Holds a run's workers back (SIGSTOP for STOPPED_S, then SIGCONT for RUNNING_S, over and over) until
+    `stop()`, so that what a test waits for while they train (a replacement that starts cold, warm spares
+    importing torch) comes well before they run out of steps however loaded the machine is, and the run needs
+    no steps spent only as a margin. A pause this short is no fault to anything in the run (torchft's heartbeats
+    time out after seconds, a collective after elastic.timeout_floor_s at the least); they train on at a sixth
+    of their pace. `stop()` always leaves them running."""
+
+    STOPPED_S, RUNNING_S = 0.25, 0.05
+
+    def __init__(self, pids: set[int]):
+        self.pids, self.done = pids, threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _signal(self, sig) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:  # gone (a failed run)
+                pass
+
+    def _loop(self) -> None:
+        try:
+            while not self.done.is_set():
+                self._signal(signal.SIGSTOP)
+                time.sleep(self.STOPPED_S)
+                self._signal(signal.SIGCONT)
+                self.done.wait(self.RUNNING_S)
+        finally:
+            self._signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self._signal(signal.SIGCONT)
 
 
 # The 4-CPU cluster of `ray_4cpu`, while it runs: {"patch": the MonkeyPatch holding its environment}.

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
-import time
 from collections import defaultdict
 
 import pytest
@@ -20,7 +18,7 @@ from raydist.config import Config
 from raydist.data.position import rank_slice
 from raydist.elastic.live import live_slice
 import ray_runs
-from ray_runs import Background, jsonl, wait_for
+from ray_runs import Background, Throttle, jsonl, wait_for
 from raydist.testing import run_fit
 
 # 20-45 s a case here; up to 266 s in clean-clone CI runs once (the tp case, before `Throttle`), too near 400 s for a
@@ -71,43 +69,6 @@ def set_priority(pids: set[int], nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, int(tid), nice)
             except OSError:
                 pass
-
-
-class Throttle:
-    """Holds processes back (SIGSTOP for STOPPED_S, then SIGCONT for RUNNING_S, over and over) until `stop()`:
-    the survivors of a kill, so that the replacement, which starts cold, joins well before they run out of
-    steps however loaded the machine is. A pause this short is no fault to anything in the run (torchft's
-    heartbeats time out after seconds, the collectives after elastic.collective_timeout_s); the survivors still
-    step alone at a sixth of their pace. `stop()` always leaves them running."""
-
-    STOPPED_S, RUNNING_S = 0.25, 0.05
-
-    def __init__(self, pids: set[int]):
-        self.pids, self.done = pids, threading.Event()
-        self.thread = threading.Thread(target=self._loop, daemon=True)
-        self.thread.start()
-
-    def _signal(self, sig) -> None:
-        for pid in self.pids:
-            try:
-                os.kill(pid, sig)
-            except OSError:  # gone (a failed run)
-                pass
-
-    def _loop(self) -> None:
-        try:
-            while not self.done.is_set():
-                self._signal(signal.SIGSTOP)
-                time.sleep(self.STOPPED_S)
-                self._signal(signal.SIGCONT)
-                self.done.wait(self.RUNNING_S)
-        finally:
-            self._signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        self.done.set()
-        self.thread.join()
-        self._signal(signal.SIGCONT)
 
 
 def committed_steps(run_dir) -> dict[int, list[dict]]:
