@@ -38,6 +38,12 @@ def records(run_dir, name="metrics.jsonl") -> list[dict]:
     return jsonl(os.path.join(run_dir, name))
 
 
+def worker_pids(run_dir) -> list[int]:
+    """The training workers' pids, from the newest start/restart event."""
+    starts = [e for e in records(run_dir, "events.jsonl") if e["kind"] in ("start", "restart")]
+    return [w["pid"] for w in starts[-1]["workers"]]
+
+
 def wait_for(predicate, timeout_s, what, job=None, run_dir=None):
     """Polls `predicate` until it returns something true (returned). With `job` (a Background), a run that
     ended first fails at once; with `run_dir`, a failure lists the run's newest events."""

@@ -17,17 +17,11 @@ from raydist.driver.launcher import launch
 from raydist.elastic import warm
 from raydist.testing import run_fit
 import ray_runs
-from ray_runs import Background, Throttle, elastic_config as small, records, wait_for
+from ray_runs import Background, Throttle, elastic_config as small, records, wait_for, worker_pids
 
 ray_4cpu = ray_runs.ray_4cpu  # the local cluster the module's tests share (a fixture)
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
-
-
-def worker_pids(run_dir):
-    """The training workers' pids, from the newest start/restart event."""
-    starts = [e for e in records(run_dir, "events.jsonl") if e["kind"] in ("start", "restart")]
-    return [w["pid"] for w in starts[-1]["workers"]]
 
 
 def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_4cpu, tiny_data, tmp_path):
