@@ -1,8 +1,9 @@
 """How the suite shares the machine between pytest-xdist's workers (README's test command: `-n 2 --dist
 loadfile`).
 
-The Ray tests spend about half their time waiting (a cluster, actors and replacement workers starting, a
-hang timer running out), and the rest of the suite keeps both cores busy, so the two run side by side:
+Alone, the Ray tests keep 1.4 of the two cores busy on average and leave the rest idle while they wait (a
+cluster, actors and replacement workers starting, a hang timer running out); the rest of the suite keeps both
+cores busy, so the two run side by side, and a run's wall time is about the CPU all of it needs over two cores:
 - every test file marked `ray` joins one scope, run in order by one worker and handed out first (it is
   the longest): one local Ray cluster at a time (two at once confuse each other: Ray Train's
   placement-group cleaner asks the default dashboard address, see tests/faults/test_foreign_dashboard.py);
