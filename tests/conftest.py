@@ -39,27 +39,6 @@ else:
         return make_scheduler(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_ray_cluster_at_a_time(request):
-    """Before a module that does not use the shared 4-CPU cluster (tests/ray_runs.py: `ray_4cpu`), that cluster
-    ends: module-scoped autouse fixtures come before the module's own ones (a `local_ray`, a fake multi-node
-    cluster), and the tests after the Ray files run without Ray. It also ends with the session."""
-    if "ray_4cpu" not in vars(request.module):
-        release_shared()
-
-
-def pytest_sessionfinish(session) -> None:
-    release_shared()
-
-
-def release_shared() -> None:
-    import sys
-
-    shared = sys.modules.get("ray_runs")  # (imported only by the Ray tests)
-    if shared is not None:
-        shared.release_shared()
-
-
 @pytest.fixture
 def plain_gloo(monkeypatch):
     """This test's processes use gloo as it is (a test of gloo's own behaviour, or of the audit on it)."""

@@ -126,48 +126,24 @@ class Throttle:
         self._signal(signal.SIGCONT)
 
 
-# The 4-CPU cluster of `ray_4cpu`, while it runs: {"patch": the MonkeyPatch holding its environment}.
-_SHARED: dict = {}
-
-
-def release_shared() -> None:
-    """Ends `ray_4cpu`'s cluster if it runs, and restores the environment it set. Called before every module
-    that does not use it (tests/conftest.py): one local cluster at a time (two at once confuse each other, see
-    tests/workers.py), and no Ray left running under the tests that follow, which may assert that none is."""
-    patch = _SHARED.pop("patch", None)
-    if patch is not None:
-        import ray
-
-        try:
-            ray.shutdown()
-        finally:
-            patch.undo()
-
-
 @pytest.fixture(scope="module")
 def ray_4cpu():
-    """A 4-CPU local cluster shared by the tests of consecutive modules that use it: starting and stopping
-    one costs 5-6 s and about 10 s of CPU here, and the Ray files run in order on one worker (tests/workers.py),
-    tests/faults' five of them one after another. `release_shared` ends it."""
+    """A 4-CPU local cluster shared by a module's tests (starting and stopping one costs 5-6 s here); a
+    module whose other tests start clusters of their own keeps them apart (tests/ray/test_node_loss.py)."""
     import ray
 
     from raydist.elastic import warm
     from raydist.driver.ray_cluster import embedded_dashboard, train_env
 
-    if "patch" in _SHARED and not ray.is_initialized():  # (a test shut it down)
-        release_shared()
-    if "patch" not in _SHARED:
-        # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one,
-        # its processes inherit raydist's Ray Train settings (the controller's ones only reach it this way),
-        # and its job preloads warm spare processes
-        patch = pytest.MonkeyPatch()
+    # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one, its
+    # processes inherit raydist's Ray Train settings (the controller's ones only reach it this way), and its
+    # job preloads warm spare processes
+    with pytest.MonkeyPatch.context() as monkeypatch:
         for key, value in train_env(embedded=True).items():
-            patch.setenv(key, value)
+            monkeypatch.setenv(key, value)
+        ray.init(address="local", num_cpus=4, logging_level="warning", runtime_env=warm.job_runtime_env(),
+                 **embedded_dashboard())
         try:
-            ray.init(address="local", num_cpus=4, logging_level="warning", runtime_env=warm.job_runtime_env(),
-                     **embedded_dashboard())
-        except BaseException:
-            patch.undo()
-            raise
-        _SHARED["patch"] = patch
-    yield ray
+            yield ray
+        finally:
+            ray.shutdown()
