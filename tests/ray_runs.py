@@ -122,8 +122,7 @@ class Throttle:
 
     def stop(self) -> None:
         self.done.set()
-        self.thread.join()
-        self._signal(signal.SIGCONT)
+        self.thread.join()  # (its loop's last act resumes them)
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(600)]
 EXACT_STEPS = 30  # the steps whose losses must equal the uninterrupted run's to 1e-4 (see the test)
 # The survivors are held back until the replacement joins (`Throttle`), so a run needs steps enough for the
 # kill at step 12, the survivor's steps alone and the steps after the rejoin that show both replicas stepping
-# together again: 60 with replicas of two workers (the kill came at step 12-13 here, 2-7 steps alone, 41-46 after
-# the rejoin), 120 with one-worker replicas, which step about five times faster (16 steps alone here).
+# together again: 60 with replicas of two workers (the kill came at step 12-13 here, 1-5 steps alone, 42-47 after
+# the rejoin), 120 with one-worker replicas, which step about five times faster (9-10 steps alone here).
 STEPS = {1: 120, 2: 60}  # by a replica's workers
 ray_4cpu = ray_runs.ray_4cpu  # the local cluster the module's tests share (a fixture)
 
