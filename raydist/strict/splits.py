@@ -143,7 +143,9 @@ def rendezvous(entry: dict, world: int, me: int, timeout_s: float, kind: str = "
             if not missing:
                 _leave_together(store, key, world, me, min(timeout_s, 30.0))
                 return
-            gone = [r for r in missing if store.check([f"gone/{r}"])]
+            # A rank sets gone/ only after posting: one seen gone whose entry is there now posted after `missing`
+            # was read (a loaded machine can pause this rank that long), took part, and may well have left.
+            gone = [r for r in missing if store.check([f"gone/{r}"]) and not store.check([keys[r]])]
             if gone or state.rendezvous_error is not None or time.monotonic() > deadline:
                 why = ("left the world (destroyed its process group)" if gone else
                        f"did not arrive in {timeout_s:.0f}s" if state.rendezvous_error is None else

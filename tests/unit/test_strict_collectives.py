@@ -196,6 +196,46 @@ def test_a_rank_that_skips_a_device_group_creation_is_named(strict_mode):
     assert seconds < 60, seconds
 
 
+class _PausedBeforeTheGoneCheck:
+    """The world's store as rank 0's creation sees it, with the pause a loaded machine can put between reading
+    which peers are missing and asking whether they left: until the peer has left."""
+
+    def __init__(self, inner):
+        self.inner, self.waited = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def check(self, keys):
+        if len(keys) == 1 and keys[0].startswith("gone/"):
+            self.waited += 1
+            deadline = time.monotonic() + 30
+            while not self.inner.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        return self.inner.check(keys)
+
+
+def _a_peer_posts_and_leaves_while_rank_0_is_paused() -> int:
+    from raydist.strict import runtime
+
+    if dist.get_rank() == 0:
+        state = runtime.current()
+        state.store = paused = _PausedBeforeTheGoneCheck(state.store)
+        dist.new_group([0])  # rank 1 has not posted yet: rank 0 reads it missing, then pauses
+        return paused.waited
+    time.sleep(1.0)
+    dist.new_group([0])  # the last creation, as a non-member: rank 1 returns and leaves while rank 0 is paused
+    return 0
+
+
+def test_a_peer_that_took_part_and_left_while_this_rank_was_paused_is_no_absentee(strict_mode):
+    # (a clean-clone CI run: rank 3 read rank 2 missing from the mesh's last split, a group of rank 3 alone,
+    # was paused, then saw rank 2 gone, which had posted its no-color part and left: "rank(s) [2] never took
+    # part")
+    waited, _ = spawn(_a_peer_posts_and_leaves_while_rank_0_is_paused, 2, timeout_s=60)
+    assert waited >= 1  # the pause happened: rank 0 asked whether rank 1 had left
+
+
 def _collective_against_a_creation() -> str:
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1))  # rank 1 creates a group meanwhile, which waits for rank 0
