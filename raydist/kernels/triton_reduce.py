@@ -20,3 +20,12 @@ def max_combine(a, b):
 @triton.jit
 def sum_combine(a, b):
     return a + b
+
+
+if INTERPRETED:
+    # The interpreter reduces with numpy only when the combiner *is* the standard library's (it compares
+    # objects, triton/runtime/interpreter.py `ReduceOps.apply_impl`, and never calls them); any other it runs
+    # in Python element by element, which made tl.reduce ~95% of an interpreted attention block's time. Those
+    # two are then never called, so the mode they were built in does not matter.
+    max_combine = getattr(tl.standard, "_elementwise_max", max_combine)
+    sum_combine = getattr(tl.standard, "_sum_combine", sum_combine)

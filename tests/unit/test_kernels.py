@@ -261,3 +261,13 @@ def test_swiglu_tiles_leave_each_thread_registers():
     kept = _prune(configs, {"A": a}, SWIGLU=True)
     assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps) for c in kept] == [(128, 128, 8), (128, 64, 4)]
     assert _prune(configs, {"A": a}, SWIGLU=False) == configs
+
+
+def test_the_interpreted_kernels_reduce_with_the_combiners_the_interpreter_runs_in_numpy():
+    # Triton's interpreter runs any other tl.reduce combiner element by element in Python: the interpreted
+    # attention forward and backward took 1.8x as long with raydist's own combiners (5.0 s against 2.8 s)
+    import triton.language as tl
+
+    reduce = runtime.load_kernel_module("triton_reduce")
+    assert reduce.INTERPRETED
+    assert reduce.max_combine is tl.standard._elementwise_max and reduce.sum_combine is tl.standard._sum_combine
