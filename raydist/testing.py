@@ -65,8 +65,8 @@ def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> La
 
     cfg = Config.from_dict(raw)
     layout = LocalSession().start(cfg)
-    trainer = Trainer(cfg, pick_device(), layout, options=TrainerOptions(record_samples=record_samples,
-                                                                         capture_grads=capture_grads))
+    trainer = Trainer(cfg, pick_device(), layout, options=TrainerOptions(  # the last step's gradients only
+        record_samples=record_samples, capture_grads=capture_grads, grads_at_step=steps))
     losses, norms, clipped = [], [], []
     try:
         for _ in range(steps):

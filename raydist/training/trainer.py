@@ -129,6 +129,7 @@ class StepStats:
 class TrainerOptions:
     record_samples: bool = False  # keep every sample id this rank's batch leader consumed (tests)
     capture_grads: bool = False  # keep each step's full (unsharded) gradients before clipping, by name (tests)
+    grads_at_step: int = 0  # with capture_grads: gather them at this step only (0: every step; a gather each)
     start_time: float = field(default_factory=time.time)  # the run's wall-clock origin for elapsed_s
     # Leave the weights uninitialised until `init_weights()` or a checkpoint load (`fit` resumes first and
     # initialises only when there was nothing to resume); the step methods refuse to run before either.
@@ -387,7 +388,8 @@ class Trainer:
                 out = self.runner.step(tokens, micro_batch=share.micro_batch,
                                        record_timeline=self.step == TIMELINE_STEP)
             loss = self.replicas.reduce(self.pm.model, out.loss, self._data_mean, share.weight)
-            if self.options.capture_grads:  # before clipping: clipping would hide a gradient's scale
+            # (before clipping, which would hide a gradient's scale)
+            if self.options.capture_grads and self.options.grads_at_step in (0, self.step + 1):
                 self.last_grads = full_gradients(self.pm.model, self.pm.aliases)
             with doing("clip: gradient norm"):
                 grad_norm = self.runner.clip(self.cfg.train.grad_clip)
