@@ -162,8 +162,9 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 # first time a rank initialises a parameter (`nn.init.normal_`), 0.65 s of CPU alone and 1.1 s of a
 # 4-rank, 3-step layout's 6.2 s on 2 cores (measured side by side). It imports Triton, whose settings
 # (triton.knobs) read the environment when used; raydist's kernels are not preloaded: `triton.jit` picks
-# the interpreter when a kernel is defined, after the rank has taken the caller's TRITON_INTERPRET.
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "raydist.training.trainer", "raydist.testing")
+# the interpreter when a kernel is defined, after the rank has taken the caller's TRITON_INTERPRET. pandas:
+# pyarrow's `to_numpy` imports it the first time a rank reads a shard (raydist.data.stream), 0.27 s of CPU.
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "pandas", "raydist.training.trainer", "raydist.testing")
 
 
 def start_method_context():
