@@ -1,6 +1,7 @@
 """The inner loop (`pytest -m "not ray and not slow"`) leaves out every test tests/durations.json records at
-1.5 s or more, and keeps the others and the tests it does not record yet. Each case collects generated test
-files in a pytest subprocess with tests/durations.py as a plugin and a recorded-seconds file beside them."""
+1.0 s or more (INNER_LIMIT_S), and keeps the others and the tests it does not record yet. Each case collects
+generated test files in a pytest subprocess with tests/durations.py as a plugin and a recorded-seconds file
+beside them."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ def _selected(tmp_path: Path, recorded: dict[str, float] | None) -> list[str]:
 
 
 def test_recorded_costly_tests_leave_the_inner_loop(tmp_path):
-    recorded = {"test_generated.py::test_quick": 0.3, "test_generated.py::test_costly": 1.5,
-                "test_generated.py::test_cases[cheap]": 1.4, "test_generated.py::test_cases[dear]": 14.0,
+    recorded = {"test_generated.py::test_quick": 0.3, "test_generated.py::test_costly": 1.0,
+                "test_generated.py::test_cases[cheap]": 0.9, "test_generated.py::test_cases[dear]": 14.0,
                 "test_generated.py::test_marked_by_hand": 0.1}
     assert _selected(tmp_path, recorded) == ["test_cases[cheap]", "test_new", "test_quick"]
 
