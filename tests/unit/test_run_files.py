@@ -60,7 +60,10 @@ def check_wall_time(summary: dict, run_dir: str) -> None:
     assert last["elapsed_s"] <= summary["elapsed_s"] <= summary["run_wall_s"] <= end["elapsed_s"] + SLACK_S
     assert checkpoint_write_s(run_dir) - SLACK_S <= summary["time_lost_checkpoint_s"]
     assert summary["time_lost_checkpoint_s"] + summary["train_wall_s"] <= summary["run_wall_s"] + SLACK_S
-    assert summary["useful_tokens_per_s"] == pytest.approx(summary["tokens"] / summary["run_wall_s"], rel=1e-3)
+    # over the wall time before summary.json rounded it to the millisecond: a run of 0.35 s (a clean-clone
+    # CI run) moves the quotient by up to 1.4e-3 that way
+    wall, tokens = summary["run_wall_s"], summary["tokens"]
+    assert tokens / (wall + 5e-4) - 0.005 <= summary["useful_tokens_per_s"] <= tokens / (wall - 5e-4) + 0.005
     assert (summary["replicas_lost"], summary["replica_time_out_s"], summary["replicas_out_at_end"]) == (0, 0.0, 0)
 
 
