@@ -199,8 +199,8 @@ class LocalHead:
             tree = descendants(self.proc.pid) | {self.proc.pid} | marked(self.id)
             if self.proc.poll() is None:
                 # `ray start --block` stops its children gracefully, one after another: an idle head in 2.5 s
-                # here, one that has run a job never within 8 s (test_job_submit.py's teardown, the autoscaling
-                # test's end: 8.3 s each run), so the SIGKILLs below end the rest either way
+                # here, one that has run a job never within 8 s (test_job_submit.py's teardown after its
+                # autoscaling job: 8.3 s each run), so the SIGKILLs below end the rest either way
                 self.proc.send_signal(signal.SIGTERM)
                 try:
                     self.proc.wait(timeout=3)

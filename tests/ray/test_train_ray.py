@@ -1,5 +1,5 @@
 """`raydist train` through Ray Train V2 on a local Ray the test process started: a Qwen3 directory trained and
-generated from, and driver checks. (The run directory contract of a plain 2-worker run:
+generated from, and driver checks. (The run directory contract of a plain data-parallel run:
 tests/ray/test_job_submit.py's submitted job.)"""
 
 import json
