@@ -6,13 +6,13 @@ storage: a restart, with steps redone, where a live replacement was wanted."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import socket
 import time
 
 import pytest
 import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
+from raydist.parallel.runtime import caller_process, start_method_context
 from workers import patience
 
 LATE_S = 2.0  # how much later replica 1 asks for its first quorum
@@ -49,10 +49,9 @@ def _start_group(group_size: int, wait_s: float, started: int = 2) -> dict[int, 
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
-    ctx = mp.get_context("spawn")
+    ctx = start_method_context()  # forks of the fork server, torch and raydist imported once
     out = ctx.Queue()
-    procs = [ctx.Process(target=_replica, args=(r, lighthouse.address(), group_size, wait_s, out))
-             for r in range(started)]
+    procs = [caller_process(ctx, _replica, r, lighthouse.address(), group_size, wait_s, out) for r in range(started)]
     try:
         for p in procs:
             p.start()

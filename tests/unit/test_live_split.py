@@ -7,7 +7,6 @@ single-process run's samples."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 from datetime import timedelta
 
@@ -18,6 +17,7 @@ import torch
 from raydist.elastic.live import Membership, Replicas, live_slice
 from raydist.schedule.batch import largest_divisor
 from raydist.testing import run_layout, tiny_config
+from raydist.parallel.runtime import caller_process, start_method_context
 from workers import patience
 
 STEPS, LOST_AT_STEP = 6, 4
@@ -106,9 +106,9 @@ def test_resplit_over_the_live_replicas_equals_the_single_process_step(tiny_data
     [reference] = run_layout(raw, 1, steps=STEPS, record_samples=True)
     live_raw = {**raw, "parallel": {"dp_replicate": 3, "dp_shard": 1}, "ray": {"num_workers": 3},
                 "elastic": {"live_recovery": True}}
-    ctx = mp.get_context("spawn")
+    ctx = start_method_context()  # forks of the fork server, torch and raydist imported once
     out = ctx.Queue()
-    procs = [ctx.Process(target=_replica, args=(r, live_raw, str(tmp_path), out)) for r in range(3)]
+    procs = [caller_process(ctx, _replica, r, live_raw, str(tmp_path), out) for r in range(3)]
     for p in procs:
         p.start()
     results = {}

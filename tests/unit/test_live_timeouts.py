@@ -10,7 +10,6 @@ group torchft built for the new quorum too."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import signal
@@ -21,6 +20,7 @@ import torchft  # noqa: F401  (the test extra installs it; missing, this is an e
 
 from raydist.config import Config
 from raydist.testing import tiny_config
+from raydist.parallel.runtime import caller_process, start_method_context
 from workers import patience
 
 CEILING_S = 60.0  # elastic.collective_timeout_s: what torchft's group waits without a derived limit
@@ -105,9 +105,9 @@ def test_a_replica_stopped_mid_step_costs_the_others_the_derived_limit_not_the_c
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000,
                                   heartbeat_timeout_ms=int(HEARTBEAT_TIMEOUT_S * 1000))
     stop_file = str(tmp_path / "stopped")
-    ctx = mp.get_context("spawn")
+    ctx = start_method_context()  # forks of the fork server, torch and raydist imported once
     out = ctx.Queue()
-    procs = [ctx.Process(target=_replica, args=(r, lighthouse.address(), raw, stop_file, out)) for r in (0, 1)]
+    procs = [caller_process(ctx, _replica, r, lighthouse.address(), raw, stop_file, out) for r in (0, 1)]
     try:
         for p in procs:
             p.start()
