@@ -15,6 +15,7 @@ import queue
 import signal
 import time
 
+import pytest
 import torch
 import torchft  # noqa: F401  (the test extra installs it; missing, this is an error, not a skip)
 
@@ -151,4 +152,7 @@ def test_a_replica_stopped_mid_step_costs_the_others_the_derived_limit_not_the_c
         if e[0] == "quorum" and e[1]:
             assert events[i + 1] == ("limits", None), events[i:i + 3]
     assert result["applied"] == derived
-    assert by_step[STEPS]["pg_timeout_s"] == derived and result["gloo_timeout_s"] == derived
+    # (the groups hold it as a timedelta, to the microsecond: a derived limit above the floor is not a round
+    # number, and a loaded clean-clone run saw 1.222012 s for 1.2220118 s)
+    assert by_step[STEPS]["pg_timeout_s"] == pytest.approx(derived, abs=1e-6)
+    assert result["gloo_timeout_s"] == pytest.approx(derived, abs=1e-6)
