@@ -13,8 +13,9 @@ cores busy, so the two run side by side, and a run's wall time is about the CPU 
   marked `ray`: the Ray tests keep their own pace, their waits bounded by timeouts, and the rest of the
   suite fills the idle CPU; those tests get three times their timeout (`allow_for_low_priority`), since
   they may get little CPU for minutes. (Ray starts its worker processes at nice 15, `RAY_worker_niceness`:
-  against them a niced rank still gets about 15/(15+36) of a core, by the kernel's weights, not nothing.) Measured on the 2-core machine without it: the Ray tests ran 2.3x slower beside
-  the others (test_live_recovery.py 363 s alone, 851 s beside them) and became the run's critical path.
+  against them a niced rank still gets about 15/(15+36) of a core, by the kernel's weights, not nothing.)
+  Measured on the 2-core machine without it: the Ray tests ran 2.3x slower beside the others
+  (test_live_recovery.py 363 s alone, 851 s beside them) and became the run's critical path.
 
 xdist's `loadgroup` would read an `xdist_group` mark instead, but xdist 3.8 puts the group into
 `item._nodeid`, which pytest 9.2 no longer reads. xdist's scheduler sees node ids only, so a Ray file is one

@@ -1,10 +1,10 @@
 """`ray job submit --working-dir . -- raydist train ...` against a real `ray start --head` (dashboard on, token
 authentication on) with autoscaling from zero: cluster_configs/local_fake.yaml, a head with no CPUs and no worker
-nodes. An elastic job (elastic_tiny.toml, here 2 workers at most) finds the cluster through RAY_ADDRESS; its pending demand makes the
-autoscaler launch fake nodes, training can only run on them (the head offers no CPU), the job succeeds, the
-scale-up time is in its logs, it writes its run directory and shows its progress in `ray job logs`. A bad
-config fails before any worker starts with its `error:` line in the logs; a client without the token is
-refused.
+nodes. An elastic job (elastic_tiny.toml, here 2 workers at most) finds the cluster through RAY_ADDRESS; its
+pending demand makes the autoscaler launch a fake node, training can only run there (the head offers no CPU),
+the job succeeds, the scale-up time is in its logs, it writes its run directory and shows its progress in
+`ray job logs`. A bad config fails before any worker starts with its `error:` line in the logs; a client
+without the token is refused.
 
 One head for the module (a head's start and stop, and a submitted job, cost 8-10 s of a core each): the
 submitted-job and autoscaling checks were two modules, each with its own head and job, until 2026-11-30. The

@@ -4,7 +4,8 @@ the nodes still alive (raydist.elastic.fresh_view).
 
 Each test starts and stops its own cluster: a head without CPUs and two worker nodes. The run's nodes hold one
 worker each (2 -> 1 -> 2 workers: every start of a group is cold processes importing torch, 5-7 s of a core each,
-and the 4 -> 2 -> 4 of before cost twice as many for the same shrink and growth); the sizing test's two.
+and the 4 -> 2 -> 4 of before cost twice as many for the same shrink and growth); the sizing test's nodes hold
+two CPUs each.
 """
 
 from __future__ import annotations
