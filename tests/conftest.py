@@ -4,6 +4,7 @@ skip policy: under CI=true a skip for any reason but the want of a CUDA GPU fail
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -27,6 +28,18 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 def pytest_runtest_setup(item) -> None:
     yield_to_ray(item)  # under xdist, the other tests' processes run at low CPU priority (tests/workers.py)
+    if not {"ray_4cpu", "ray_4cpu_fresh"} & set(item.fixturenames):
+        _release_shared_ray()  # the Ray files' shared cluster ends before a test that does not use it
+
+
+def pytest_sessionfinish(session) -> None:
+    _release_shared_ray()
+
+
+def _release_shared_ray() -> None:
+    ray_runs = sys.modules.get("ray_runs")  # (no test imported it: no cluster of its)
+    if ray_runs is not None:
+        ray_runs.SHARED.release()
 
 
 try:

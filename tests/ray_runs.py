@@ -125,24 +125,63 @@ class Throttle:
         self.thread.join()  # (its loop's last act resumes them)
 
 
-@pytest.fixture(scope="module")
-def ray_4cpu():
-    """A 4-CPU local cluster shared by a module's tests (starting and stopping one costs 5-6 s here); a
-    module whose other tests start clusters of their own keeps them apart (tests/ray/test_node_loss.py)."""
-    import ray
+class SharedCluster:
+    """The 4-CPU local cluster the Ray files' tests share (`ray_4cpu`), as raydist's own embedded cluster is
+    set up: another local cluster's dashboard must not answer for this one, its processes inherit raydist's
+    Ray Train settings (the controller's ones only reach it this way), and its job preloads warm spare
+    processes.
 
-    from raydist.elastic import warm
-    from raydist.driver.ray_cluster import embedded_dashboard, train_env
+    Starting and stopping a cluster costs 5-6 s of CPU here, and eight files started one each; now the
+    first test that asks starts it and the tests after it that ask reuse it, one driver and one job, across
+    files. It is shut down before the first test that does not ask (tests/conftest.py: a test that starts a
+    Ray of its own, or no Ray; one local cluster at a time, tests/workers.py) and at the session's end. A
+    file that needs a job of its own (`ray_4cpu_fresh`: its runs count the job's warm spares, which the runs
+    of earlier files in a shared job leave behind) gets a new cluster, shut down when a test asks for the
+    shared one again."""
 
-    # as raydist's own embedded cluster: another local cluster's dashboard must not answer for this one, its
-    # processes inherit raydist's Ray Train settings (the controller's ones only reach it this way), and its
-    # job preloads warm spare processes
-    with pytest.MonkeyPatch.context() as monkeypatch:
+    def __init__(self):
+        self.owner: str | None = None  # None: shared; else the file whose own cluster this is
+        self.env: pytest.MonkeyPatch | None = None  # set while a cluster is up
+
+    def get(self, owner: str | None = None):
+        import ray
+
+        from raydist.elastic import warm
+        from raydist.driver.ray_cluster import embedded_dashboard, train_env
+
+        if self.env is not None and self.owner == owner and ray.is_initialized():
+            return ray
+        self.release()
+        self.env, self.owner = pytest.MonkeyPatch(), owner
         for key, value in train_env(embedded=True).items():
-            monkeypatch.setenv(key, value)
+            self.env.setenv(key, value)
         ray.init(address="local", num_cpus=4, logging_level="warning", runtime_env=warm.job_runtime_env(),
                  **embedded_dashboard())
+        return ray
+
+    def release(self) -> None:
+        """Shuts the cluster down, if one is up, and restores the environment it was started with."""
+        if self.env is None:
+            return
+        import ray
+
         try:
-            yield ray
-        finally:
             ray.shutdown()
+        finally:
+            self.env.undo()
+            self.env = self.owner = None
+
+
+SHARED = SharedCluster()
+
+
+@pytest.fixture
+def ray_4cpu():
+    """The shared 4-CPU local cluster (`SharedCluster`); the `ray` module."""
+    return SHARED.get()
+
+
+@pytest.fixture
+def ray_4cpu_fresh(request):
+    """A 4-CPU local cluster of this test file's own, a job no other file's runs touched (`SharedCluster`)."""
+    return SHARED.get(owner=request.node.path.name)

@@ -30,7 +30,7 @@ EXACT_STEPS = 30  # the steps whose losses must equal the uninterrupted run's to
 # together again: 60 with replicas of two workers (the kill came at step 12-13 here, 1-5 steps alone, 42-47 after
 # the rejoin; one-worker replicas, which step about five times faster, needed 120).
 STEPS = 60
-ray_4cpu = ray_runs.ray_4cpu  # the local cluster the module's tests share (a fixture)
+ray_4cpu = ray_runs.ray_4cpu  # the Ray files' shared local cluster (a fixture)
 
 
 def small(data: str, root, *extra) -> Config:

@@ -8,11 +8,12 @@ from raydist.data.prepare import read_manifest
 from raydist.data.readers import ArrowReader, RayDataReader
 from raydist.data.stream import SampleStream, Split
 from raydist.errors import DataError
+from ray_runs import ray_4cpu  # noqa: F401  (the Ray files' shared local cluster: a fixture)
 
 pytestmark = pytest.mark.ray
 
 
-def test_ray_data_stream_equals_arrow_stream(local_ray, tiny_data):
+def test_ray_data_stream_equals_arrow_stream(ray_4cpu, tiny_data):
     split = Split.open(tiny_data, "train")
     order = SampleOrder(split.shard_rows, seed=3, block=read_manifest(tiny_data)["row_group_rows"])
     n = order.num_samples
@@ -27,7 +28,7 @@ def test_ray_data_stream_equals_arrow_stream(local_ray, tiny_data):
     assert out[0][0] == order.sample_ids(n - 40, 30).tolist() + order.sample_ids(n - 5, 35).tolist()
 
 
-def test_ray_data_reads_each_ranks_row_groups(local_ray, tiny_data):
+def test_ray_data_reads_each_ranks_row_groups(ray_4cpu, tiny_data):
     """dp 2, global batch 16 (row groups of 8 rows): through Ray Data each rank gets the rows of the order,
     resumed near the epoch's end, reading about half of what the whole-shard read reads."""
     split = Split.open(tiny_data, "train")
@@ -51,7 +52,7 @@ def test_ray_data_reads_each_ranks_row_groups(local_ray, tiny_data):
             whole.close()
 
 
-def test_ray_data_reader_reports_bad_shards(local_ray, tiny_data, tmp_path):
+def test_ray_data_reader_reports_bad_shards(ray_4cpu, tiny_data, tmp_path):
     import shutil
 
     shutil.copytree(tiny_data, tmp_path / "d")

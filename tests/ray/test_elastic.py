@@ -1,7 +1,7 @@
 """Elasticity on a real local Ray cluster: a killed worker, and a worker no layout can use (a lost and a
 joining node: tests/ray/test_node_loss.py).
 
-Each test runs `raydist train`'s launcher in a thread against the module's 4-CPU cluster and acts on it
+Each test runs `raydist train`'s launcher in a thread against the file's own 4-CPU cluster and acts on it
 while the run trains."""
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ from raydist.testing import run_fit
 import ray_runs
 from ray_runs import Background, Throttle, elastic_config as small, records, wait_for, worker_pids
 
-ray_4cpu = ray_runs.ray_4cpu  # the local cluster the module's tests share (a fixture)
+# A cluster of this file's own (a fixture): the kill test counts the job's warm spares, which the runs of other
+# files in the shared cluster's job leave behind.
+ray_4cpu_fresh = ray_runs.ray_4cpu_fresh
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_4cpu, tiny_data, tmp_path):
+def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_4cpu_fresh, tiny_data, tmp_path):
     # the kill (at step >= 24, seen in metrics written in the background, once two warm spares are up) lands
     # before the end: unhindered, a fast run of 120 steps (14 s) once ended while the spares started, and a
     # worker died after the last checkpoint (the restart then resumed at the last step; its summary takes the
@@ -43,8 +45,8 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     # two it also asks for the controller's own actors are not waited for: actors the controller starts and
     # ends during a run, at checkpoints, take them and the top-up replaces them, so their count at any moment
     # is a race; tests/ray/test_warm_spares_on_ray.py shows a controller's actors land in them)
-    job_id = ray_4cpu.get_runtime_context().get_job_id()
-    raylet = ray_4cpu.get(ray_4cpu.remote(lambda: os.environ["RAY_RAYLET_PID"]).remote())
+    job_id = ray_4cpu_fresh.get_runtime_context().get_job_id()
+    raylet = ray_4cpu_fresh.get(ray_4cpu_fresh.remote(lambda: os.environ["RAY_RAYLET_PID"]).remote())
     try:
         spares = wait_for(lambda: (lambda p: p if len(p) == 2 else None)(
             warm.spare_pids(job_id, raylet, ready_only=True)), 120, "two warm spares", job, run_dir)
@@ -84,7 +86,7 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     assert relaunch["process_started"] < relaunch["preloaded"] < relaunch["entered"]
 
 
-def test_a_worker_that_fits_no_layout_stays_idle_and_the_run_completes(ray_4cpu, tiny_data, tmp_path):
+def test_a_worker_that_fits_no_layout_stays_idle_and_the_run_completes(ray_4cpu_fresh, tiny_data, tmp_path):
     # 3 workers, global batch 8: dp 3 does not divide it, so dp 2 trains and the third worker idles,
     # following the active workers' reports to Ray Train (a barrier) until the end.
     summary = launch(small(tiny_data, tmp_path, "train.steps=12", "train.run_name=idle", "checkpoint.every_steps=4",

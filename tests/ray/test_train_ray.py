@@ -9,6 +9,7 @@ import pytest
 
 from raydist.config import Config, ConfigError
 from raydist.driver.launcher import launch
+from ray_runs import ray_4cpu  # noqa: F401  (the Ray files' shared local cluster: a fixture)
 
 pytestmark = pytest.mark.ray
 
@@ -21,7 +22,7 @@ def small(tiny_data, tmp_path, *extra):
         "train.run_name=r1", *extra])
 
 
-def test_a_qwen3_directory_trains_through_ray_train_and_generates_from_its_run(local_ray, tiny_data, tmp_path,
+def test_a_qwen3_directory_trains_through_ray_train_and_generates_from_its_run(ray_4cpu, tiny_data, tmp_path,
                                                                                  capsys):
     """Another family through the whole job: a Qwen3 `save_pretrained` directory (untied, heads of 32 on a
     64-wide model, per-head q/k norms) trained by Ray Train workers under FSDP 2 from `model.init_from`, its
@@ -54,7 +55,7 @@ def test_a_qwen3_directory_trains_through_ray_train_and_generates_from_its_run(l
     assert got["completion_ids"] == generate_ids(loaded.model, list(b"import os\n"), 8, eos_ids=(256,))
 
 
-def test_more_workers_than_the_cluster_can_hold_fails_in_bounded_time(local_ray, tiny_data, tmp_path):
+def test_more_workers_than_the_cluster_can_hold_fails_in_bounded_time(ray_4cpu, tiny_data, tmp_path):
     cfg = small(tiny_data, tmp_path, "ray.num_workers=8", "ray.max_pending_s=3", "train.global_batch=16")
     start = time.monotonic()
     with pytest.raises(ConfigError, match="ray.num_workers=8 needs 8 workers of 1 CPU each but the cluster can hold 4"):
