@@ -30,8 +30,9 @@ def test_killed_worker_is_replaced_and_the_run_matches_an_uninterrupted_one(ray_
     # the kill (at step >= 24, seen in metrics written in the background, once two warm spares are up) lands
     # before the end: unhindered, a fast run of 120 steps (14 s) once ended while the spares started, and a
     # worker died after the last checkpoint (the restart then resumed at the last step; its summary takes the
-    # loss from there). So from step 24 the workers are held back (`Throttle`) until the spares are up.
-    steps = 120
+    # loss from there). So from step 24 the workers are held back (`Throttle`) until the spares are up, and the
+    # run needs no more steps than the kill's and a resumed stretch after it (120 until 2026-11-30).
+    steps = 60
     # the uninterrupted run: the same 2-worker fit on gloo without Ray Train (run_fit's spawned ranks run the
     # same training loop, whose summary gives final_loss; test_stopped_rank_hang.py compares them to 1e-4)
     [reference, _] = run_fit(small(tiny_data, tmp_path, f"train.steps={steps}", "train.run_name=ref").to_dict(), 2,
