@@ -194,10 +194,13 @@ class _Checkpoints:
         self.reported = found.step
         return state
 
-    def save(self, blocking: bool) -> None:
+    def save(self, blocking: bool) -> float:
+        """Saves the trainer's state at its step; returns the seconds training stalled (goodput's checkpoint
+        time)."""
         stall = self.manager.save(self.trainer.step, self.trainer.checkpoint_parts(), blocking=blocking)
         if self.goodput:
             self.goodput.add_checkpoint_stall(stall)
+        return stall
 
     def sync(self, metrics: dict) -> None:
         """At a step every rank reaches: agree on the newest committed step; report it if new."""
@@ -310,7 +313,8 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
         first_val = last_val = trainer.evaluate() if t.eval_every else None
         trainer.notes["first_val_loss"] = first_val
         logger.record(None, val_loss=first_val, loss=trainer.loss_on(pending[0]))
-    wall_start, start_step = time.perf_counter(), trainer.step
+    # the training loop's wall time less its checkpoint stalls (goodput counts those as checkpoint time)
+    wall_start, start_step, stalled = time.perf_counter(), trainer.step, 0.0
     every = cfg.checkpoint.every_steps
     while trainer.step < t.steps:
         stats = trainer.train_step(pending)
@@ -329,7 +333,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
             phase("step")
         if ckpt and every and trainer.step % every == 0 and not done and lead():
             phase("save")  # waits for the save in flight, stages (and writes, when blocking)
-            ckpt.save(blocking=not cfg.checkpoint.async_save)
+            stalled += ckpt.save(blocking=not cfg.checkpoint.async_save)
             phase("step")
         if goodput:
             goodput.on_progress(trainer.step, logged)
@@ -345,7 +349,7 @@ def _fit(trainer: Trainer, run_dir: str | None, session: Session, log: Callable[
                 timeline = None
             if ckpt and not done:
                 ckpt.sync(_numbers(record))
-    wall = time.perf_counter() - wall_start
+    wall = time.perf_counter() - wall_start - stalled
     trainer.close()
     summary = {
         # (an attempt that resumed at the last step, its predecessor having died after saving it: the loss

@@ -67,6 +67,23 @@ def check_wall_time(summary: dict, run_dir: str) -> None:
     assert (summary["replicas_lost"], summary["replica_time_out_s"], summary["replicas_out_at_end"]) == (0, 0.0, 0)
 
 
+def test_the_training_loops_time_leaves_out_its_checkpoint_stalls(tiny_data, tmp_path):
+    """Every save stalls a second more (tests/unit/slow_save.py): the one inside the loop (step 4) is checkpoint
+    time, not training time, so the two still fit in the run's wall time. Until 2026-11-30 train_wall_s held
+    it too: with this plant 1.25 s against the 0.50 s bound below, and without it a clean-clone CI run once
+    saw 0.615 + 0.151 s over a wall of 0.76 s (test_goodput_of_an_uninterrupted_run)."""
+    from slow_save import SLOW_S
+
+    run_dir = str(tmp_path / "run")
+    [result] = run_fit(config(tiny_data), 1, run_dir, imports=("slow_save",))
+    summary = result.summary
+    assert summary["time_lost_checkpoint_s"] >= 2 * SLOW_S  # steps 4 and 8
+    # the loop runs from just after step 0's record to just after step 8's, the step-4 save inside it
+    elapsed = {r["step"]: r["elapsed_s"] for r in jsonl(run_dir, "metrics.jsonl")}
+    assert summary["train_wall_s"] <= elapsed[STEPS] - elapsed[0] - SLOW_S + 0.25  # (the plant: 1 s over)
+    check_wall_time(summary, run_dir)
+
+
 def test_goodput_of_an_uninterrupted_run(runs):
     result, run_dir = runs["reference"]
     summary = read_json(run_dir, "summary.json")
