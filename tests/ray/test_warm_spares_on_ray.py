@@ -12,22 +12,17 @@ import time
 import pytest
 
 from raydist.elastic import warm
+import ray_runs
 from ray_runs import wait_for
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]  # its own waits: 120 s each
 
 
-@pytest.fixture
-def ray_hooked():
-    """A local Ray whose job runs raydist's setup hook, as raydist's embedded cluster does."""
-    import ray
-
-    from raydist.driver.ray_cluster import embedded_dashboard
-
-    ray.init(address="local", num_cpus=4, logging_level="warning", runtime_env=warm.job_runtime_env(),
-             **embedded_dashboard())
-    yield ray
-    ray.shutdown()
+# A local Ray whose job runs raydist's setup hook, as raydist's embedded cluster does: one of this file's own
+# (a fixture; the tests count the job's spare processes, which other files' runs in the shared cluster's job
+# leave behind), shared by its first two tests. The first leaves no idle process with the workers' runtime env,
+# and the second counts those with the controller's.
+ray_4cpu_fresh = ray_runs.ray_4cpu_fresh
 
 
 def probe_class(ray):
@@ -57,8 +52,8 @@ def two_spares(job, raylet):
     return wait_for(ready_two, 120, "two idle spares")
 
 
-def test_an_actor_with_the_workers_runtime_env_starts_in_a_preloaded_spare(ray_hooked):
-    ray = ray_hooked
+def test_an_actor_with_the_workers_runtime_env_starts_in_a_preloaded_spare(ray_4cpu_fresh):
+    ray = ray_4cpu_fresh
     Probe = probe_class(ray)
     job = ray.get_runtime_context().get_job_id()
     first = Probe.options(runtime_env=warm.worker_runtime_env()).remote()
@@ -82,10 +77,10 @@ def test_an_actor_with_the_workers_runtime_env_starts_in_a_preloaded_spare(ray_h
     assert warm.spare_pids(job, raylet) == []
 
 
-def test_a_controllers_own_actors_start_in_spares_asked_for_by_its_worker(ray_hooked):
+def test_a_controllers_own_actors_start_in_spares_asked_for_by_its_worker(ray_4cpu_fresh):
     """As Ray Train's: the controller has its own runtime env, creates its workers with the marked worker env
     (which Ray merges into its own) and its SynchronizationActor and DatasetManager with its env."""
-    ray = ray_hooked
+    ray = ray_4cpu_fresh
     Probe = probe_class(ray)
 
     @ray.remote(num_cpus=0)
