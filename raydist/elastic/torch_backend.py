@@ -24,6 +24,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
@@ -39,11 +40,42 @@ def set_env_defaults(env: dict[str, str]) -> None:
         os.environ.setdefault(key, value)
 
 
+def port_taken(error: BaseException) -> bool:
+    """Whether `error` (a Ray task's, whose `cause` is the worker's exception, or one it chains) is rank 0's
+    TCPStore failing to listen because its port was taken: Ray Train's `get_address_and_port` finds a free
+    port by binding port 0 and closing the socket, and another process can take the port before the store
+    binds it (a clean-clone CI run: EADDRINUSE, with other tests' gloo and Ray connections on the machine)."""
+    seen: set[int] = set()
+    stack = [error]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, dist.DistNetworkError) and any(m in str(err) for m in ("EADDRINUSE", "already in use")):
+            return True
+        stack += [getattr(err, "cause", None), err.__cause__, err.__context__]
+    return False
+
+
 class _WatchedTorchBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config: "WatchedTorchConfig"):
         if backend_config.worker_env:
             worker_group.execute(set_env_defaults, env=dict(backend_config.worker_env))
-        super().on_start(worker_group, backend_config)
+        try:
+            super().on_start(worker_group, backend_config)
+        except Exception as exc:
+            if not port_taken(exc):
+                raise
+            # Ray Train retries a worker group whose start failed with this error (a controller error it
+            # counts against FailureConfig.controller_failure_limit, unbounded by default; any other error in
+            # a backend's on_start ends the run): new workers, a new port. The workers still waiting for
+            # the store are ended with the group.
+            from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+
+            raise WorkerGroupStartupFailedError(
+                "the default process group's store could not listen on the port Ray Train chose (another "
+                "process took it first); starting the worker group again") from exc
 
 
 @dataclass
