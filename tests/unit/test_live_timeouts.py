@@ -155,4 +155,5 @@ def test_a_replica_stopped_mid_step_costs_the_others_the_derived_limit_not_the_c
     # (the groups hold it as a timedelta, to the microsecond: a derived limit above the floor is not a round
     # number, and a loaded clean-clone run saw 1.222012 s for 1.2220118 s)
     assert by_step[STEPS]["pg_timeout_s"] == pytest.approx(derived, abs=1e-6)
-    assert result["gloo_timeout_s"] == pytest.approx(derived, abs=1e-6)
+    # (gloo keeps it in whole milliseconds, truncated: a clean-clone run saw 1.428 s for 1.4288472 s)
+    assert derived - 1e-3 < result["gloo_timeout_s"] <= derived + 1e-6
