@@ -6,6 +6,10 @@ A `ConfigError`'s message is one line naming the offending value and the fix
 names a file on storage (and its row) and what is wrong with it; the CLI treats it the same way.
 """
 
+from __future__ import annotations
+
+from typing import Callable, Iterable, Iterator
+
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line naming the value and the fix."""
@@ -13,3 +17,17 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """Bad data on storage: the message names the file (and row) and what is wrong."""
+
+
+def wrapped(error: BaseException, more: Callable[[BaseException], Iterable] = lambda e: ()) -> Iterator[BaseException]:
+    """`error` and every error it wraps, each once, depth first: its cause and context, a Ray task error's
+    `cause` (the worker's own exception) and what `more(e)` names (e.g. Ray Train's per-worker failures)."""
+    seen: set[int] = set()
+    stack: list = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        stack.extend([getattr(e, "cause", None), e.__cause__, e.__context__, *more(e)])

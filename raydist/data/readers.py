@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from raydist.data.row_groups import ByteCounter, read_rows
 from raydist.data.stream import ReadTask, Shard, Split, as_task, read_shard, table_to_shard
-from raydist.errors import DataError
+from raydist.errors import DataError, wrapped
 
 class ArrowReader:
     """pyarrow + fsspec in a background thread, `prefetch` shards ahead."""
@@ -145,15 +145,9 @@ def _data_error_in(exc: BaseException) -> str | None:
     """The message of the DataError that `exc` wraps. Ray Data hands a task's exception back as a
     RayTaskError(UserCodeException) whose text holds the task's traceback (the DataError object itself is
     not in its cause chain), so the message is taken from that text."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
+    for e in wrapped(exc):
         if isinstance(e, DataError):
             return str(e)
-        todo += [e.__cause__, e.__context__, getattr(e, "cause", None)]
     for line in str(exc).splitlines():
         if _DATA_ERROR_LINE in line:
             return line.split(_DATA_ERROR_LINE, 1)[1].strip()

@@ -18,7 +18,7 @@ import pickle
 import time
 from typing import Any
 
-from raydist.errors import ConfigError
+from raydist.errors import ConfigError, wrapped
 from raydist.store.run_store import RunStore
 
 FATAL = "fatal.json"
@@ -78,22 +78,19 @@ def training_failure(exc: BaseException) -> BaseException | None:
     (Ray Train's, a worker's) as a one-line RuntimeError; None for anything else."""
     from raydist.errors import DataError
 
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if id(e) in seen or e is None:
-            continue
-        seen.add(id(e))
+    for e in wrapped(exc, _worker_failures):
         if isinstance(e, (ConfigError, DataError)):
             return e
-        stack.extend([getattr(e, "cause", None), e.__cause__, e.__context__])
-        worker_failures = getattr(e, "worker_failures", None)
-        stack.extend(worker_failures.values() if isinstance(worker_failures, dict) else [])
     name = type(exc).__name__
     if "Training" in name or "RayTaskError" in name or "ActorDiedError" in name:
         return RuntimeError(f"training failed ({name}): {first_line(exc)}")
     return None
+
+
+def _worker_failures(e: BaseException) -> list:
+    """Ray Train's WorkerGroupError holds each failed worker's exception by rank."""
+    failures = getattr(e, "worker_failures", None)
+    return list(failures.values()) if isinstance(failures, dict) else []
 
 
 def describe(exc: BaseException) -> str:

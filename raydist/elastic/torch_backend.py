@@ -30,6 +30,7 @@ from ray.train.torch.config import _TorchBackend
 
 from raydist import strict
 from raydist.config import Config
+from raydist.errors import wrapped
 from raydist.elastic.hang.trigger import group_timeout_s
 
 NCCL_ENV = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
@@ -45,17 +46,8 @@ def port_taken(error: BaseException) -> bool:
     TCPStore failing to listen because its port was taken: Ray Train's `get_address_and_port` finds a free
     port by binding port 0 and closing the socket, and another process can take the port before the store
     binds it (a clean-clone CI run: EADDRINUSE, with other tests' gloo and Ray connections on the machine)."""
-    seen: set[int] = set()
-    stack = [error]
-    while stack:
-        err = stack.pop()
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, dist.DistNetworkError) and any(m in str(err) for m in ("EADDRINUSE", "already in use")):
-            return True
-        stack += [getattr(err, "cause", None), err.__cause__, err.__context__]
-    return False
+    return any(isinstance(e, dist.DistNetworkError) and any(m in str(e) for m in ("EADDRINUSE", "already in use"))
+               for e in wrapped(error))
 
 
 class _WatchedTorchBackend(_TorchBackend):
