@@ -25,13 +25,18 @@ INNER_LIMIT_S = 1.0  # the 4-minute inner loop: 1.5 s let it reach 240 s once th
 _TESTS: dict[str, float] = defaultdict(float)
 
 
-def recorded_seconds(path: str = RECORDED) -> dict[str, float]:
-    """Each test's recorded seconds by node id (empty without the file)."""
+def recorded(path: str = RECORDED) -> dict:
+    """The recorded run ({"total_s", "files": {file: s}, "tests": {nodeid: s}}; empty parts without the file)."""
     try:
         with open(path) as f:
-            return json.load(f)["tests"]
+            return json.load(f)
     except FileNotFoundError:
-        return {}
+        return {"total_s": 0.0, "files": {}, "tests": {}}
+
+
+def recorded_seconds(path: str = RECORDED) -> dict[str, float]:
+    """Each test's recorded seconds by node id."""
+    return recorded(path)["tests"]
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # as a plugin of its own (tests/unit/test_inner_loop.py)

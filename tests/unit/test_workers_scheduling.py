@@ -25,6 +25,17 @@ def test_ray_files_share_one_scope_and_the_rest_go_by_file():
     check_ray_files([_Item("tests/ray/test_train_ray.py::t", True), _Item("tests/unit/test_fsdp.py::t", False)])
 
 
+def test_the_ray_scope_goes_first_then_the_longest_files_by_their_recorded_seconds():
+    from workers import UNRECORDED_S_PER_TEST, work_order
+
+    scopes = {"tests/unit/a.py": {"t1": False}, RAY_SCOPE: {"r": False}, "tests/unit/b.py": {"t1": False},
+              "tests/unit/new.py": {f"t{i}": False for i in range(7)}, "tests/unit/c.py": {"t1": False}}
+    recorded = {"tests/unit/a.py": 2.0, "tests/unit/b.py": 30.0, "tests/unit/c.py": 9.0}
+    assert 2.0 < 7 * UNRECORDED_S_PER_TEST < 9.0  # (new.py's guess falls between a and c)
+    assert work_order(scopes, recorded) == [RAY_SCOPE, "tests/unit/b.py", "tests/unit/c.py", "tests/unit/new.py",
+                                            "tests/unit/a.py"]
+
+
 @pytest.mark.parametrize("item", [_Item("tests/unit/test_fsdp.py::t", True),  # a Ray test in a plain file
                                   _Item("tests/ray/test_train_ray.py::t", False)],  # a plain test in a Ray file
                          ids=["ray-mark-elsewhere", "unmarked-in-ray-file"])
