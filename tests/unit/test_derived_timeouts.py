@@ -164,7 +164,9 @@ def test_a_slow_rank_under_derived_timeouts_is_a_straggler_and_the_run_completes
     for move in moves:
         assert move["collective_s"] == pytest.approx(min(CEILING_S, max(move["floor_s"], 3.0 * move["measured_s"])),
                                                      rel=1e-2)
-        assert move["collective_s"] < CEILING_S and move["watchdog_s"] == pytest.approx(2 * move["collective_s"])
+        # (the event holds each limit rounded to the millisecond: 2 x 3.412 against 6.823 in a clean-clone run)
+        assert move["collective_s"] < CEILING_S and move["watchdog_s"] == pytest.approx(2 * move["collective_s"],
+                                                                                        abs=1.5e-3)
     assert all("timeouts" in r for r in records if r["step"] >= moves[0]["step"])
 
 
