@@ -51,6 +51,7 @@ except ImportError:
     ReplicaGroup = TorchftConfig = _TorchftBackend = None
 
 from raydist.elastic.live import IDENTITY_ENV, ReplicaIdentity
+from raydist.elastic.torch_backend import retried_if_port_taken
 from raydist.errors import ConfigError
 
 SUPPORTED_RAY = "2.60."  # the internals above were read from Ray 2.60.0
@@ -123,7 +124,8 @@ class _ReplicaGroupsBackend(_TorchftBackend):
 
     def on_start(self, worker_group, backend_config):
         size = backend_config.workers_per_replica
-        if isinstance(worker_group, ReplicaGroup):  # a replacement
+        replacement = isinstance(worker_group, ReplicaGroup)
+        if replacement:
             first = renumber_replacement(self._worker_group, worker_group, size)
         else:  # the whole group's start
             self._worker_group = worker_group
@@ -131,7 +133,14 @@ class _ReplicaGroupsBackend(_TorchftBackend):
             first = 0
         replicas = len(self._worker_group.get_replica_groups())
         _push_identities(worker_group, first, size, replicas)  # before the train function starts
-        super().on_start(worker_group, backend_config)  # Lighthouse address, a process group per replica
+
+        def start():  # the Lighthouse address, a process group per replica
+            super(_ReplicaGroupsBackend, self).on_start(worker_group, backend_config)
+
+        if replacement:  # (how Ray Train's replacement path handles a startup error is not tested here)
+            start()
+        else:  # each replica's store can lose its port as the default group's can
+            retried_if_port_taken(start)
 
 
 class ReplicaGroupsConfig(TorchftConfig):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch.distributed as dist
 from ray.train.torch import TorchConfig
@@ -50,24 +51,29 @@ def port_taken(error: BaseException) -> bool:
                for e in wrapped(error))
 
 
+def retried_if_port_taken(start: Callable[[], None]) -> None:
+    """Runs a backend's `start` (which sets up the default process group); a store that lost its port
+    (`port_taken`) becomes the error Ray Train retries. Ray Train retries a worker group whose start failed
+    with WorkerGroupStartupFailedError (a controller error it counts against
+    FailureConfig.controller_failure_limit, unbounded by default; any other error in a backend's on_start ends
+    the run): new workers, a new port. The workers still waiting for the store are ended with the group."""
+    try:
+        start()
+    except Exception as exc:
+        if not port_taken(exc):
+            raise
+        from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
+
+        raise WorkerGroupStartupFailedError(
+            "the default process group's store could not listen on the port Ray Train chose (another "
+            "process took it first); starting the worker group again") from exc
+
+
 class _WatchedTorchBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config: "WatchedTorchConfig"):
         if backend_config.worker_env:
             worker_group.execute(set_env_defaults, env=dict(backend_config.worker_env))
-        try:
-            super().on_start(worker_group, backend_config)
-        except Exception as exc:
-            if not port_taken(exc):
-                raise
-            # Ray Train retries a worker group whose start failed with this error (a controller error it
-            # counts against FailureConfig.controller_failure_limit, unbounded by default; any other error in
-            # a backend's on_start ends the run): new workers, a new port. The workers still waiting for
-            # the store are ended with the group.
-            from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
-
-            raise WorkerGroupStartupFailedError(
-                "the default process group's store could not listen on the port Ray Train chose (another "
-                "process took it first); starting the worker group again") from exc
+        retried_if_port_taken(lambda: super(_WatchedTorchBackend, self).on_start(worker_group, backend_config))
 
 
 @dataclass

@@ -31,10 +31,33 @@ class _Group:
     def execute(self, fn, **kwargs):
         fn(**kwargs)
 
+    def get_replica_groups(self):
+        return []
 
-@pytest.mark.parametrize("raised, retried", [("taken", True), ("other", False)])
-def test_a_taken_port_restarts_the_group_and_any_other_failure_ends_the_run(monkeypatch, raised, retried):
+
+def _default_group(monkeypatch, fail):
     from ray.train.torch.config import _TorchBackend
+
+    monkeypatch.setattr(_TorchBackend, "on_start", fail)
+    return torch_backend.WatchedTorchConfig(backend="gloo")
+
+
+def _replica_groups(monkeypatch, fail):
+    """Live recovery's backend, starting the whole group: a store per replica, each set up as the default
+    group's is."""
+    from ray.train.v2.torch.torchft_config import _TorchftBackend
+
+    from raydist.elastic import replica_groups
+
+    monkeypatch.setattr(_TorchftBackend, "on_start", fail)
+    monkeypatch.setattr(replica_groups, "regroup", lambda group, size: None)
+    monkeypatch.setattr(replica_groups, "_push_identities", lambda *args: None)
+    return replica_groups.ReplicaGroupsConfig(lighthouse_kwargs={}, workers_per_replica=1)
+
+
+@pytest.mark.parametrize("backend", [_default_group, _replica_groups], ids=["default-group", "replica-groups"])
+@pytest.mark.parametrize("raised, retried", [("taken", True), ("other", False)])
+def test_a_taken_port_restarts_the_group_and_any_other_failure_ends_the_run(monkeypatch, backend, raised, retried):
     from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
     from ray.train.v2._internal.execution.failure_handling.default import RETRYABLE_CONTROLLER_ERRORS
 
@@ -44,10 +67,9 @@ def test_a_taken_port_restarts_the_group_and_any_other_failure_ends_the_run(monk
     def fail(self, worker_group, backend_config):
         raise error
 
-    monkeypatch.setattr(_TorchBackend, "on_start", fail)
-    backend = torch_backend.WatchedTorchConfig(backend="gloo").backend_cls()
+    config = backend(monkeypatch, fail)
     with pytest.raises(Exception) as caught:
-        backend.on_start(_Group(), torch_backend.WatchedTorchConfig(backend="gloo"))
+        config.backend_cls().on_start(_Group(), config)
     if retried:  # the error Ray Train's failure policy retries (ray/train/v2/.../failure_handling/default.py)
         assert isinstance(caught.value, WorkerGroupStartupFailedError) and caught.value.__cause__ is error
         assert issubclass(type(caught.value), RETRYABLE_CONTROLLER_ERRORS)
