@@ -133,14 +133,11 @@ class _ReplicaGroupsBackend(_TorchftBackend):
             first = 0
         replicas = len(self._worker_group.get_replica_groups())
         _push_identities(worker_group, first, size, replicas)  # before the train function starts
-
-        def start():  # the Lighthouse address, a process group per replica
-            super(_ReplicaGroupsBackend, self).on_start(worker_group, backend_config)
-
+        start = super().on_start  # the Lighthouse address, a process group per replica
         if replacement:  # (how Ray Train's replacement path handles a startup error is not tested here)
-            start()
+            start(worker_group, backend_config)
         else:  # each replica's store can lose its port as the default group's can
-            retried_if_port_taken(start)
+            retried_if_port_taken(start, worker_group, backend_config)
 
 
 class ReplicaGroupsConfig(TorchftConfig):

@@ -51,21 +51,21 @@ def port_taken(error: BaseException) -> bool:
                for e in wrapped(error))
 
 
-def retried_if_port_taken(start: Callable[[], None]) -> None:
-    """Runs a backend's `start` (which sets up the default process group); a store that lost its port
+def retried_if_port_taken(start: Callable[..., None], *args) -> None:
+    """Runs a backend's `start(*args)` (which sets up a process group); a store that lost its port
     (`port_taken`) becomes the error Ray Train retries. Ray Train retries a worker group whose start failed
     with WorkerGroupStartupFailedError (a controller error it counts against
     FailureConfig.controller_failure_limit, unbounded by default; any other error in a backend's on_start ends
     the run): new workers, a new port. The workers still waiting for the store are ended with the group."""
     try:
-        start()
+        start(*args)
     except Exception as exc:
         if not port_taken(exc):
             raise
         from ray.train.v2._internal.exceptions import WorkerGroupStartupFailedError
 
         raise WorkerGroupStartupFailedError(
-            "the default process group's store could not listen on the port Ray Train chose (another "
+            "a process group's store could not listen on the port Ray Train chose (another "
             "process took it first); starting the worker group again") from exc
 
 
@@ -73,7 +73,7 @@ class _WatchedTorchBackend(_TorchBackend):
     def on_start(self, worker_group, backend_config: "WatchedTorchConfig"):
         if backend_config.worker_env:
             worker_group.execute(set_env_defaults, env=dict(backend_config.worker_env))
-        retried_if_port_taken(lambda: super(_WatchedTorchBackend, self).on_start(worker_group, backend_config))
+        retried_if_port_taken(super().on_start, worker_group, backend_config)
 
 
 @dataclass
