@@ -190,8 +190,8 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
+    from raydist.driver.ray_trainer import Trainer
     from raydist.elastic import warm
-    from raydist.elastic.fresh_view import Trainer
     from raydist.training.ray_session import ray_worker_entry
 
     cfg, facts = lp.cfg, lp.facts
@@ -223,7 +223,7 @@ def build_trainer(lp: LaunchPlan, use_gpu: bool, start_time: float, record_sampl
         from raydist.strict.ray_train import strict_torch_config
 
         torch_config = strict_torch_config(torch_config)
-    return Trainer(  # TorchTrainer; an elastic run's group sized from the alive nodes (fresh_view)
+    return Trainer(  # TorchTrainer; an elastic run sized from the alive nodes, no DatasetManager
         ray_worker_entry,
         train_loop_config=payload,
         torch_config=torch_config,

@@ -13,9 +13,10 @@ about 60 s later. A node that joins is likewise seen only at the first resize ch
 `FreshViewScalingPolicy` asks with `recompute=True`, which runs one tick (the alive nodes from GCS) before
 answering. It is asked at most once a second while a group is down (Ray's own rate limit,
 `GET_RESERVED_RESOURCES_INTERVAL_S`) and once per `elastic.resize_check_interval_s` while it runs, so the
-extra `ray.nodes()` calls are few. `Trainer` hands it to Ray Train's controller in place of the policy
-Ray Train would make. Both are Ray Train internals: they are used only where the installed Ray has them
-with the signatures read here (`fresh_view_supported`), and otherwise Ray Train's own policy runs.
+extra `ray.nodes()` calls are few. raydist.driver.ray_trainer.Trainer hands it to Ray Train's controller
+in place of the policy Ray Train would make. Both are Ray Train internals: they are used only where the
+installed Ray has them with the signatures read here (`fresh_view_supported`), and otherwise Ray Train's
+own policy runs.
 """
 
 from __future__ import annotations
@@ -59,11 +60,3 @@ class FreshViewScalingPolicy(ElasticScalingPolicy or object):
         self._latest_reserved_resources = reserved
         return reserved
 
-
-class Trainer(TorchTrainer):
-    """TorchTrainer whose elastic runs are sized by `FreshViewScalingPolicy` (fixed-size runs: unchanged)."""
-
-    def _initialize_and_run_controller(self, **controller_init_kwargs):
-        if self.scaling_config.elasticity_enabled and fresh_view_supported():
-            controller_init_kwargs["scaling_policy"] = FreshViewScalingPolicy(self.scaling_config)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)

@@ -11,15 +11,16 @@ ran a task or an actor never hosts another actor). This module fills that pool a
 - every Ray Train worker's runtime env carries SPARE_ENV_VAR (through `RunConfig.worker_runtime_env`, which
   Ray Train merges into the controller's runtime env for each worker actor). It marks the processes to
   preload, and it keeps the workers' spares apart from the controller's own: at every worker group start
-  the controller also creates, with its own runtime env and on its own node, a SynchronizationActor and a
-  DatasetManager (CONTROLLER_ACTORS), whose cold starts otherwise compete for the cores with the workers';
+  the controller also creates, with its own runtime env and on its own node, a SynchronizationActor
+  (CONTROLLER_ACTORS; Ray Train's DatasetManager too, but raydist's trainer starts none,
+  raydist.driver.ray_trainer), whose cold start otherwise competes for the cores with the workers';
 - the job's `worker_process_setup_hook` (a job-level runtime env field: Ray runs it in every worker process
   of the job after the process connects and before it takes work; ray/_private/workers/default_worker.py)
   is `preload`: in a process with SPARE_ENV_VAR it imports what a raydist Ray Train worker imports, in a
   process with the controller's runtime env (CONTROLLER_ENV_VAR) the modules of the controller's actors, in
   any other process nothing;
 - after a worker group's first step, local rank 0 of each node asks its raylet to start idle processes with
-  the workers' exact runtime env, one per worker on the node, and on the controller's node two with the
+  the workers' exact runtime env, one per worker on the node, and on the controller's node one with the
   controller's runtime env, less those already idle there (`request_spares`: the raylet's PrestartWorkers
   RPC, `NodeManagerService.PrestartWorkers` in src/ray/protobuf/node_manager.proto, Ray >= 2.40; no public
   Python API calls it in Ray 2.60).
@@ -28,7 +29,7 @@ The RPC and the controller's runtime env are Ray internals, so the path is optio
 Ray version it was checked against (SUPPORTED_RAY), any failure is one warning line, and a restart then
 starts cold processes as before. tests/ray/test_warm_spares_on_ray.py fails if Ray stops placing actors in such
 spares, tests/ray/test_elastic.py if a restarted Ray Train group starts a new process. The spares cost
-memory (an idle process per worker with torch imported, two with Ray Train) and belong to the job: Ray
+memory (an idle process per worker with torch imported, one with Ray Train) and belong to the job: Ray
 ends them with the driver.
 """
 
@@ -46,7 +47,7 @@ SPARE_ENV_VAR = "RAYDIST_SPARE_WORKER"
 # Ray Train 2.60 sets it in its controller's runtime env (DataParallelTrainer._initialize_and_run_controller),
 # which the controller's own actors inherit; the job's other processes do not have it
 CONTROLLER_ENV_VAR = "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"
-CONTROLLER_ACTORS = 2  # SynchronizationActor and DatasetManager, started with every worker group
+CONTROLLER_ACTORS = 1  # the SynchronizationActor, started with every worker group (raydist.driver.ray_trainer)
 HOOK = "raydist.elastic.warm.preload"
 # A spare is protected from Ray's idle-worker reaper this long (after it, only idle processes beyond the
 # node's free CPUs are reaped); the job's end ends it anyway.
@@ -68,8 +69,7 @@ UNFIT_ENDS = 3
 PRELOAD = ("torch", "torch.distributed", "ray.train", "ray.train.torch", "raydist.training.ray_session",
            "raydist.training.loop", "raydist.training.trainer", "torch._dynamo")
 PRELOAD_OPTIONAL = ("ray.tune.trainable.trainable_fn_utils", "torch.profiler")
-PRELOAD_CONTROLLER = ("ray.train.v2._internal.execution.checkpoint.sync_actor",
-                      "ray.train.v2._internal.data_integration.dataset_manager")
+PRELOAD_CONTROLLER = ("ray.train.v2._internal.execution.checkpoint.sync_actor",)
 
 preloaded_at: float | None = None  # when `preload` finished in this process (None: it did not run)
 # The process title a spare takes when its preload is done. Ray titles an idle worker `ray::IDLE` from
