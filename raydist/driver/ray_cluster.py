@@ -32,6 +32,17 @@ EMBEDDED_RAY_TRAIN_ENV = {
     # lost node would still fail the group and be restarted, only without the drain grace window.
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
+# Ray settings of an embedded cluster's raylet, which reads them from the environment it inherits when the
+# driver starts it (so they mean nothing to a cluster raydist joins):
+EMBEDDED_RAY_ENV = {
+    # The raylet starts one idle worker process per CPU for a job's first driver (`--num_prestart_python_workers`
+    # = num_cpus, ray/_private/services.py; RAY_prestart_worker_first_driver, on by default), each importing
+    # Ray, for the driver's tasks. raydist's driver runs none: Ray Train's actors start in processes of their
+    # own runtime env (the controller's, the workers' marked one: raydist.elastic.warm), which these never
+    # match, so they host nothing. An embedded cluster has num_cpus >= the machine's cores: 64 such processes on
+    # a 64-core machine, each about a second of CPU at the start, beside the workers' own start.
+    "RAY_prestart_worker_first_driver": "0",
+}
 
 
 # Read by Ray Train's controller, but not among the variables Ray Train hands from the driver to it
@@ -52,9 +63,11 @@ GROUP_START_TIMEOUT = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"  # from elastic.g
 
 
 def train_env(embedded: bool, cfg: Config | None = None) -> dict[str, str]:
-    """The Ray Train environment raydist runs with: its defaults, the user's own values winning, and the
-    run's configured settings (`cfg`), which always win (an earlier run in the same driver set them too)."""
-    wanted = {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **(EMBEDDED_RAY_TRAIN_ENV if embedded else {})}
+    """The Ray Train environment raydist runs with (and an embedded cluster's raylet settings): its defaults,
+    the user's own values winning, and the run's configured settings (`cfg`), which always win (an earlier run
+    in the same driver set them too)."""
+    embedded_env = {**EMBEDDED_RAY_TRAIN_ENV, **EMBEDDED_RAY_ENV} if embedded else {}
+    wanted = {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **embedded_env}
     env = {k: os.environ.get(k, v) for k, v in wanted.items()}
     if cfg is not None:
         env[GROUP_START_TIMEOUT] = str(cfg.elastic.group_start_timeout_s)

@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(300)]  # it
 
 # A local Ray whose job runs raydist's setup hook, as raydist's embedded cluster does: one of this file's own
 # (a fixture; the tests count the job's spare processes, which other files' runs in the shared cluster's job
-# leave behind), shared by its first two tests. The first leaves no idle process with the workers' runtime env,
-# and the second counts those with the controller's.
+# leave behind), shared by its first three tests. The first sees the new cluster start no idle process, the
+# second leaves none with the workers' runtime env, and the third counts those with the controller's.
 ray_4cpu_fresh = ray_runs.ray_4cpu_fresh
 
 
@@ -50,6 +50,37 @@ def two_spares(job, raylet):
         return pids if len(pids) == 2 and warm.spare_pids(job, raylet) == pids else None
 
     return wait_for(ready_two, 120, "two idle spares")
+
+
+def idle_unmarked(raylet_pid: int) -> list[int]:
+    """The raylet's idle worker processes that are no spare (neither the workers' nor the controller's marker)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                names = {item.split(b"=", 1)[0] for item in f.read().split(b"\0")}
+        except (OSError, ValueError, IndexError):
+            continue
+        marked = {warm.SPARE_ENV_VAR.encode(), warm.CONTROLLER_ENV_VAR.encode()} & names
+        if parent == raylet_pid and title.startswith(b"ray::IDLE") and not marked:
+            found.append(int(pid))
+    return found
+
+
+def test_a_new_cluster_starts_no_idle_worker_processes_for_its_driver(ray_4cpu_fresh):
+    """An embedded cluster's raylet prestarts no worker process for the driver (raydist.driver.ray_cluster.
+    EMBEDDED_RAY_ENV): by Ray's default it starts one per CPU, four here, which raydist's runs never use. (The
+    file's first test: its cluster is new, nothing has asked it for a process yet.)"""
+    ray = ray_4cpu_fresh
+    raylet = ray._private.worker._global_node.all_processes["raylet"][0].process.pid
+    deadline = time.monotonic() + 5  # by the default the four appear within about a second
+    while time.monotonic() < deadline:
+        assert idle_unmarked(raylet) == []
+        time.sleep(0.25)
 
 
 def test_an_actor_with_the_workers_runtime_env_starts_in_a_preloaded_spare(ray_4cpu_fresh):

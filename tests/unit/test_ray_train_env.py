@@ -4,21 +4,23 @@ which started Ray itself gets them too (Ray Train hands the driver's RAY_TRAIN_*
 import pytest
 
 from raydist import strict
-from raydist.driver.ray_cluster import CONTROLLER_ENV, EMBEDDED_RAY_TRAIN_ENV, RAY_TRAIN_ENV, train_env
+from raydist.driver.ray_cluster import (CONTROLLER_ENV, EMBEDDED_RAY_ENV, EMBEDDED_RAY_TRAIN_ENV, RAY_TRAIN_ENV,
+                                        train_env)
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for key in {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **EMBEDDED_RAY_TRAIN_ENV}:
+    for key in {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **EMBEDDED_RAY_TRAIN_ENV, **EMBEDDED_RAY_ENV}:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.delenv(strict.ENV, raising=False)  # (the suite runs under it: tests/conftest.py)
     return monkeypatch
 
 
 def test_embedded_clusters_get_the_extra_settings_and_joined_ones_do_not(clean_env):
-    assert train_env(embedded=True) == {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **EMBEDDED_RAY_TRAIN_ENV}
+    assert train_env(embedded=True) == {**RAY_TRAIN_ENV, **CONTROLLER_ENV, **EMBEDDED_RAY_TRAIN_ENV, **EMBEDDED_RAY_ENV}
     assert train_env(embedded=False) == {**RAY_TRAIN_ENV, **CONTROLLER_ENV}
     assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in train_env(embedded=False)  # real clusters drain nodes
+    assert "RAY_prestart_worker_first_driver" not in train_env(embedded=False)  # (their raylets run already)
 
 
 def test_the_strict_mode_reaches_the_workers_of_any_cluster(clean_env):
