@@ -1,4 +1,4 @@
-"""Pipeline parallelism equals the single-process run (fp32, gloo, 10 AdamW steps, 1e-4 relative).
+"""Pipeline parallelism equals the single-process run (fp32, gloo, 6 AdamW steps, 1e-4 relative).
 
 Layouts: PP2 and PP4 with GPipe, 1F1B, interleaved 1F1B (V=2) and the zero-bubble ZB-H1 and ZB-V (split
 backward; ZB-V's V placement with the tied embedding on one rank); PP2 x DP2 (DDP per chunk); PP2 x
@@ -29,7 +29,9 @@ from raydist.parallel.runtime import spawn
 from raydist.schedule.registry import make_schedule, placement_of
 
 CFG = ModelConfig(num_layers=4, d_model=32, num_heads=4, num_kv_heads=2, ffn_hidden=64, vocab_size=64)
-SEQ, BATCH, STEPS, LR, CLIP = 16, 8, 10, 3e-3, 1.0
+# Six steps: the references' gradient norms stay under CLIP for three steps and go over it for three (0.85-0.95
+# then 1.04-1.44), and their losses fall by 0.18-0.29 (the check below asks 0.1); ten steps cost 7 s more of CPU.
+SEQ, BATCH, STEPS, LR, CLIP = 16, 8, 6, 3e-3, 1.0
 
 
 def model_config(num_layers: int = 4, tie: bool = True) -> ModelConfig:
