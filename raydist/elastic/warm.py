@@ -216,21 +216,16 @@ def ray_supported(version: str) -> bool:
     return SUPPORTED_RAY[0] <= (major, minor) < SUPPORTED_RAY[1]
 
 
-def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = False, ready_only: bool = False,
-               proc: str = "/proc") -> list[int]:
-    """This job's spare processes on this node that host nothing yet: processes of the raylet `raylet_pid`
-    (this process's own by default) whose environment has RAY_JOB_ID=`job_id` (the raylet sets both for the
-    job's workers; a job id alone is not unique: every cluster's first job is 01000000) and SPARE_ENV_VAR
-    (workers' spares) or, with `controller`, CONTROLLER_ENV_VAR without SPARE_ENV_VAR (the controller's),
-    named `ray::IDLE` (Ray names a process after what it hosts) or still starting (its python command line);
-    with `ready_only`, only those whose preload is done (READY_TITLE). [] where there is no /proc."""
+def idle_processes(raylet_pid: str, ready_only: bool = False, proc: str = "/proc") -> list[tuple[int, list[bytes]]]:
+    """The worker processes of the raylet `raylet_pid` (RAY_RAYLET_PID in their environment: the raylet sets it)
+    that host nothing yet, each with its environment's entries: named `ray::IDLE` (Ray names a process after
+    what it hosts) or still starting (its python command line); with `ready_only`, only those whose preload is
+    done (READY_TITLE). [] where there is no /proc."""
     found = []
     try:
         pids = [p for p in os.listdir(proc) if p.isdigit()]
     except OSError:
         return found
-    raylet_pid = raylet_pid or os.environ.get("RAY_RAYLET_PID", "")
-    job, spare = f"RAY_JOB_ID={job_id}".encode(), f"{SPARE_ENV_VAR}=".encode()
     raylet, ready = f"RAY_RAYLET_PID={raylet_pid}".encode(), READY_TITLE.encode()
     for pid in pids:
         try:
@@ -244,11 +239,26 @@ def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = Fa
                 env = f.read().split(b"\0")
         except OSError:  # gone, or not ours to read
             continue
+        if raylet in env:
+            found.append((int(pid), env))
+    return found
+
+
+def spare_pids(job_id: str, raylet_pid: str | None = None, controller: bool = False, ready_only: bool = False,
+               proc: str = "/proc") -> list[int]:
+    """This job's spare processes on this node that host nothing yet (`idle_processes` of the raylet `raylet_pid`,
+    this process's own by default) whose environment has RAY_JOB_ID=`job_id` (the raylet sets it for the job's
+    workers; a job id alone is not unique: every cluster's first job is 01000000) and SPARE_ENV_VAR (workers'
+    spares) or, with `controller`, CONTROLLER_ENV_VAR without SPARE_ENV_VAR (the controller's); with
+    `ready_only`, only those whose preload is done. [] where there is no /proc."""
+    job, spare = f"RAY_JOB_ID={job_id}".encode(), f"{SPARE_ENV_VAR}=".encode()
+    found = []
+    for pid, env in idle_processes(raylet_pid or os.environ.get("RAY_RAYLET_PID", ""), ready_only, proc):
         marked = any(v.startswith(spare) for v in env)
         if controller:
             marked = not marked and any(v.startswith(f"{CONTROLLER_ENV_VAR}=".encode()) for v in env)
-        if marked and job in env and raylet in env:
-            found.append(int(pid))
+        if marked and job in env:
+            found.append(pid)
     return sorted(found)
 
 

@@ -53,22 +53,10 @@ def two_spares(job, raylet):
 
 
 def idle_unmarked(raylet_pid: int) -> list[int]:
-    """The raylet's idle worker processes that are no spare (neither the workers' nor the controller's marker)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                title = f.read()
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                names = {item.split(b"=", 1)[0] for item in f.read().split(b"\0")}
-        except (OSError, ValueError, IndexError):
-            continue
-        marked = {warm.SPARE_ENV_VAR.encode(), warm.CONTROLLER_ENV_VAR.encode()} & names
-        if parent == raylet_pid and title.startswith(b"ray::IDLE") and not marked:
-            found.append(int(pid))
-    return found
+    """The raylet's worker processes that host nothing and are no spare (neither the workers' nor the
+    controller's marker)."""
+    markers = (f"{warm.SPARE_ENV_VAR}=".encode(), f"{warm.CONTROLLER_ENV_VAR}=".encode())
+    return [pid for pid, env in warm.idle_processes(str(raylet_pid)) if not any(v.startswith(markers) for v in env)]
 
 
 def test_a_new_cluster_starts_no_idle_worker_processes_for_its_driver(ray_4cpu_fresh):
