@@ -36,7 +36,7 @@ def tiny_config(data_path: str, seq_len: int = 32, **sections: dict[str, Any]) -
         "model": dict(TINY_MODEL),
         "data": {"path": data_path, "seq_len": seq_len, "reader": "arrow"},
         "train": {"steps": 10, "global_batch": 8, "micro_batch": 2, "lr": 3e-3, "warmup_steps": 2,
-                  "eval_every": 0, "log_every": 1, "seed": 0, "dtype": "fp32", "grad_clip": 3.0},
+                  "eval_every": 0, "log_every": 1, "seed": 0, "dtype": "fp32", "grad_clip": 2.5},
         "parallel": {"dp_replicate": 1, "dp_shard": 1},
     }
     for name, values in sections.items():
@@ -85,13 +85,13 @@ def _run(raw: dict, steps: int, record_samples: bool, capture_grads: bool) -> La
                         clipped, trainer.kernels_ran())
 
 
-# Five steps: the warmup (2) and the decay of the LR schedule, four steps under the tiny config's clipping
-# threshold and one above it (step 5: norm 3.17 against 3.0 in the single process; 2.17-2.87 before), and
-# AdamW's moments over several updates. A sixth step (1.89, under it again) or the later steps of a 10-step
-# run repeat those regimes: the sixth cost a sixth of every layout's steps, which are most of a layout's CPU
-# (a rank's build is about a fifth), and the planted bugs of tests/unit/test_harness_mutations.py are caught
-# with five as they were with six.
-DEFAULT_STEPS = 5
+# Four steps: the warmup (2) and the decay of the LR schedule, AdamW's moments over several updates, and
+# both sides of the tiny config's clipping threshold (2.5): in the single process the 4-layer model's steps
+# have norms 2.48, 2.75, 2.39 and 2.91 (steps 2 and 4 clipped), the 2-layer model's 2.32, 2.17, 2.40 and
+# 2.87 (step 4 clipped). With the threshold at 3.0 only a fifth step (3.17-3.33) was clipped; that step cost
+# a fifth of every layout's steps, which are most of a layout's CPU (a rank's build is about a fifth). The
+# planted bugs of tests/unit/test_harness_mutations.py are caught in four steps.
+DEFAULT_STEPS = 4
 
 
 def run_layout(raw: dict, world_size: int, steps: int = DEFAULT_STEPS, *, record_samples: bool = False,
