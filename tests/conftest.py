@@ -10,7 +10,7 @@ import pytest
 
 from durations import mark_slow, pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401  (hooks: seconds
 from skip_policy import pytest_make_collect_report, pytest_runtest_makereport  # noqa: F401  by file; CI's skips)
-from workers import allow_for_low_priority, check_ray_files, make_scheduler, yield_to_ray
+from workers import allow_for_low_priority, check_ray_files, make_scheduler, shared_cluster_first, yield_to_ray
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "1")
 # Every multi-process test runs under NCCL's rules (raydist.strict): the ranks raydist.parallel.runtime.spawn starts and
@@ -23,6 +23,7 @@ os.environ.setdefault("RAYDIST_STRICT_COLLECTIVES", "1")
 def pytest_collection_modifyitems(config, items) -> None:
     mark_slow(items)  # the inner loop's `slow` marks, from tests/durations.json
     check_ray_files(items)  # Ray tests are scheduled by file (tests/workers.py)
+    shared_cluster_first(items)  # the Ray files on the shared cluster one after another (tests/workers.py)
     allow_for_low_priority(config, items)  # under xdist, the niced tests' timeouts x3 (tests/workers.py)
 
 

@@ -46,6 +46,20 @@ def scope_of(nodeid: str) -> str:
     return RAY_SCOPE if is_ray_file(path) else path
 
 
+def shared_cluster_first(items: list[pytest.Item]) -> None:
+    """Orders the Ray files' tests (in place, among their own positions): the files whose tests use the shared
+    cluster (`ray_4cpu`, tests/ray_runs.py) first, then the others, each group in collection order, so that the
+    shared cluster starts once per run. A file with a cluster of its own in between (test_elastic.py's fresh
+    one, test_job_submit.py's `ray start`) shut it down, and the shared files after it (test_train_ray.py)
+    paid a second cluster, cold workers and another set of warm spares: 25-30 s of CPU."""
+    positions = [i for i, item in enumerate(items) if scope_of(item.nodeid) == RAY_SCOPE]
+    ray_items = [items[i] for i in positions]
+    shared = {item.nodeid.split("::", 1)[0] for item in ray_items if "ray_4cpu" in item.fixturenames}
+    ordered = sorted(ray_items, key=lambda item: item.nodeid.split("::", 1)[0] not in shared)  # (stable)
+    for i, item in zip(positions, ordered):
+        items[i] = item
+
+
 def check_ray_files(items: list[pytest.Item]) -> None:
     wrong = [item.nodeid for item in items
              if bool(item.get_closest_marker("ray")) != (scope_of(item.nodeid) == RAY_SCOPE)]

@@ -35,6 +35,7 @@ def test_a_qwen3_directory_trains_through_ray_train_and_generates_from_its_run(r
     save_tiny_hf(tmp_path / "qwen3", family="qwen3", tied=False, seed=3, head_dim=32)
     cfg = small(tiny_data, tmp_path, f"model.init_from=hf:{tmp_path / 'qwen3'}", "parallel.dp_replicate=1",
                 "parallel.dp_shard=2", "train.lr=1e-3", "train.steps=6", "train.eval_every=6")
+    earlier = set(ray_4cpu._private.state.actors())  # (the shared cluster's earlier runs' actors)
     summary = launch(cfg, log=lambda *_: None)
     run = tmp_path / "runs" / "r1"
     assert summary["status"] == "completed" and summary["steps"] == 6
@@ -47,8 +48,9 @@ def test_a_qwen3_directory_trains_through_ray_train_and_generates_from_its_run(r
     assert any(name.endswith("q_norm.weight") for name, _ in loaded.model.named_parameters())
     # the run's worker group started Ray Train's SynchronizationActor but no DatasetManager (raydist passes no
     # datasets), and on this cluster, started here without a dashboard, the run had no PlacementGroupCleaner
-    # (raydist.driver.ray_trainer); GCS's actor table holds ended actors too (no dashboard for the state API)
-    classes = {actor["ActorClassName"] for actor in ray_4cpu._private.state.actors().values()}
+    # (raydist.driver.ray_trainer); GCS's actor table holds ended actors too (no dashboard for the state API),
+    # the ones of earlier tests on the shared cluster as well: only this run's count
+    classes = {actor["ActorClassName"] for key, actor in ray_4cpu._private.state.actors().items() if key not in earlier}
     assert "SynchronizationActor" in classes and not {"DatasetManager", "PlacementGroupCleaner"} & classes, classes
 
     capsys.readouterr()

@@ -36,6 +36,25 @@ def test_the_ray_scope_goes_first_then_the_longest_files_by_their_recorded_secon
                                             "tests/unit/a.py"]
 
 
+def test_the_ray_files_on_the_shared_cluster_run_one_after_another():
+    """shared_cluster_first: the Ray files whose tests use `ray_4cpu` come first, so the shared cluster starts
+    once; the other Ray files after them, in the Ray tests' own places (the plain files keep theirs); each group
+    in collection order."""
+    from workers import shared_cluster_first
+
+    def item(nodeid, *fixtures):
+        fake = _Item(nodeid, ray=not nodeid.startswith("tests/unit"))
+        fake.fixturenames = list(fixtures)
+        return fake
+
+    items = [item("tests/faults/test_live_recovery.py::a", "ray_4cpu"), item("tests/unit/test_fsdp.py::p"),
+             item("tests/ray/test_elastic.py::b", "ray_4cpu_fresh"), item("tests/ray/test_job_submit.py::c"),
+             item("tests/ray/test_train_ray.py::d1", "ray_4cpu"), item("tests/unit/test_ddp.py::q"),
+             item("tests/ray/test_train_ray.py::d2", "tiny_data")]  # (a file uses it if any of its tests does)
+    shared_cluster_first(items)
+    assert [i.nodeid.split("::")[1] for i in items] == ["a", "p", "d1", "d2", "b", "q", "c"]
+
+
 @pytest.mark.parametrize("item", [_Item("tests/unit/test_fsdp.py::t", True),  # a Ray test in a plain file
                                   _Item("tests/ray/test_train_ray.py::t", False)],  # a plain test in a Ray file
                          ids=["ray-mark-elsewhere", "unmarked-in-ray-file"])
