@@ -19,13 +19,13 @@ from raydist.testing import LayoutResult, _run, assert_same_steps, tiny_config
 STEPS = 5
 GRAD_CLIP = 3.0  # (the tiny config's threshold when the tolerances below were measured; it is 2.5 now)
 
-# Measured on 4 seeds (0-3), 5 steps, clipping at GRAD_CLIP, FSDP2 dp_shard=2 bf16 against the single process under bf16 autocast:
-# losses differ by at most 4.8e-4 relative (the gap grows over the steps), the whole model's gradient norm
-# (before or after clipping) by at most 3.0e-3, each parameter's last gradient by at most 3.8e-2 (relative
-# norm of the difference). For scale, the single process in bf16 against fp32 (seed 0): 1.4e-4, 8.8e-4 and
-# 2.6e-2; FSDP2 against the single process, both fp32: 0, 7e-7. The tolerances leave about 10x (losses:
-# bf16's unit roundoff, 2^-8 = 3.9e-3, rounded up), 7x and 2.6x of room; a gradient summed instead of
-# averaged over the 2 ranks is off by 100% in the norm and the gradients.
+# Measured on 4 seeds (0-3), 5 steps, clipping at GRAD_CLIP, FSDP2 dp_shard=2 bf16 against the single process under bf16
+# autocast: losses differ by at most 4.8e-4 relative (the gap grows over the steps), the whole model's gradient norm
+# (before or after clipping) by at most 3.0e-3, each parameter's last gradient by at most 3.8e-2 (relative norm of the
+# difference). For scale, the single process in bf16 against fp32 (seed 0): 1.4e-4, 8.8e-4 and 2.6e-2; FSDP2 against the
+# single process, both fp32: 0, 7e-7. The tolerances leave about 10x (losses: bf16's unit roundoff, 2^-8 = 3.9e-3,
+# rounded up), 7x and 2.6x of room; a gradient summed instead of averaged over the 2 ranks is off by 100% in the norm
+# and the gradients.
 BF16_LOSS_RTOL = 5e-3
 BF16_GRAD_NORM_RTOL = 2e-2
 BF16_GRAD_RTOL = 1e-1
