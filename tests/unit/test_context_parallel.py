@@ -1,4 +1,4 @@
-"""Context-parallel layouts against the single-process run (gloo, fp32, 10 steps, losses within 1e-4 relative,
+"""Context-parallel layouts against the single-process run (gloo, fp32, 4 steps, losses within 1e-4 relative,
 full gradients close): ring cp 2 and 4 (causal, zig-zag), Ulysses cp 2, cp 2 x FSDP 2, cp 2 x TP 2; and the
 layout errors for sequences or heads that do not split."""
 
@@ -9,7 +9,7 @@ from raydist.kernels import runtime
 from raydist.parallel.mesh import MeshSpec
 from raydist.parallel.runtime import spawn
 from raydist.planner.policy import resolve_layout
-from raydist.testing import assert_equivalent, run_layout, tiny_config
+from raydist.testing import TWO_MICROBATCHES, assert_equivalent, run_layout, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -25,13 +25,14 @@ def single(tiny_data):
     (4, {"cp": 2, "dp_shard": 2, "cp_impl": "ring"}),
 ], ids=["ring-cp2", "ring-cp4", "ulysses-cp2", "ring-cp2-x-fsdp2"])
 def test_context_parallel_equals_single_process(tiny_data, single, world, parallel):
-    for rank in run_layout(tiny_config(tiny_data, parallel=parallel), world):
+    train = TWO_MICROBATCHES if world == parallel["cp"] else {}  # (no data parallelism: see TWO_MICROBATCHES)
+    for rank in run_layout(tiny_config(tiny_data, parallel=parallel, train=train), world):
         assert_equivalent(single, rank)
 
 
 def test_ring_with_selective_checkpointing_equals_single_process(tiny_data, single):
     # the recompute re-runs the ring (communication included) with some block outputs served from the cache
-    raw = tiny_config(tiny_data, parallel={"cp": 2}, train={"activation_checkpoint": "selective"})
+    raw = tiny_config(tiny_data, parallel={"cp": 2}, train={"activation_checkpoint": "selective", **TWO_MICROBATCHES})
     for rank in run_layout(raw, 2):
         assert_equivalent(single, rank)
 
@@ -91,7 +92,8 @@ def test_context_parallel_with_tensor_parallel_equals_single_process(tiny_data, 
     # tp=2 leaves 2 query heads and 1 kv head per rank: Ulysses splits the 2 query heads over cp=2 and repeats
     # the kv head; ring attention passes the local kv head around the ring. With SP the T/cp local tokens
     # are split once more over tp outside attention.
-    raw = tiny_config(tiny_data, parallel={"cp": 2, "tp": 2, "cp_impl": impl, "sequence_parallel": sequence_parallel})
+    raw = tiny_config(tiny_data, parallel={"cp": 2, "tp": 2, "cp_impl": impl, "sequence_parallel": sequence_parallel},
+                      train=TWO_MICROBATCHES)
     for rank in run_layout(raw, 4):
         assert_equivalent(single, rank)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from raydist.testing import assert_equivalent, run_layout, save_tiny_hf, tiny_config
+from raydist.testing import TWO_MICROBATCHES, assert_equivalent, run_layout, save_tiny_hf, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +23,10 @@ _REFERENCES: dict = {}
 
 
 def config(tiny_data, family_dirs, family: str, **parallel) -> dict:
-    # model keys come from config.json; the order-one weights of save_tiny_hf want a gentler step
-    return tiny_config(tiny_data, model={"init_from": f"hf:{family_dirs[family]}"}, train={"lr": 1e-3},
+    # model keys come from config.json; the order-one weights of save_tiny_hf want a gentler step; a layout
+    # without data parallelism runs two micro-batches a step (TWO_MICROBATCHES)
+    train = {"lr": 1e-3, **(TWO_MICROBATCHES if parallel and not parallel.get("dp_shard") else {})}
+    return tiny_config(tiny_data, model={"init_from": f"hf:{family_dirs[family]}"}, train=train,
                        parallel={"dp_replicate": 1, **parallel})
 
 

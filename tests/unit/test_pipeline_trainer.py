@@ -5,7 +5,7 @@ move between pp sizes."""
 
 import pytest
 
-from raydist.testing import assert_equivalent, run_fit, run_layout, run_layouts, tiny_config
+from raydist.testing import TWO_MICROBATCHES, assert_equivalent, run_fit, run_layout, run_layouts, tiny_config
 
 MODEL = {"num_layers": 4}
 
@@ -43,13 +43,14 @@ def _check_layout(reference, results, world: int) -> None:
     assert held == set(reference.grads)  # every parameter lives on some stage
 
 
+# (the tp and cp compositions, with no data parallelism, run two micro-batches a step: TWO_MICROBATCHES)
 LAYOUTS = [
     ({"pp": 2, "pp_schedule": "1f1b"}, 2),
     ({"pp": 2, "pp_schedule": "interleaved", "virtual_stages": 2}, 2),
     ({"pp": 2, "pp_schedule": "gpipe", "dp_replicate": 2}, 4),
     ({"pp": 2, "pp_schedule": "1f1b", "dp_replicate": 1, "dp_shard": 2}, 4),
-    ({"pp": 2, "pp_schedule": "1f1b", "tp": 2}, 4),
-    ({"pp": 2, "pp_schedule": "1f1b", "tp": 2, "sequence_parallel": True}, 4),
+    ({"pp": 2, "pp_schedule": "1f1b", "tp": 2}, 4, TWO_MICROBATCHES),
+    ({"pp": 2, "pp_schedule": "1f1b", "tp": 2, "sequence_parallel": True}, 4, TWO_MICROBATCHES),
     ({"pp": 2, "pp_schedule": "zbh1"}, 2),
     ({"pp": 2, "pp_schedule": "zbv"}, 2),
     ({"pp": 4, "pp_schedule": "zbh1"}, 4),
@@ -57,10 +58,10 @@ LAYOUTS = [
     ({"pp": 2, "pp_schedule": "zbh1", "dp_shard": 2}, 4),
     ({"pp": 2, "pp_schedule": "zbv", "dp_shard": 2}, 4),
     ({"pp": 2, "pp_schedule": "zbh1", "dp_replicate": 2}, 4),
-    ({"pp": 2, "pp_schedule": "zbv", "tp": 2, "sequence_parallel": True}, 4),
-    ({"pp": 2, "cp": 2, "cp_impl": "ring"}, 4),
-    ({"pp": 2, "cp": 2, "cp_impl": "ulysses"}, 4),
-    ({"pp": 2, "pp_schedule": "zbv", "cp": 2, "cp_impl": "ring"}, 4),
+    ({"pp": 2, "pp_schedule": "zbv", "tp": 2, "sequence_parallel": True}, 4, TWO_MICROBATCHES),
+    ({"pp": 2, "cp": 2, "cp_impl": "ring"}, 4, TWO_MICROBATCHES),
+    ({"pp": 2, "cp": 2, "cp_impl": "ulysses"}, 4, TWO_MICROBATCHES),
+    ({"pp": 2, "pp_schedule": "zbv", "cp": 2, "cp_impl": "ring"}, 4, TWO_MICROBATCHES),
 ]
 
 
@@ -100,7 +101,8 @@ def test_pipeline_checkpoint_loads_at_pp1(tiny_data, tmp_path, uninterrupted):
 
 MESHES_4D = [
     ({"pp": 2, "pp_schedule": "zbh1", "dp_shard": 2, "cp": 2, "cp_impl": "ring"}, 8),
-    ({"pp": 2, "pp_schedule": "1f1b", "tp": 2, "cp": 2, "cp_impl": "ring", "sequence_parallel": True}, 8),
+    ({"pp": 2, "pp_schedule": "1f1b", "tp": 2, "cp": 2, "cp_impl": "ring", "sequence_parallel": True}, 8,
+     TWO_MICROBATCHES),
 ]
 
 

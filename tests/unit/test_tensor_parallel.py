@@ -1,6 +1,6 @@
 """Tensor (+ sequence) parallelism against the single-process run: TP 2, TP 2 + SP, TP 2 x FSDP 2 (with SP
 and full recompute), TP 4 with fewer kv heads (2) than tp, and (marked slow) HSDP 2 x TP 2 with selective
-recompute (gloo, fp32, 10 steps, losses within 1e-4 relative, gradients close, the same global gradient
+recompute (gloo, fp32, 4 steps, losses within 1e-4 relative, gradients close, the same global gradient
 norm, which clipping uses on every step); bad layouts rejected with the value named."""
 
 import pytest
@@ -8,7 +8,7 @@ import pytest
 from raydist.config import Config, ConfigError
 from raydist.parallel.mesh import MeshSpec
 from raydist.planner.policy import plan_layout, resolve_layout
-from raydist.testing import assert_equivalent, run_layout, tiny_config
+from raydist.testing import TWO_MICROBATCHES, assert_equivalent, run_layout, tiny_config
 
 TRAIN = {"grad_clip": 1.0}  # below every step's norm: a wrong global norm changes the losses
 
@@ -34,12 +34,13 @@ def _assert_matches(single, ranks):
     {"tp": 2, "dp_replicate": 1, "sequence_parallel": True},
 ], ids=["tp2", "tp2-sp"])
 def test_tp2_equals_single_process(tiny_data, single, parallel):
-    _assert_matches(single, run_layout(tiny_config(tiny_data, train=TRAIN, parallel=parallel), 2))
+    raw = tiny_config(tiny_data, train={**TRAIN, **TWO_MICROBATCHES}, parallel=parallel)  # (no data parallelism)
+    _assert_matches(single, run_layout(raw, 2))
 
 
 @pytest.mark.parametrize("parallel, train", [
     ({"tp": 2, "dp_shard": 2, "dp_replicate": 1, "sequence_parallel": True}, {"activation_checkpoint": "full"}),
-    ({"tp": 4, "dp_replicate": 1}, {}),
+    ({"tp": 4, "dp_replicate": 1}, TWO_MICROBATCHES),
 ], ids=["tp2xfsdp2-sp-recompute", "tp4-kv2"])
 def test_four_rank_layouts_equal_single_process(tiny_data, single, parallel, train):
     """tp4-kv2: the tiny model has 2 kv heads, so each is replicated on 2 of the 4 tp ranks."""
