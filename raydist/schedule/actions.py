@@ -25,6 +25,7 @@ touches torch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from raydist.errors import ConfigError
@@ -124,21 +125,29 @@ class Schedule:
 
     def recv_of(self, action: Action) -> Transfer | None:
         """The tensor `action` must receive before it can run (None on the first/last stage, and for W)."""
-        s, m = action.stage, action.microbatch
-        if action.kind == FORWARD and s > 0:
-            return Transfer("activation", s - 1, s, m, self.rank_of(s - 1), self.rank_of(s))
-        if action.kind == BACKWARD and s < self.num_stages - 1:
-            return Transfer("gradient", s + 1, s, m, self.rank_of(s + 1), self.rank_of(s))
-        return None
+        return self._transfers_of(action)[0]
 
     def send_of(self, action: Action) -> Transfer | None:
         """The tensor `action` produces for another stage (None on the last/first stage, and for W)."""
-        s, m = action.stage, action.microbatch
-        if action.kind == FORWARD and s < self.num_stages - 1:
-            return Transfer("activation", s, s + 1, m, self.rank_of(s), self.rank_of(s + 1))
-        if action.kind == BACKWARD and s > 0:
-            return Transfer("gradient", s, s - 1, m, self.rank_of(s), self.rank_of(s - 1))
-        return None
+        return self._transfers_of(action)[1]
+
+    @functools.cached_property
+    def _transfers(self) -> dict[Action, tuple[Transfer | None, Transfer | None]]:
+        return {}  # (a memo: the transfer plans and their NCCL replay ask for each action's several times)
+
+    def _transfers_of(self, action: Action) -> tuple[Transfer | None, Transfer | None]:
+        known = self._transfers.get(action)
+        if known is None:
+            s, m, last = action.stage, action.microbatch, self.num_stages - 1
+            recv = send = None
+            if action.kind == FORWARD:
+                recv = Transfer("activation", s - 1, s, m, self.rank_of(s - 1), self.rank_of(s)) if s > 0 else None
+                send = Transfer("activation", s, s + 1, m, self.rank_of(s), self.rank_of(s + 1)) if s < last else None
+            elif action.kind == BACKWARD:
+                recv = Transfer("gradient", s + 1, s, m, self.rank_of(s + 1), self.rank_of(s)) if s < last else None
+                send = Transfer("gradient", s, s - 1, m, self.rank_of(s), self.rank_of(s - 1)) if s > 0 else None
+            known = self._transfers[action] = (recv, send)
+        return known
 
     def tag(self, transfer: Transfer) -> int:
         """A point-to-point tag unique within one step: (what, receiving stage, micro-batch) numbered densely

@@ -28,7 +28,8 @@ def _dependency(schedule: Schedule, a: Action) -> Action | None:
 def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
     """(rank, action) in an order that respects every dependency, or ScheduleError on a deadlock."""
     pointers = [0] * schedule.num_ranks
-    done: set[Action] = set()
+    done: set[tuple[str, int, int]] = set()  # (kind, stage, micro-batch) of the actions run
+    last = schedule.num_stages - 1
     order = []
     remaining = sum(len(a) for a in schedule.actions)
     while remaining:
@@ -36,10 +37,12 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
         for rank, actions in enumerate(schedule.actions):
             while pointers[rank] < len(actions):
                 a = actions[pointers[rank]]
-                dep = _dependency(schedule, a)
-                if dep is not None and dep not in done:
+                kind, stage, micro = a.kind, a.stage, a.microbatch
+                # `_dependency`, as tuples (an Action's dataclass hash costs more than the whole check)
+                if ((kind == FORWARD and stage > 0 and (FORWARD, stage - 1, micro) not in done)
+                        or (kind == BACKWARD and stage < last and (BACKWARD, stage + 1, micro) not in done)):
                     break
-                done.add(a)
+                done.add((kind, stage, micro))
                 order.append((rank, a))
                 pointers[rank] += 1
                 remaining -= 1

@@ -77,21 +77,38 @@ def simulate(schedule: Schedule, tf: Fraction | int = 1, tb: Fraction | int = 2,
     v = schedule.virtual_stages
     split = schedule.split_backward
     cost = {FORWARD: tf / v, BACKWARD: (tb - tw if split else tb) / v, WEIGHT: tw / v}
-    finish: dict[Action, Fraction] = {}
-    rank_free = [Fraction(0)] * schedule.num_ranks
-    busy = [Fraction(0)] * schedule.num_ranks
-    intervals = []
+    # In integer ticks of 1/unit, the costs' common denominator: the same exact times as Fraction arithmetic,
+    # at a fraction of its cost (validate and the transfer plans simulate every schedule they check).
+    unit = math.lcm(*(c.denominator for c in cost.values()))
+    ticks = {kind: int(c * unit) for kind, c in cost.items()}
+    last = schedule.num_stages - 1
+    finish: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro-batch) -> its finish
+    rank_free = [0] * schedule.num_ranks
+    busy = [0] * schedule.num_ranks
+    spans = []
     for rank, action in execution_order(schedule):
-        recv = schedule.recv_of(action)
-        ready = Fraction(0)
-        if recv is not None:
-            ready = finish[Action(action.kind, recv.src_stage, action.microbatch)]
+        kind, stage, micro = action.kind, action.stage, action.microbatch
+        # what it receives (`Schedule.recv_of`): the previous stage's F, the next stage's B; W nothing
+        if kind == FORWARD and stage > 0:
+            ready = finish[(FORWARD, stage - 1, micro)]
+        elif kind == BACKWARD and stage < last:
+            ready = finish[(BACKWARD, stage + 1, micro)]
+        else:
+            ready = 0
         start = max(rank_free[rank], ready)
-        duration = cost[action.kind]
-        finish[action] = rank_free[rank] = start + duration
-        busy[rank] += duration
-        intervals.append(Interval(rank, action, start, start + duration))
-    return Timeline(schedule, tuple(intervals), max(rank_free), tuple(busy), tf, tb, tw if split else Fraction(0))
+        finish[(kind, stage, micro)] = rank_free[rank] = start + ticks[kind]
+        busy[rank] += ticks[kind]
+        spans.append((rank, action, start, start + ticks[kind]))
+    times: dict[int, Fraction] = {}
+
+    def exact(t: int) -> Fraction:
+        if t not in times:
+            times[t] = Fraction(t, unit)
+        return times[t]
+
+    intervals = tuple(Interval(rank, action, exact(start), exact(end)) for rank, action, start, end in spans)
+    return Timeline(schedule, intervals, exact(max(rank_free)), tuple(map(exact, busy)), tf, tb,
+                    tw if split else Fraction(0))
 
 
 def theoretical_bubble(kind: str, num_ranks: int, num_microbatches: int, virtual_stages: int = 1) -> Fraction:

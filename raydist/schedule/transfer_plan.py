@@ -32,6 +32,7 @@ accepts.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 from raydist.schedule.actions import Action, Schedule, Transfer
@@ -76,10 +77,18 @@ class TransferPlan:
 
 
 def global_clock(schedule: Schedule) -> dict[tuple[int, Action], tuple]:
-    """(rank, action) -> a sortable time: its finish in the simulated timeline, then start, then rank."""
+    """(rank, action) -> a sortable time: its finish in the simulated timeline, then start, then rank. The
+    times are exact integers (in units of the timeline's finest step: every time is a multiple of it), which
+    the plans sort and bisect several times faster than Fractions."""
     from raydist.schedule.timeline import simulate
 
-    return {(iv.rank, iv.action): (iv.finish, iv.start, iv.rank) for iv in simulate(schedule).intervals}
+    intervals = simulate(schedule).intervals
+    unit = math.lcm(*{t.denominator for iv in intervals for t in (iv.start, iv.finish)})
+
+    def ticks(t) -> int:
+        return t.numerator * (unit // t.denominator)
+
+    return {(iv.rank, iv.action): (ticks(iv.finish), ticks(iv.start), iv.rank) for iv in intervals}
 
 
 def postings(schedule: Schedule, rank: int, clock: dict[tuple[int, Action], tuple]) -> tuple[Posting, ...]:
@@ -122,6 +131,12 @@ def send_release_points(schedule: Schedule, rank: int) -> dict[int, list[int]]:
     """
     position = [{a: i for i, a in enumerate(acts)} for acts in schedule.actions]
     mine = schedule.actions[rank]
+    # each of this rank's remote receives once: (its sender, the sender's position of the producing action)
+    received: list[tuple[int, int] | None] = []
+    for action in mine:
+        recv = schedule.recv_of(action)
+        received.append(None if recv is None or recv.local else (
+            recv.src_rank, position[recv.src_rank][Action(action.kind, recv.src_stage, recv.microbatch)]))
     release: dict[int, list[int]] = {}
     for i, action in enumerate(mine):
         send = schedule.send_of(action)
@@ -129,11 +144,8 @@ def send_release_points(schedule: Schedule, rank: int) -> dict[int, list[int]]:
             continue
         consumed_at = position[send.dst_rank][Action(action.kind, send.dst_stage, send.microbatch)]
         for k in range(i + 1, len(mine)):
-            recv = schedule.recv_of(mine[k])
-            if recv is None or recv.local or recv.src_rank != send.dst_rank:
-                continue
-            produced_at = position[recv.src_rank][Action(mine[k].kind, recv.src_stage, recv.microbatch)]
-            if produced_at > consumed_at:
+            got = received[k]
+            if got is not None and got[0] == send.dst_rank and got[1] > consumed_at:
                 release.setdefault(k, []).append(i)
                 break
     return release
