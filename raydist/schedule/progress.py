@@ -15,14 +15,22 @@ class ScheduleError(ConfigError):
     """A schedule that cannot run correctly; the message names the rank and action."""
 
 
-def _dependency(schedule: Schedule, a: Action) -> Action | None:
-    """The action (on another stage) whose output `a` receives (None for W: it needs only its own B,
-    earlier on the same rank, which the order check guarantees)."""
-    if a.kind == FORWARD and a.stage > 0:
-        return Action(FORWARD, a.stage - 1, a.microbatch)
-    if a.kind == BACKWARD and a.stage < schedule.num_stages - 1:
-        return Action(BACKWARD, a.stage + 1, a.microbatch)
+def dependency_key(kind: str, stage: int, microbatch: int, last_stage: int) -> tuple[str, int, int] | None:
+    """(kind, stage, micro-batch) of the action on another stage whose output the action (kind, stage,
+    microbatch) receives: the previous stage's F for an F, the next stage's B for a B; None at the pipeline's
+    ends and for W (it needs only its own B, earlier on the same rank, which the order check guarantees).
+    Tuples, not Actions: the order and the timeline ask this of every action, and an Action's dataclass hash
+    costs more than the whole check."""
+    if kind == FORWARD and stage > 0:
+        return FORWARD, stage - 1, microbatch
+    if kind == BACKWARD and stage < last_stage:
+        return BACKWARD, stage + 1, microbatch
     return None
+
+
+def _dependency(schedule: Schedule, a: Action) -> Action | None:
+    key = dependency_key(a.kind, a.stage, a.microbatch, schedule.num_stages - 1)
+    return None if key is None else Action(*key)
 
 
 def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
@@ -37,12 +45,10 @@ def execution_order(schedule: Schedule) -> list[tuple[int, Action]]:
         for rank, actions in enumerate(schedule.actions):
             while pointers[rank] < len(actions):
                 a = actions[pointers[rank]]
-                kind, stage, micro = a.kind, a.stage, a.microbatch
-                # `_dependency`, as tuples (an Action's dataclass hash costs more than the whole check)
-                if ((kind == FORWARD and stage > 0 and (FORWARD, stage - 1, micro) not in done)
-                        or (kind == BACKWARD and stage < last and (BACKWARD, stage + 1, micro) not in done)):
+                dep = dependency_key(a.kind, a.stage, a.microbatch, last)
+                if dep is not None and dep not in done:
                     break
-                done.add((kind, stage, micro))
+                done.add((a.kind, a.stage, a.microbatch))
                 order.append((rank, a))
                 pointers[rank] += 1
                 remaining -= 1

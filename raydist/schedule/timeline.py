@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from raydist.schedule.progress import execution_order
+from raydist.schedule.progress import dependency_key, execution_order
 from raydist.schedule.registry import schedule_kind
 
 
@@ -87,16 +87,10 @@ def simulate(schedule: Schedule, tf: Fraction | int = 1, tb: Fraction | int = 2,
     busy = [0] * schedule.num_ranks
     spans = []
     for rank, action in execution_order(schedule):
-        kind, stage, micro = action.kind, action.stage, action.microbatch
-        # what it receives (`Schedule.recv_of`): the previous stage's F, the next stage's B; W nothing
-        if kind == FORWARD and stage > 0:
-            ready = finish[(FORWARD, stage - 1, micro)]
-        elif kind == BACKWARD and stage < last:
-            ready = finish[(BACKWARD, stage + 1, micro)]
-        else:
-            ready = 0
-        start = max(rank_free[rank], ready)
-        finish[(kind, stage, micro)] = rank_free[rank] = start + ticks[kind]
+        kind = action.kind
+        dep = dependency_key(kind, action.stage, action.microbatch, last)  # what it receives
+        start = max(rank_free[rank], 0 if dep is None else finish[dep])
+        finish[(kind, action.stage, action.microbatch)] = rank_free[rank] = start + ticks[kind]
         busy[rank] += ticks[kind]
         spans.append((rank, action, start, start + ticks[kind]))
     times: dict[int, Fraction] = {}
