@@ -55,6 +55,20 @@ def stages_of_rank(placement: str, num_ranks: int, virtual_stages: int, rank: in
     return [c * num_ranks + rank for c in range(virtual_stages)]
 
 
+def dependency_key(kind: str, stage: int, microbatch: int, last_stage: int) -> tuple[str, int, int] | None:
+    """(kind, stage, micro-batch) of the action on another stage whose output the action (kind, stage,
+    microbatch) receives: the previous stage's F for an F, the next stage's B for a B; None at the pipeline's
+    ends and for W (it needs only its own B, earlier on the same rank, which the order check guarantees).
+    The one place this rule lives: `Schedule.recv_of` builds its transfer from it, and the dependency order
+    (raydist.schedule.progress) and the timeline ask it of every action, as tuples: an Action's dataclass hash
+    costs more than the whole check."""
+    if kind == FORWARD and stage > 0:
+        return FORWARD, stage - 1, microbatch
+    if kind == BACKWARD and stage < last_stage:
+        return BACKWARD, stage + 1, microbatch
+    return None
+
+
 @dataclass(frozen=True)
 class Action:
     kind: str  # FORWARD, BACKWARD or WEIGHT
@@ -139,13 +153,14 @@ class Schedule:
         known = self._transfers.get(action)
         if known is None:
             s, m, last = action.stage, action.microbatch, self.num_stages - 1
-            recv = send = None
-            if action.kind == FORWARD:
-                recv = Transfer("activation", s - 1, s, m, self.rank_of(s - 1), self.rank_of(s)) if s > 0 else None
-                send = Transfer("activation", s, s + 1, m, self.rank_of(s), self.rank_of(s + 1)) if s < last else None
-            elif action.kind == BACKWARD:
-                recv = Transfer("gradient", s + 1, s, m, self.rank_of(s + 1), self.rank_of(s)) if s < last else None
-                send = Transfer("gradient", s, s - 1, m, self.rank_of(s), self.rank_of(s - 1)) if s > 0 else None
+            what = "activation" if action.kind == FORWARD else "gradient"
+            source = dependency_key(action.kind, s, m, last)
+            recv = None if source is None else Transfer(what, source[1], s, m, self.rank_of(source[1]), self.rank_of(s))
+            send = None
+            if action.kind == FORWARD and s < last:
+                send = Transfer(what, s, s + 1, m, self.rank_of(s), self.rank_of(s + 1))
+            elif action.kind == BACKWARD and s > 0:
+                send = Transfer(what, s, s - 1, m, self.rank_of(s), self.rank_of(s - 1))
             known = self._transfers[action] = (recv, send)
         return known
 

@@ -8,24 +8,11 @@ dependency, the global clock the pipeline's transfers are planned against
 from __future__ import annotations
 
 from raydist.errors import ConfigError
-from raydist.schedule.actions import BACKWARD, FORWARD, Action, Schedule
+from raydist.schedule.actions import Action, Schedule, dependency_key
 
 
 class ScheduleError(ConfigError):
     """A schedule that cannot run correctly; the message names the rank and action."""
-
-
-def dependency_key(kind: str, stage: int, microbatch: int, last_stage: int) -> tuple[str, int, int] | None:
-    """(kind, stage, micro-batch) of the action on another stage whose output the action (kind, stage,
-    microbatch) receives: the previous stage's F for an F, the next stage's B for a B; None at the pipeline's
-    ends and for W (it needs only its own B, earlier on the same rank, which the order check guarantees).
-    Tuples, not Actions: the order and the timeline ask this of every action, and an Action's dataclass hash
-    costs more than the whole check."""
-    if kind == FORWARD and stage > 0:
-        return FORWARD, stage - 1, microbatch
-    if kind == BACKWARD and stage < last_stage:
-        return BACKWARD, stage + 1, microbatch
-    return None
 
 
 def _dependency(schedule: Schedule, a: Action) -> Action | None:

@@ -31,8 +31,8 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from raydist.schedule.progress import dependency_key, execution_order
+from raydist.schedule.actions import BACKWARD, FORWARD, WEIGHT, Action, Schedule, dependency_key
+from raydist.schedule.progress import execution_order
 from raydist.schedule.registry import schedule_kind
 
 
